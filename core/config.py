@@ -1,0 +1,131 @@
+"""Profiles: the EM-LLM parameters of one model family, loaded from `profiles/*.yaml` and validated.
+
+A profile is data, not code: every key is a field of `Profile`, unknown keys and bad values are
+errors (`ProfileError`) with a message that names the file, the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SEGMENTATIONS = ("F", "S", "SM", "SC", "FM", "FC")
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message is meant for the user."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    model: str = ""  # what `--model <alias>` loads: "embedded:smollm2" or a hub id
+    description: str = ""
+    chunk_size: int = 512
+    n_init: int = 128
+    n_local: int = 4096
+    n_mem: int = 2048  # retrieved tokens per layer (the budget is counted in tokens)
+    repr_topk: int = 4
+    min_block: int = 8
+    max_block: int = 128
+    gamma: float = 1.0
+    tau: int | None = None  # None: n_local - chunk_size (spec §2)
+    segmentation: str = "S"
+    contiguity: bool = False
+    contiguity_ratio: float = 0.3
+    neighbours: int = 1
+    refine_from_layer: int | None = None  # None: the last third of the layers
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def surprise_window(self) -> int:
+        return self.tau if self.tau is not None else self.n_local - self.chunk_size
+
+    def replace(self, **changes: Any) -> "Profile":
+        return validate(dataclasses.replace(self, **changes))
+
+
+_INT_MIN = {
+    "chunk_size": 1, "n_init": 0, "n_local": 1, "n_mem": 0, "repr_topk": 1,
+    "min_block": 1, "max_block": 1, "neighbours": 0,
+}
+
+
+def validate(p: Profile, where: str = "") -> Profile:
+    def bad(key: str, why: str) -> ProfileError:
+        return ProfileError(f"profile {p.name!r}{where}: {key}: {why}")
+
+    for key, lo in _INT_MIN.items():
+        v = getattr(p, key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise bad(key, f"must be an integer >= {lo}, got {v!r}")
+    if p.tau is not None and (not isinstance(p.tau, int) or isinstance(p.tau, bool) or p.tau < 2):
+        raise bad("tau", f"must be an integer >= 2 or null, got {p.tau!r}")
+    if p.tau is None and p.n_local - p.chunk_size < 2:
+        raise bad("n_local", "must exceed chunk_size by at least 2 when tau is not set")
+    if p.refine_from_layer is not None and (not isinstance(p.refine_from_layer, int) or p.refine_from_layer < 0):
+        raise bad("refine_from_layer", f"must be an integer >= 0 or null, got {p.refine_from_layer!r}")
+    if not isinstance(p.gamma, (int, float)) or isinstance(p.gamma, bool) or p.gamma != p.gamma:
+        raise bad("gamma", f"must be a number, got {p.gamma!r}")
+    if not isinstance(p.contiguity_ratio, (int, float)) or not 0.0 <= p.contiguity_ratio < 1.0:
+        raise bad("contiguity_ratio", f"must be a number in [0, 1), got {p.contiguity_ratio!r}")
+    if not isinstance(p.contiguity, bool):
+        raise bad("contiguity", f"must be true or false, got {p.contiguity!r}")
+    if p.segmentation not in SEGMENTATIONS:
+        raise bad("segmentation", f"must be one of {', '.join(SEGMENTATIONS)}, got {p.segmentation!r}")
+    if p.min_block > p.max_block:
+        raise bad("min_block", f"({p.min_block}) must not exceed max_block ({p.max_block})")
+    if p.chunk_size > p.n_local:
+        raise bad("chunk_size", f"({p.chunk_size}) must not exceed n_local ({p.n_local})")
+    return p
+
+
+_FIELDS = {f.name for f in dataclasses.fields(Profile)}
+
+
+def profile_from_dict(data: Any, name: str, where: str = "") -> Profile:
+    if not isinstance(data, dict):
+        raise ProfileError(f"profile {name!r}{where}: expected a mapping of keys to values")
+    unknown = sorted(set(data) - _FIELDS)
+    if unknown:
+        raise ProfileError(
+            f"profile {name!r}{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(_FIELDS - {'name'}))})"
+        )
+    data = dict(data)
+    data.setdefault("name", name)
+    if "aliases" in data:
+        data["aliases"] = tuple(data["aliases"] or ())
+    return validate(Profile(**data), where)
+
+
+def load_profile_file(path: str | Path) -> Profile:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ProfileError(f"cannot read profile {str(path)!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ProfileError(f"profile {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    return profile_from_dict(data, path.stem, f" ({path})")
+
+
+def builtin_profile_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("profiles").iterdir() if p.name.endswith(".yaml"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A built-in profile by name (`smollm2`, `llama3.1`, ...) or a YAML file by path."""
+    if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
+        return load_profile_file(name_or_path)
+    f = resources.files("profiles") / f"{name_or_path}.yaml"
+    if not f.is_file():
+        raise ProfileError(
+            f"unknown profile {name_or_path!r} (built-in: {', '.join(builtin_profile_names())}; or give a .yaml path)"
+        )
+    with resources.as_file(f) as path:
+        return load_profile_file(path)

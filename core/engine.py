@@ -1,0 +1,186 @@
+"""The streaming engine: feeds a token stream of any length through the patched model chunk by
+chunk, forms events from surprise, and generates with retrieval at every token.
+
+    engine = Engine(model, profile)
+    engine.feed(ids)                    # prefill, chunk by chunk; memory grows
+    answer = engine.generate(64)        # greedy, one token at a time, each token retrieving
+
+The model itself is untouched apart from its attention implementation, which is set to the
+registered "emllm" function; the per-layer windows reach it through a forward keyword argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from . import attention
+from .config import Profile
+from .memory import GrowBuffer, Selection
+from .rope import Rotary
+from .segment import surprise_starts
+from .surprise import boundary_flags, token_surprise
+from .window import LayerWindow, StepInfo
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+
+class UnsupportedModelError(ValueError):
+    """The architecture cannot run under emllm (yet); the message says why."""
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    cfg = model.config
+    mt = getattr(cfg, "model_type", "?")
+    if mt not in SUPPORTED:
+        raise UnsupportedModelError(
+            f"model type {mt!r} is not supported by emllm (supported: {', '.join(SUPPORTED)}); "
+            "its attention would run wrong rather than fail"
+        )
+    if getattr(getattr(model, "model", None), "rotary_emb", None) is None:
+        raise UnsupportedModelError(f"model type {mt!r}: no shared rotary embedding found at model.model.rotary_emb")
+
+
+@dataclass
+class ChunkReport:
+    """Passed to the progress callback after each chunk."""
+
+    tokens_done: int
+    tokens_total: int
+    events: int
+
+
+class Engine:
+    def __init__(self, model: PreTrainedModel, profile: Profile) -> None:
+        check_supported(model)
+        cfg = model.config
+        sw = getattr(cfg, "sliding_window", None)
+        if sw and getattr(cfg, "use_sliding_window", True) and profile.n_local + profile.chunk_size > sw:
+            raise UnsupportedModelError(
+                f"the model attends within a sliding window of {sw} tokens; the profile's local window "
+                f"n_local + chunk_size = {profile.n_local + profile.chunk_size} exceeds it: lower n_local"
+            )
+        if profile.segmentation not in ("F", "S"):
+            raise NotImplementedError(f"segmentation {profile.segmentation!r} is not available yet (F and S are)")
+        self.model = model
+        self.profile = profile
+        attention.register()
+        model.set_attn_implementation(attention.NAME)
+        self.rotary = Rotary(model.model.rotary_emb)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.windows = [
+            LayerWindow(i, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, self.dtype, self.device)
+            for i in range(cfg.num_hidden_layers)
+        ]
+        self.ids = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
+        self.surprise = GrowBuffer((0,), 0, torch.float32, torch.device("cpu"))  # NaN: none
+        self.flags = GrowBuffer((0,), 0, torch.bool, torch.device("cpu"))
+        self.rem_start = profile.n_init  # stream position of the first token not yet in an event
+        self.last_logits: Tensor | None = None  # [V] predicts the next token
+        self.on_retrieval: Callable[[int, Selection], None] | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return self.ids.n
+
+    @property
+    def n_events(self) -> int:
+        return len(self.windows[0].events)
+
+    # -- prefill -------------------------------------------------------------------------------
+    def feed(
+        self,
+        ids: Tensor | list[int],
+        progress: Callable[[ChunkReport], None] | None = None,
+        surprise: bool = True,
+    ) -> Tensor:
+        """Stream `ids` [n] through the model in chunks. Returns the logits of the last token [V].
+
+        surprise=False marks the tokens as having none (generated text): they are cut into
+        max_block events instead of at surprise boundaries.
+        """
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise ValueError("nothing to feed: the token sequence is empty")
+        cs = self.profile.chunk_size
+        for off in range(0, ids.numel(), cs):
+            self._step(ids[off : off + cs], surprise)
+            if progress is not None:
+                progress(ChunkReport(min(off + cs, ids.numel()), ids.numel(), self.n_events))
+        return self.last_logits
+
+    @torch.no_grad()
+    def _step(self, chunk: Tensor, with_surprise: bool) -> Tensor:
+        """One forward over `chunk` [c]; returns its logits [c, V]."""
+        pr = self.profile
+        c = chunk.numel()
+        window = min(self.n_tokens, pr.n_local) + c
+        cos, sin = self.rotary.table(max(window, pr.n_local), self.device, self.dtype)
+        budget = pr.n_mem if not pr.contiguity else int(pr.n_mem * (1 - pr.contiguity_ratio))
+        step = StepInfo(cos, sin, pr.n_local, pr.n_init, budget, self.on_retrieval)
+        for w in self.windows:
+            w.step = step
+        x = chunk.to(self.device)[None]
+        out = self.model(
+            input_ids=x,
+            position_ids=torch.zeros_like(x),  # identity rotation: the attention gets keys before RoPE
+            use_cache=False,
+            emllm=self.windows,
+        )
+        logits = out.logits[0]  # [c, V]
+        if with_surprise:
+            s = token_surprise(logits, x[0], self.last_logits).cpu()
+            if self.n_tokens == 0:
+                s[0] = float("nan")
+        else:
+            s = torch.full((c,), float("nan"))
+        self.last_logits = logits[-1].float()
+        start = self.n_tokens
+        self.ids.append(chunk.cpu())
+        self.surprise.append(s)
+        if pr.segmentation == "F":
+            f = torch.zeros(c, dtype=torch.bool)
+        else:
+            f = boundary_flags(self.surprise.view(), start, pr.surprise_window, pr.gamma)
+        self.flags.append(f)
+        self._close_events()
+        return logits
+
+    def _close_events(self) -> None:
+        """Close every event that lies wholly in the evicted part of the stream (shared by all layers)."""
+        pr = self.profile
+        evicted = self.n_tokens - pr.n_local  # tokens [0, evicted) have left the local window
+        if evicted - self.rem_start < 1:
+            return
+        # Flags up to and including `evicted`: a boundary there closes the event before it.
+        # (evicted < n_tokens always, since n_local >= 1.) Every start but the last closes an event.
+        f = self.flags.view()[self.rem_start : evicted + 1]
+        lengths = torch.diff(surprise_starts(f, pr.min_block, pr.max_block))
+        if lengths.numel() == 0:
+            return
+        lengths = lengths.to(self.device)
+        for w in self.windows:
+            w.close_events(lengths, pr.repr_topk)
+        self.rem_start += int(lengths.sum())
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate_iter(self, max_new_tokens: int, stop_ids: set[int] | None = None) -> Iterator[int]:
+        """Greedy decoding, one token per forward; yields token ids as they are chosen."""
+        if self.last_logits is None:
+            raise ValueError("feed a prompt before generating")
+        stop_ids = stop_ids or set()
+        for _ in range(max_new_tokens):
+            tok = int(self.last_logits.argmax())
+            if tok in stop_ids:
+                return
+            yield tok
+            self._step(torch.tensor([tok]), with_surprise=False)
+
+    def generate(self, max_new_tokens: int, stop_ids: set[int] | None = None) -> list[int]:
+        return list(self.generate_iter(max_new_tokens, stop_ids))

@@ -1,0 +1,143 @@
+"""One layer's episodic memory: events (blocks of past tokens) with their representative keys.
+
+`EventMemory` is the storage seam: an append-only set of events, each a run of tokens with pre-RoPE
+keys and values, plus one representative key per query head. This module keeps it in RAM; the
+on-disk store implements the same methods. `select_events` is the retrieval policy, pure math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+class GrowBuffer:
+    """An append-only tensor along dim `dim`, capacity doubled as needed (amortised O(1) append)."""
+
+    def __init__(self, shape: tuple[int, ...], dim: int, dtype: torch.dtype, device: torch.device, cap: int = 256):
+        self.dim = dim
+        cap_shape = list(shape)
+        cap_shape[dim] = cap
+        self.buf = torch.empty(cap_shape, dtype=dtype, device=device)
+        self.n = 0
+
+    def append(self, x: Tensor) -> None:
+        m = x.shape[self.dim]
+        cap = self.buf.shape[self.dim]
+        if self.n + m > cap:
+            new_cap = max(2 * cap, self.n + m)
+            shape = list(self.buf.shape)
+            shape[self.dim] = new_cap
+            grown = torch.empty(shape, dtype=self.buf.dtype, device=self.buf.device)
+            grown.narrow(self.dim, 0, self.n).copy_(self.view())
+            self.buf = grown
+        self.buf.narrow(self.dim, self.n, m).copy_(x)
+        self.n += m
+
+    def view(self) -> Tensor:
+        return self.buf.narrow(self.dim, 0, self.n)
+
+
+class EventMemory:
+    """Events of one layer, in RAM.
+
+    keys/values: [H_kv, T, D] for the T tokens of all events, in stream order.
+    starts/lengths: [E] each event's offset into that token axis and its size.
+    reprs: [E, H_q, D] representative keys.
+    """
+
+    def __init__(self, n_kv_heads: int, n_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.keys = GrowBuffer((n_kv_heads, 0, head_dim), 1, dtype, device)
+        self.values = GrowBuffer((n_kv_heads, 0, head_dim), 1, dtype, device)
+        self.reprs = GrowBuffer((0, n_q_heads, head_dim), 0, dtype, device)
+        self.starts = GrowBuffer((0,), 0, torch.long, device)
+        self.lengths = GrowBuffer((0,), 0, torch.long, device)
+
+    def __len__(self) -> int:
+        return self.lengths.n
+
+    @property
+    def n_tokens(self) -> int:
+        return self.keys.n
+
+    def append(self, keys: Tensor, values: Tensor, lengths: Tensor, reprs: Tensor) -> None:
+        """Add events: keys/values [H_kv, sum(lengths), D], lengths [e], reprs [e, H_q, D]."""
+        offsets = torch.cumsum(lengths, 0) - lengths + self.keys.n
+        self.keys.append(keys)
+        self.values.append(values)
+        self.starts.append(offsets)
+        self.lengths.append(lengths)
+        self.reprs.append(reprs)
+
+    def repr_keys(self) -> Tensor:
+        return self.reprs.view()
+
+    def event_lengths(self) -> Tensor:
+        return self.lengths.view()
+
+    def gather(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of events `ids` (in that order), concatenated: [H_kv, n, D] each."""
+        idx = token_index(self.starts.view()[ids], self.lengths.view()[ids])
+        return self.keys.view()[:, idx], self.values.view()[:, idx]
+
+
+def token_index(starts: Tensor, lengths: Tensor) -> Tensor:
+    """Concatenation of arange(s, s + l) for each (s, l), without a Python loop."""
+    total = lengths.sum()
+    base = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=int(total))
+    return base + torch.arange(int(total), device=starts.device)
+
+
+def event_scores(reprs: Tensor, query: Tensor) -> Tensor:
+    """Score of each event: sum over query heads of dot(query_h, repr_h). reprs [E, H, D], query [H, D] -> [E]."""
+    return reprs.reshape(reprs.shape[0], -1).float() @ query.reshape(-1).float()
+
+
+@dataclass(frozen=True)
+class Selection:
+    ids: Tensor  # [k] event ids, in stream order
+    scores: Tensor  # [k] their scores
+
+
+def select_events(scores: Tensor, lengths: Tensor, budget: int) -> Selection:
+    """Similarity buffer: the best-scoring events, best first, while their tokens fit in `budget`.
+
+    Filling stops at the first event that does not fit (a prefix of the ranking), so the result
+    is the top of one sort, the same whichever search produced the ranking. Ties break by event
+    id (earlier first): the sort is stable.
+    """
+    if scores.numel() == 0 or budget <= 0:
+        empty = torch.empty(0, dtype=torch.long, device=scores.device)
+        return Selection(empty, scores[:0])
+    order = torch.sort(scores, descending=True, stable=True).indices
+    fits = torch.cumsum(lengths[order], 0) <= budget
+    k = int(fits.sum())  # fits is a prefix: cumsum of positive lengths is increasing
+    ids = torch.sort(order[:k]).values
+    return Selection(ids, scores[ids])
+
+
+def representative_keys(keys: Tensor, mass: Tensor, lengths: Tensor, topk: int) -> Tensor:
+    """Per event and query head, the mean pre-RoPE key of the `topk` tokens that drew most attention.
+
+    keys: [H_kv, n, D] tokens of consecutive events; mass: [H_q, n] accumulated attention;
+    lengths: [e] with sum == n. Returns [e, H_q, D]. GQA keys are expanded to query heads.
+    """
+    h_kv, n, d = keys.shape
+    h_q = mass.shape[0]
+    e = lengths.numel()
+    width = int(lengths.max())
+    starts = torch.cumsum(lengths, 0) - lengths
+    col = torch.arange(width, device=keys.device)
+    valid = col[None, :] < lengths[:, None]  # [e, width]
+    idx = (starts[:, None] + col[None, :]).clamp_max(n - 1)  # [e, width]
+    m = mass[:, idx].masked_fill(~valid, float("-inf"))  # [H_q, e, width]
+    k = min(topk, width)
+    top = m.topk(k, dim=-1)  # [H_q, e, k]
+    picked = torch.gather(idx.expand(h_q, e, width), 2, top.indices)  # [H_q, e, k] token index
+    ok = torch.isfinite(top.values).to(keys.dtype)  # events shorter than k: fewer picks
+    kv_head = torch.arange(h_q, device=keys.device) // (h_q // h_kv)
+    gathered = keys[kv_head[:, None, None], picked]  # [H_q, e, k, D]
+    summed = (gathered * ok[..., None]).sum(2)  # [H_q, e, D]
+    return (summed / ok.sum(2, keepdim=True)).transpose(0, 1).contiguous()

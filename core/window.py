@@ -1,0 +1,130 @@
+"""The context window of one attention layer (spec §1) and its bookkeeping.
+
+A `LayerWindow` holds, for one layer, the parts that are not events yet: the initial tokens
+(once evicted from the local window), the remainder (evicted, not yet closed into an event) and
+the local window with the attention mass each of its tokens has drawn. Its `forward` is what the
+registered attention function calls: retrieve, attend once over all parts, then slide the window.
+Events themselves live in an `EventMemory` (RAM or the on-disk store).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .attention import attend
+from .memory import EventMemory, Selection, event_scores, representative_keys, select_events
+from .rope import apply_rotary
+
+
+@dataclass
+class StepInfo:
+    """What all layers share during one forward: the rotary table and the window geometry."""
+
+    cos: Tensor  # [>= window length, rotary_dim]
+    sin: Tensor
+    n_local: int
+    n_init: int
+    budget: int  # similarity-buffer budget in tokens
+    on_retrieval: Callable[[int, Selection], None] | None = None
+
+
+@dataclass
+class LayerWindow:
+    layer_idx: int
+    n_kv_heads: int
+    n_q_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    events: EventMemory = field(init=False)
+    step: StepInfo | None = None
+    n_seen: int = 0  # tokens of the stream this layer has processed
+
+    def __post_init__(self) -> None:
+        z = lambda *s, dt=self.dtype: torch.zeros(*s, dtype=dt, device=self.device)  # noqa: E731
+        h, d = self.n_kv_heads, self.head_dim
+        self.init_k, self.init_v = z(h, 0, d), z(h, 0, d)
+        self.local_k, self.local_v = z(h, 0, d), z(h, 0, d)
+        self.local_mass = z(self.n_q_heads, 0, dt=torch.float32)
+        self.rem_k, self.rem_v = z(h, 0, d), z(h, 0, d)
+        self.rem_mass = z(self.n_q_heads, 0, dt=torch.float32)
+        self.events = EventMemory(h, self.n_q_heads, d, self.dtype, self.device)
+
+    # -- the attention call ------------------------------------------------------------------
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float) -> Tensor:
+        """q [H_q, c, D], k/v [H_kv, c, D], all pre-RoPE. Returns [H_q, c, D]."""
+        st = self.step
+        c = q.shape[1]
+        k_loc = torch.cat((self.local_k, k), dim=1)  # [H_kv, L, D]
+        v_loc = torch.cat((self.local_v, v), dim=1)
+        length = k_loc.shape[1]
+        cos, sin = st.cos[:length], st.sin[:length]
+        q_loc = apply_rotary(q, cos[length - c :], sin[length - c :])
+        k_rot = apply_rotary(k_loc, cos, sin)
+
+        q_mem = k_mem = v_mem = None
+        has_memory = self.init_k.shape[1] or self.rem_k.shape[1] or len(self.events)
+        if has_memory:
+            p = st.n_local - 1  # memory sits at one fixed distance from every query
+            q_mem = apply_rotary(q, st.cos[p : p + 1], st.sin[p : p + 1])
+            parts_k, parts_v = [self.init_k], [self.init_v]
+            if len(self.events):
+                sel = self.retrieve(q_mem.mean(1), st.budget)
+                mk, mv = self.events.gather(sel.ids)
+                parts_k.append(mk)
+                parts_v.append(mv)
+            parts_k.append(self.rem_k)
+            parts_v.append(self.rem_v)
+            k_mem, v_mem = torch.cat(parts_k, 1), torch.cat(parts_v, 1)
+
+        out, mass = attend(q_loc, k_rot, v_loc, q_mem, k_mem, v_mem, scaling)
+        self._slide(k_loc, v_loc, mass)
+        return out
+
+    def retrieve(self, query: Tensor, budget: int) -> Selection:
+        """query [H_q, D] (rotated at the memory position) -> the events to attend to."""
+        sel = select_events(event_scores(self.events.repr_keys(), query), self.events.event_lengths(), budget)
+        if self.step is not None and self.step.on_retrieval is not None:
+            self.step.on_retrieval(self.layer_idx, sel)
+        return sel
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _slide(self, k_loc: Tensor, v_loc: Tensor, mass: Tensor) -> None:
+        """Keep the last n_local tokens; evicted ones go to the initial tokens or the remainder.
+
+        mass [H_q, L]: attention drawn by each window token in this step, added to what it had."""
+        st = self.step
+        n_old = self.local_mass.shape[1]
+        total_mass = mass.clone()
+        total_mass[:, :n_old] += self.local_mass
+        c = k_loc.shape[1] - n_old
+        self.n_seen += c
+        n_out = max(0, k_loc.shape[1] - st.n_local)
+        if n_out:
+            first = self.n_seen - k_loc.shape[1]  # stream position of the window's first token
+            to_init = max(0, min(n_out, st.n_init - first))
+            if to_init:
+                self.init_k = torch.cat((self.init_k, k_loc[:, :to_init]), 1)
+                self.init_v = torch.cat((self.init_v, v_loc[:, :to_init]), 1)
+            if n_out > to_init:
+                self.rem_k = torch.cat((self.rem_k, k_loc[:, to_init:n_out]), 1)
+                self.rem_v = torch.cat((self.rem_v, v_loc[:, to_init:n_out]), 1)
+                self.rem_mass = torch.cat((self.rem_mass, total_mass[:, to_init:n_out]), 1)
+        self.local_k = k_loc[:, n_out:].contiguous()
+        self.local_v = v_loc[:, n_out:].contiguous()
+        self.local_mass = total_mass[:, n_out:].contiguous()
+
+    def close_events(self, lengths: Tensor, repr_topk: int) -> None:
+        """Turn the first sum(lengths) remainder tokens into events of these sizes."""
+        n = int(lengths.sum())
+        if n == 0:
+            return
+        keys, values, mass = self.rem_k[:, :n], self.rem_v[:, :n], self.rem_mass[:, :n]
+        reprs = representative_keys(keys, mass, lengths, repr_topk)
+        self.events.append(keys, values, lengths, reprs)
+        self.rem_k, self.rem_v = self.rem_k[:, n:].contiguous(), self.rem_v[:, n:].contiguous()
+        self.rem_mass = self.rem_mass[:, n:].contiguous()
