@@ -40,21 +40,30 @@ def attend(
     h_kv, length, _ = k_local.shape
     g = h_q // h_kv
     # GQA without repeating keys: the g query heads of one KV head share its key matrix.
-    ql = q_local.reshape(h_kv, g * c, d)
-    logits = torch.matmul(ql, k_local.transpose(1, 2)).mul_(scaling).view(h_kv, g, c, length)
-    causal = torch.ones(c, length, dtype=torch.bool, device=q_local.device).triu_(length - c + 1)
-    logits.masked_fill_(causal, float("-inf"))
-    m = 0 if k_mem is None else k_mem.shape[1]
-    if m:
-        qm = q_mem.reshape(h_kv, g * c, d)
-        mem_logits = torch.matmul(qm, k_mem.transpose(1, 2)).mul_(scaling).view(h_kv, g, c, m)
-        logits = torch.cat((mem_logits, logits), dim=-1)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # one softmax over all parts
-    p = probs.to(v_local.dtype)
-    out = torch.matmul(p[..., m:].reshape(h_kv, g * c, length), v_local)
-    if m:
-        out += torch.matmul(p[..., :m].reshape(h_kv, g * c, m), v_mem)
-    mass = probs[..., m:].sum(2).reshape(h_q, length)  # summed over the chunk's queries
+    # The softmax is one over both parts, merged exactly with a shared max and normaliser
+    # instead of concatenating the logits (which would copy them once more).
+    loc = torch.matmul(q_local.reshape(h_kv, g * c, d), k_local.transpose(1, 2)).float()  # [H_kv, g*c, L]
+    loc.mul_(scaling)
+    causal = torch.ones(c, c, dtype=torch.bool, device=loc.device).triu_(1)
+    loc.view(h_kv, g, c, length)[..., length - c :].masked_fill_(causal, float("-inf"))
+    mx = loc.amax(-1, keepdim=True)  # [H_kv, g*c, 1]; finite: each query sees itself
+    mem = None
+    if k_mem is not None and k_mem.shape[1]:
+        mem = torch.matmul(q_mem.reshape(h_kv, g * c, d), k_mem.transpose(1, 2)).float()  # [H_kv, g*c, M]
+        mem.mul_(scaling)
+        mx = torch.maximum(mx, mem.amax(-1, keepdim=True))
+    loc.sub_(mx).exp_()
+    z = loc.sum(-1, keepdim=True)
+    out = torch.matmul(loc.to(v_local.dtype), v_local).float()
+    if mem is not None:
+        mem.sub_(mx).exp_()
+        z += mem.sum(-1, keepdim=True)
+        out += torch.matmul(mem.to(v_mem.dtype), v_mem).float()
+    inv_z = z.reciprocal_()  # [H_kv, g*c, 1]
+    out.mul_(inv_z)
+    # Attention each window key received, summed over the chunk's queries: [H_kv, g, 1, L].
+    mass = torch.matmul(inv_z.view(h_kv, g, 1, c), loc.view(h_kv, g, c, length)).reshape(h_q, length)
+    out = out.to(v_local.dtype)
     return out.view(h_q, c, d), mass
 
 

@@ -44,7 +44,10 @@ class Profile:
 
     @property
     def surprise_window(self) -> int:
-        return self.tau if self.tau is not None else self.n_local - self.chunk_size
+        if self.tau is not None:
+            return self.tau
+        # Spec §2: the tokens of the window before the chunk; the whole window if the chunk fills it.
+        return self.n_local - self.chunk_size if self.n_local - self.chunk_size >= 2 else self.n_local
 
     def replace(self, **changes: Any) -> "Profile":
         return validate(dataclasses.replace(self, **changes))
@@ -66,8 +69,6 @@ def validate(p: Profile, where: str = "") -> Profile:
             raise bad(key, f"must be an integer >= {lo}, got {v!r}")
     if p.tau is not None and (not isinstance(p.tau, int) or isinstance(p.tau, bool) or p.tau < 2):
         raise bad("tau", f"must be an integer >= 2 or null, got {p.tau!r}")
-    if p.tau is None and p.n_local - p.chunk_size < 2:
-        raise bad("n_local", "must exceed chunk_size by at least 2 when tau is not set")
     if p.refine_from_layer is not None and (not isinstance(p.refine_from_layer, int) or p.refine_from_layer < 0):
         raise bad("refine_from_layer", f"must be an integer >= 0 or null, got {p.refine_from_layer!r}")
     if not isinstance(p.gamma, (int, float)) or isinstance(p.gamma, bool) or p.gamma != p.gamma:

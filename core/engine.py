@@ -110,14 +110,14 @@ class Engine:
             raise ValueError("nothing to feed: the token sequence is empty")
         cs = self.profile.chunk_size
         for off in range(0, ids.numel(), cs):
-            self._step(ids[off : off + cs], surprise)
+            self.step(ids[off : off + cs], surprise)
             if progress is not None:
                 progress(ChunkReport(min(off + cs, ids.numel()), ids.numel(), self.n_events))
         return self.last_logits
 
     @torch.no_grad()
-    def _step(self, chunk: Tensor, with_surprise: bool) -> Tensor:
-        """One forward over `chunk` [c]; returns its logits [c, V]."""
+    def step(self, chunk: Tensor, with_surprise: bool = True) -> Tensor:
+        """One forward over `chunk` [c] (at most chunk_size tokens); returns its logits [c, V]."""
         pr = self.profile
         c = chunk.numel()
         window = min(self.n_tokens, pr.n_local) + c
@@ -180,7 +180,7 @@ class Engine:
             if tok in stop_ids:
                 return
             yield tok
-            self._step(torch.tensor([tok]), with_surprise=False)
+            self.step(torch.tensor([tok]), with_surprise=False)
 
     def generate(self, max_new_tokens: int, stop_ids: set[int] | None = None) -> list[int]:
         return list(self.generate_iter(max_new_tokens, stop_ids))

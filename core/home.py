@@ -15,6 +15,9 @@ def home() -> Path:
 
 
 def models_dir() -> Path:
+    """Converted models; $EMLLM_MODELS overrides, so tests with a throwaway home share one copy."""
+    if os.environ.get("EMLLM_MODELS"):
+        return Path(os.environ["EMLLM_MODELS"]).expanduser()
     return home() / "models"
 
 

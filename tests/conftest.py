@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny random models of each supported architecture, and the real SmolLM2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+
+from core.config import load_profile
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, tie_word_embeddings=False,
+)
+
+
+def tiny_config(arch: str):
+    if arch == "llama3.1":  # rope_type llama3 (Llama-3.1's scaling), original context small so it matters
+        return LlamaConfig(**COMMON, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    if arch == "mistral":
+        return MistralConfig(**COMMON, sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if arch == "qwen2":
+        return Qwen2Config(**COMMON, use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if arch == "phi3":  # LongRoPE with attention scaling; 32 original positions so long factors kick in
+        half = COMMON["hidden_size"] // COMMON["num_attention_heads"] // 2
+        g = torch.Generator().manual_seed(1)
+        return Phi3Config(**{**COMMON, "max_position_embeddings": 128}, pad_token_id=0, sliding_window=None,
+                          original_max_position_embeddings=32, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "short_factor": (1 + torch.rand(half, generator=g)).tolist(),
+            "long_factor": (2 + 4 * torch.rand(half, generator=g)).tolist()})
+    raise ValueError(arch)
+
+
+ARCHS = ["llama3.1", "mistral", "qwen2", "phi3"]
+
+
+def tiny_model(arch: str, seed: int = 0):
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    m.eval()
+    return m
+
+
+def tiny_profile(**kw):
+    base = dict(chunk_size=8, n_init=4, n_local=32, n_mem=24, min_block=2, max_block=8, repr_topk=2)
+    base.update(kw)
+    return load_profile("smollm2").replace(**base)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer, profile) of the embedded default, converted once per machine."""
+    from core import models
+
+    src = models.resolve("smollm2")
+    model, tok = models.load(src)
+    return model, tok, src.profile
