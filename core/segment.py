@@ -176,7 +176,8 @@ class _EventSums:
 
 def _safe_div(num: Tensor, den: Tensor) -> Tensor:
     """num / den with 0 where den == 0 (an event whose smaller side has no volume)."""
-    return torch.where(den == 0, torch.zeros_like(num), num / torch.where(den == 0, torch.ones_like(den), den))
+    zero = den == 0
+    return torch.where(zero, torch.zeros_like(num), num / torch.where(zero, torch.ones_like(den), den))
 
 
 # -- metrics ------------------------------------------------------------------------------------
@@ -296,7 +297,7 @@ def refine(
     total_nz = torch.where(total == 0, torch.ones_like(total), total)
     pos = torch.arange(n + 1, device=w.device)
     # tol in the units of the per-boundary score: Q * 2m for modularity, k * mean for conductance
-    tol_s = tol * total_nz.abs() if metric == "modularity" else torch.tensor(tol * k, dtype=w.dtype, device=w.device)
+    tol_s = tol * total_nz.abs() if metric == "modularity" else total.new_tensor(tol * k)
     neg_inf = torch.tensor(float("-inf"), dtype=w.dtype, device=w.device)
 
     for i in range(1, k):
