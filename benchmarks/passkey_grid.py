@@ -1,0 +1,60 @@
+"""Passkey grid on the embedded SmolLM2: emllm against the plain model truncated to its context.
+
+    python benchmarks/passkey_grid.py --lengths 16k,32k --trials 2 --out docs/results/passkey.jsonl
+
+Writes one JSON line per trial as it finishes (a long run keeps what it measured), then prints
+a table of accuracy per (method, length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict
+
+import torch
+
+from core import models
+from core.engine import Engine
+from core.passkey import parse_length, run_grid
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--lengths", default="16k,32k")
+    ap.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    src = models.resolve(a.model)
+    model, tok = models.load(src)
+    lengths = [parse_length(x) for x in a.lengths.split(",")]
+    depths = [float(x) for x in a.depths.split(",")]
+    with open(a.out, "a") as f:
+        f.write(json.dumps({"run": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.processor() or platform.machine(),
+                            "threads": torch.get_num_threads(), "profile": asdict(src.profile), "argv": sys.argv}) + "\n")
+
+    def keep(r):
+        with open(a.out, "a") as f:
+            f.write(json.dumps(asdict(r)) + "\n")
+        print(f"{r.method:8} {r.length:>7} depth {r.depth:.2f} trial {r.trial}: {'OK ' if r.correct else 'BAD'} "
+              f"{r.answer!r} (key {r.key}, {r.seconds:.0f} s)", flush=True)
+
+    res = run_grid(model, tok, lambda: Engine(model, src.profile), lengths, depths, a.trials, a.seed,
+                   baseline=not a.no_baseline, on_result=keep)
+    acc = defaultdict(list)
+    for r in res:
+        acc[(r.method, r.length)].append(r.correct)
+    for (m, n), v in sorted(acc.items()):
+        print(f"{m:8} {n:>7}: {sum(v)}/{len(v)} = {100 * sum(v) / len(v):.0f}%")
+
+
+if __name__ == "__main__":
+    main()
