@@ -1,0 +1,59 @@
+"""Profiles validate on load; model resolution never downloads and says what is missing."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.config import ProfileError, builtin_profile_names, load_profile, load_profile_file
+from core.models import ModelNotFoundError, guess_profile, resolve
+
+
+def test_builtin_profiles_load_with_spec_values():
+    assert {"smollm2", "llama3.1", "llama3", "mistral", "phi3", "phi3.5", "qwen2.5"} <= set(builtin_profile_names())
+    m = load_profile("mistral")
+    assert (m.n_local, m.n_mem, m.max_block, m.gamma, m.segmentation, m.contiguity) == (4096, 2048, 128, 1.0, "SM", True)
+    p = load_profile("phi3.5")
+    assert (p.n_local, p.n_mem, p.max_block) == (1024, 3072, 64)
+    assert load_profile("llama3").gamma == 2.0
+    assert load_profile("llama3.1").surprise_window == 4096 - 512
+
+
+@pytest.mark.parametrize("body, msg", [
+    ("n_local: 4096\nwindow: 3\n", "unknown key 'window'"),
+    ("n_local: -5\n", "n_local: must be an integer >= 1"),
+    ("segmentation: XYZ\n", "segmentation: must be one of"),
+    ("gamma: high\n", "gamma: must be a number"),
+    ("min_block: 200\n", "min_block"),
+    ("- a\n- b\n", "expected a mapping"),
+    ("n_local: [\n", "not valid YAML"),
+])
+def test_bad_profiles_are_clear_errors(tmp_path, body, msg):
+    f = tmp_path / "mine.yaml"
+    f.write_text(body)
+    with pytest.raises(ProfileError, match=msg):
+        load_profile_file(f)
+
+
+def test_unknown_profile_name():
+    with pytest.raises(ProfileError, match="unknown profile 'nope'"):
+        load_profile("nope")
+
+
+def test_models_not_on_machine_are_clear_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    with pytest.raises(ModelNotFoundError, match="never downloads"):
+        resolve("llama3.1")
+    with pytest.raises(ModelNotFoundError, match="never downloads"):
+        resolve("someone/some-model")
+    with pytest.raises(ModelNotFoundError, match="unknown model"):
+        resolve("not a model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        resolve(str(tmp_path / "empty"))
+
+
+def test_guess_profile():
+    assert guess_profile({"model_type": "llama", "rope_parameters": {"rope_type": "llama3"}}) == "llama3.1"
+    assert guess_profile({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope"}}) == "phi3.5"
+    assert guess_profile({"model_type": "qwen2"}) == "qwen2.5"

@@ -1,0 +1,100 @@
+"""Surprise threshold, retrieval selection and representative keys against brute-force versions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from core.memory import EventMemory, event_scores, representative_keys, select_events, token_index
+from core.surprise import boundary_flags
+
+
+def brute_flags(s: list[float], start: int, tau: int, gamma: float) -> list[bool]:
+    out = []
+    for t in range(start, len(s)):
+        prev = [x for x in s[max(0, t - tau) : t] if not math.isnan(x)]
+        if math.isnan(s[t]) or len(prev) < 2:
+            out.append(False)
+            continue
+        mean = sum(prev) / len(prev)
+        std = math.sqrt(sum((x - mean) ** 2 for x in prev) / len(prev))
+        out.append(s[t] > mean + gamma * std)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_boundary_flags_match_brute_force(seed):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.rand(300, generator=g) * 5
+    s[torch.rand(300, generator=g) < 0.1] = float("nan")
+    for start, tau, gamma in [(0, 16, 1.0), (37, 50, 0.5), (250, 400, 2.0)]:
+        got = boundary_flags(s, start, tau, gamma).tolist()
+        assert got == brute_flags(s.tolist(), start, tau, gamma)
+    assert any(boundary_flags(s, 0, 16, 1.0).tolist())
+
+
+def test_threshold_uses_only_preceding_tokens():
+    g = torch.Generator().manual_seed(1)
+    s = torch.rand(200, generator=g)
+    t = s.clone()
+    t[120:] = torch.rand(80, generator=g) * 10
+    assert boundary_flags(s, 0, 30, 1.0)[:120].tolist() == boundary_flags(t, 0, 30, 1.0)[:120].tolist()
+
+
+def brute_select(scores: list[float], lengths: list[int], budget: int) -> list[int]:
+    order = sorted(range(len(scores)), key=lambda e: (-scores[e], e))
+    out, used = [], 0
+    for e in order:
+        if used + lengths[e] > budget:
+            break
+        out.append(e)
+        used += lengths[e]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_select_events_matches_brute_force(seed):
+    g = torch.Generator().manual_seed(seed)
+    e = int(torch.randint(0, 40, (1,), generator=g))
+    scores = torch.randint(0, 6, (e,), generator=g).float()  # many ties
+    lengths = torch.randint(1, 20, (e,), generator=g)
+    for budget in (0, 1, 5, 60, 10_000):
+        sel = select_events(scores, lengths, budget)
+        assert sel.ids.tolist() == brute_select(scores.tolist(), lengths.tolist(), budget)
+        assert int(lengths[sel.ids].sum()) <= budget
+
+
+def test_empty_memory_selects_nothing():
+    assert select_events(torch.empty(0), torch.empty(0, dtype=torch.long), 100).ids.numel() == 0
+
+
+def test_representative_keys_match_loop():
+    g = torch.Generator().manual_seed(0)
+    h_kv, h_q, d = 2, 6, 5
+    lengths = torch.tensor([3, 1, 8, 5])
+    n = int(lengths.sum())
+    keys = torch.randn(h_kv, n, d, generator=g, dtype=torch.float64)
+    mass = torch.rand(h_q, n, generator=g, dtype=torch.float64).float()
+    got = representative_keys(keys, mass, lengths, topk=4)
+    off = 0
+    for ev, ln in enumerate(lengths.tolist()):
+        for h in range(h_q):
+            m = mass[h, off : off + ln].tolist()
+            top = sorted(range(ln), key=lambda i: -m[i])[: min(4, ln)]
+            want = torch.stack([keys[h // 3, off + i] for i in top]).mean(0)
+            torch.testing.assert_close(got[ev, h], want)
+        off += ln
+
+
+def test_event_memory_gather_and_scores():
+    mem = EventMemory(1, 2, 3, torch.float32, torch.device("cpu"))
+    k = torch.arange(30, dtype=torch.float32).view(1, 10, 3)
+    mem.append(k, -k, torch.tensor([4, 6]), torch.randn(2, 2, 3))
+    mem.append(k[:, :2] + 100, -k[:, :2], torch.tensor([2]), torch.randn(1, 2, 3))
+    gk, gv = mem.gather(torch.tensor([2, 0]))
+    assert gk[0, :, 0].tolist() == [100.0, 103.0, 0.0, 3.0, 6.0, 9.0]
+    assert token_index(torch.tensor([5, 0]), torch.tensor([2, 3])).tolist() == [5, 6, 0, 1, 2]
+    q = torch.randn(2, 3)
+    torch.testing.assert_close(event_scores(mem.repr_keys(), q), torch.einsum("ehd,hd->e", mem.repr_keys(), q))
