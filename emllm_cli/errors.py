@@ -1,0 +1,48 @@
+"""User-caused errors end in one line on stderr and exit 1; `--debug` shows the traceback."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable, TypeVar
+
+import click
+import typer
+
+F = TypeVar("F", bound=Callable)
+DEBUG = {"on": False}
+
+
+class UserError(Exception):
+    """An error the user can fix; its message says what is wrong and what to do."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from core.config import ProfileError
+    from core.engine import UnsupportedModelError
+    from core.models import ModelNotFoundError
+
+    return (UserError, ProfileError, ModelNotFoundError, UnsupportedModelError, FileNotFoundError, IsADirectoryError)
+
+
+def guarded(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, click.exceptions.ClickException):
+            raise  # usage errors: Click prints them and exits 2
+        except KeyboardInterrupt:
+            print("emllm: interrupted", file=sys.stderr)
+            raise typer.Exit(130)
+        except Exception as e:  # noqa: BLE001 - the one place that turns errors into exit codes
+            if DEBUG["on"]:
+                raise
+            known = isinstance(e, _user_errors())
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if not known:
+                msg = f"internal error: {type(e).__name__}: {msg} (run with --debug for the traceback)"
+            print(f"emllm: error: {msg}", file=sys.stderr)
+            raise typer.Exit(1)
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,94 @@
+"""`emllm passkey`: the paper's passkey retrieval test as a grid of lengths x depths."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import typer
+
+from . import render
+from .errors import guarded
+from .options import ModelOpt, ProfileOpt
+
+
+def _lengths(value: str) -> list[int]:
+    from core.passkey import parse_length
+
+    try:
+        out = [parse_length(x) for x in value.split(",") if x.strip()]
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if not out:
+        raise typer.BadParameter("no length given (e.g. 4k,16k)")
+    return out
+
+
+def _depths(value: str) -> list[float]:
+    try:
+        d = [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"not a list of numbers: {value!r} (e.g. 0,0.5,1)") from None
+    if not d or any(not 0 <= x <= 1 for x in d):
+        raise typer.BadParameter("depths must lie in [0, 1], e.g. 0,0.25,0.5,0.75,1")
+    return d
+
+
+@guarded
+def passkey(
+    lengths: str = typer.Option("4k,16k,32k", "--lengths", "-l", callback=lambda v: _lengths(v), help="Prompt lengths in tokens: 4k, 16k, 1m, 1500000 ..."),
+    depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", "-d", callback=lambda v: _depths(v), help="Needle depths in [0, 1]."),
+    trials: int = typer.Option(2, "--trials", "-t", min=1, help="Trials per cell (a new key each)."),
+    seed: int = typer.Option(0, "--seed", help="Keys and prompts depend only on the seed and the cell."),
+    baseline: bool = typer.Option(False, "--baseline", help="Also run the plain model, truncated from the left to its context."),
+    model: str = ModelOpt,
+    profile: str = ProfileOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print all results as one JSON document."),
+) -> None:
+    """Hide a 5-digit key at each depth of a filler haystack and ask for it.
+
+    Scored by the first integer of the answer. Each cell is filled as its trials finish.
+
+    Examples:
+
+      emllm passkey --lengths 16k,32k --trials 2 --baseline
+
+      emllm passkey -l 4k -d 0.5 -t 1 --json
+    """
+    from core import models
+    from core.engine import Engine
+    from core.passkey import run_grid
+
+    ls, ds = lengths, depths  # parsed by the option callbacks (bad values: usage error, exit 2)
+    src = models.resolve(model, profile, log=lambda m: render.err.print(f"[dim]{m}[/dim]"))
+    mdl, tok = models.load(src)
+    methods = ["emllm"] + (["baseline"] if baseline else [])
+    done: list[dict] = []
+    total = len(ls) * len(ds) * trials * len(methods)
+    with render.progress() as bar:
+        task = bar.add_task("passkey", total=total, rate="")
+        t0 = time.perf_counter()
+
+        def on_result(r) -> None:
+            done.append(asdict(r))
+            ok = sum(x["correct"] for x in done)
+            bar.update(task, advance=1, rate=f"{ok}/{len(done)} correct")
+
+        results = run_grid(mdl, tok, lambda: Engine(mdl, src.profile), ls, ds, trials, seed, baseline, on_result)
+    doc = {
+        "model": src.name, "profile": asdict(src.profile), "lengths": ls, "depths": ds, "trials": trials,
+        "seed": seed, "seconds": round(time.perf_counter() - t0, 1), "results": [asdict(r) for r in results],
+        "accuracy": {m: {str(n): _acc(results, m, n) for n in ls} for m in methods},
+    }
+    if as_json:
+        render.print_json(doc)
+    else:
+        render.out.print(render.passkey_table(doc["results"], ls, ds, methods))
+
+
+def _acc(results, method: str, length: int) -> float:
+    r = [x.correct for x in results if x.method == method and x.length == length]
+    return sum(r) / len(r) if r else float("nan")
+
+
+

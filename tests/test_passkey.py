@@ -1,0 +1,41 @@
+"""The passkey prompt, and the first proof: SmolLM2 past its 8k context with emllm."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from core.engine import Engine
+from core.passkey import build_prompt, parse_length, run_emllm, score
+
+
+def test_parse_length():
+    assert parse_length("4k") == 4096 and parse_length("1m") == 1 << 20 and parse_length("1500000") == 1500000
+    for bad in ("foo", "-1k", "0", ""):
+        with pytest.raises(ValueError):
+            parse_length(bad)
+
+
+def test_score_takes_first_integer():
+    assert score(" 12345. Remember", "12345") and not score("1 12345", "12345") and not score("none", "12345")
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_prompt_places_needle(smollm2, depth):
+    _, tok, _ = smollm2
+    p = build_prompt(tok, 3000, depth, random.Random(3))
+    assert abs(len(p.document) + len(p.question) - 3000) <= 8
+    text = tok.decode(p.document)
+    assert text.count(p.key) == 2
+    frac = text.index(p.key) / len(text)
+    assert abs(frac - depth) < 0.1
+    assert tok.decode(p.question).rstrip().endswith("The pass key is")
+
+
+@pytest.mark.slow
+def test_smollm2_passkey_beyond_its_context(smollm2):
+    model, tok, prof = smollm2
+    p = build_prompt(tok, 10_000, 0.5, random.Random(7))  # 8k context: the plain model cannot see it all
+    answer = run_emllm(lambda: Engine(model, prof), tok, p)
+    assert score(answer, p.key), answer
