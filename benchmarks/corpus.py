@@ -1,0 +1,59 @@
+"""Long texts available offline on any machine with this project installed, for benchmarks.
+
+- code: Python standard-library sources (a fixed list of modules, concatenated)
+- prose: the docstrings of those modules and of transformers' model docs, joined as paragraphs
+- haystack: the passkey filler (repetitive, low surprise)
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+from core.passkey import FILLER
+
+STDLIB = ["argparse", "typing", "dataclasses", "inspect", "collections", "functools", "email.message",
+          "http.client", "logging", "pathlib", "subprocess", "tarfile", "zipfile", "json.decoder",
+          "asyncio.base_events", "unittest.case", "difflib", "textwrap", "calendar", "statistics"]
+
+
+def _modules():
+    import importlib
+
+    return [importlib.import_module(m) for m in STDLIB]
+
+
+def code() -> str:
+    return "\n\n".join(inspect.getsource(m) for m in _modules())
+
+
+def prose() -> str:
+    parts = []
+    for m in _modules():
+        tree = ast.parse(inspect.getsource(m))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                d = ast.get_docstring(node)
+                if d and len(d) > 200:
+                    parts.append(d)
+    import transformers
+
+    docs = Path(transformers.__file__).parent
+    for f in sorted(docs.rglob("*.md"))[:200]:
+        parts.append(f.read_text(errors="replace"))
+    return "\n\n".join(parts)
+
+
+def haystack(n_chars: int = 400_000) -> str:
+    return (FILLER * (n_chars // len(FILLER) + 1))[:n_chars]
+
+
+TEXTS = {"code": code, "prose": prose, "haystack": haystack}
+
+
+def tokens(tok, kind: str, n: int) -> list[int]:
+    ids = tok(TEXTS[kind](), add_special_tokens=False)["input_ids"]
+    while len(ids) < n:  # repeat if the text is short of n tokens
+        ids = ids + ids
+    return ids[:n]
