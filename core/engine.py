@@ -22,7 +22,7 @@ from . import attention
 from .config import Profile
 from .memory import GrowBuffer, Selection
 from .rope import Rotary
-from .segment import surprise_starts
+from .segment import enforce_block_sizes, key_adjacency, refine, surprise_starts
 from .surprise import boundary_flags, token_surprise
 from .window import LayerWindow, StepInfo
 
@@ -64,8 +64,6 @@ class Engine:
                 f"the model attends within a sliding window of {sw} tokens; the profile's local window "
                 f"n_local + chunk_size = {profile.n_local + profile.chunk_size} exceeds it: lower n_local"
             )
-        if profile.segmentation not in ("F", "S"):
-            raise NotImplementedError(f"segmentation {profile.segmentation!r} is not available yet (F and S are)")
         self.model = model
         self.profile = profile
         attention.register()
@@ -144,7 +142,7 @@ class Engine:
         start = self.n_tokens
         self.ids.append(chunk.cpu())
         self.surprise.append(s)
-        if pr.segmentation == "F":
+        if pr.segmentation.startswith("F"):
             f = torch.zeros(c, dtype=torch.bool)
         else:
             f = boundary_flags(self.surprise.view(), start, pr.surprise_window, pr.gamma)
@@ -161,13 +159,34 @@ class Engine:
         # Flags up to and including `evicted`: a boundary there closes the event before it.
         # (evicted < n_tokens always, since n_local >= 1.) Every start but the last closes an event.
         f = self.flags.view()[self.rem_start : evicted + 1]
-        lengths = torch.diff(surprise_starts(f, pr.min_block, pr.max_block))
-        if lengths.numel() == 0:
+        starts = surprise_starts(f, pr.min_block, pr.max_block)
+        if starts.numel() < 2:
             return
+        if len(pr.segmentation) == 2:  # SM, SC, FM, FC: refine inside the closed stretch
+            starts = self._refine(starts)
+        lengths = torch.diff(starts)
         lengths = lengths.to(self.device)
         for w in self.windows:
             w.close_events(lengths, pr.repr_topk)
         self.rem_start += int(lengths.sum())
+
+    def _refine(self, starts: Tensor) -> Tensor:
+        """Paper Algorithm 1 over the stretch [rem_start, rem_start + starts[-1]) about to close.
+
+        The stretch's ends stay fixed (its last start opens the next, still open, event); the
+        graph is the similarity of the tokens' pre-RoPE keys over the refinement layers.
+        """
+        pr = self.profile
+        n = int(starts[-1])
+        first = pr.refine_from_layer
+        if first is None:
+            first = len(self.windows) - max(1, len(self.windows) // 3)
+        keys = torch.stack([w.rem_k[:, :n] for w in self.windows[first:]])  # [layers, H_kv, n, D]
+        a = key_adjacency(keys)
+        metric = "modularity" if pr.segmentation.endswith("M") else "conductance"
+        inner = refine(a, starts[:-1], metric, min_block=pr.min_block)
+        inner = enforce_block_sizes(inner, n, pr.min_block, pr.max_block)
+        return torch.cat((inner, starts[-1:]))
 
     # -- generation ----------------------------------------------------------------------------
     def generate_iter(self, max_new_tokens: int, stop_ids: set[int] | None = None) -> Iterator[int]:
