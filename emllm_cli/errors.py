@@ -11,6 +11,10 @@ import typer
 
 F = TypeVar("F", bound=Callable)
 DEBUG = {"on": False}
+# Typer vendors its own Click: usage errors may come from either copy.
+_CLICK_ERRORS = tuple(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException") + (
+    click.exceptions.ClickException,
+)
 
 
 class UserError(Exception):
@@ -30,7 +34,7 @@ def guarded(fn: F) -> F:
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (typer.Exit, click.exceptions.ClickException):
+        except (typer.Exit, *_CLICK_ERRORS):
             raise  # usage errors: Click prints them and exits 2
         except KeyboardInterrupt:
             print("emllm: interrupted", file=sys.stderr)

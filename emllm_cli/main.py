@@ -8,6 +8,7 @@ import typer
 
 from .errors import DEBUG
 from .passkey import passkey
+from .segment import segment
 
 app = typer.Typer(
     name="emllm",
@@ -34,6 +35,12 @@ def main(
     show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     DEBUG["on"] = debug
+    # Our own progress bars replace the libraries' (which would print on every model load).
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 app.command("passkey")(passkey)
+app.command("segment")(segment)

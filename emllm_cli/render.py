@@ -60,3 +60,31 @@ def fmt_tokens(n: int) -> str:
     if n % 1024 == 0:
         return f"{n // 1024}k"
     return str(n)
+
+
+def events_view(text: str, doc: dict):
+    """The text with event boundaries marked: alternating shades, a ▌ and the surprise at each start."""
+    from rich.text import Text
+
+    t = Text()
+    styles = ("", "on grey15")
+    for ev in doc["events"]:
+        c0, c1 = ev["chars"]
+        s = ev["surprise"]
+        mark = f"▌{s:.1f} " if s is not None else "▌"
+        t.append(mark, style="bold magenta" if s is not None and s > 8 else "magenta")
+        t.append(text[c0:c1], style=styles[ev["index"] % 2])
+    t.append(f"\n\n{len(doc['events'])} events, {doc['tokens']} tokens, method {doc['method']}", style="dim")
+    return t
+
+
+def metrics_table(table: dict, tokens: int) -> Table:
+    """Paper Table 2 style: each method's metrics as the difference to random segmentation."""
+    t = Table(title=f"segmentation quality, difference to random ({tokens} tokens)")
+    t.add_column("method")
+    t.add_column("modularity ×10³ (↑)", justify="right")
+    t.add_column("conductance (↓)", justify="right")
+    t.add_column("intra/inter (↑)", justify="right")
+    for m, d in table.items():
+        t.add_row(m, f"{1e3 * d['modularity']:+.3f}", f"{d['conductance']:+.4f}", f"{d['intra_inter']:+.4f}")
+    return t

@@ -57,3 +57,66 @@ def test_passkey_json(tmp_path, smollm2):  # smollm2: the converted model exists
     # 1k fits the window: emllm is the plain model here, so both must agree.
     by = {(x["depth"], x["method"]): x["answer"] for x in doc["results"]}
     assert by[(0.0, "emllm")] == by[(0.0, "baseline")]
+
+
+@pytest.fixture
+def bad_files(tmp_path):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bin.dat").write_bytes(b"\x00\x01\x02binary\x00" * 10)
+    return tmp_path
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("missing.txt", "no such file"),
+    ("dir", "is a directory"),
+    ("empty.txt", "is empty"),
+    ("bin.dat", "binary file"),
+])
+def test_segment_bad_files(bad_files, name, needle):
+    r = run("segment", str(bad_files / name), home=bad_files)
+    assert r.returncode == 1 and needle in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_segment_bad_method(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("hello world")
+    r = run("segment", str(f), "--method", "XY", home=tmp_path)
+    assert r.returncode == 2 and "choose one of" in r.stderr
+
+
+TEXT = ("The old lighthouse keeper climbed the stairs every night. Ünïcödé — “quotes” and émojis 🌊 too.\n"
+        "def f(x):\n    return x * 2  # code in the middle\n") * 12
+
+
+@pytest.mark.parametrize("method", ["S", "SM", "F"])
+def test_segment_json_round_trips_and_slices_text(tmp_path, smollm2, method):
+    src = tmp_path / "doc.txt"
+    src.write_text(TEXT, encoding="utf-8")
+    out = tmp_path / "b.json"
+    r = run("segment", str(src), "--method", method, "--out", str(out), home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    doc = json.load(open(out, encoding="utf-8"))
+    assert doc["method"] == method and doc["characters"] == len(TEXT)
+    ev = doc["events"]
+    assert "".join(TEXT[a:b] for a, b in (e["chars"] for e in ev)) == TEXT
+    assert ev[0]["tokens"][0] == 0 and ev[-1]["tokens"][1] == doc["tokens"]
+    assert all(e1["tokens"][1] == e2["tokens"][0] for e1, e2 in zip(ev, ev[1:]))
+    sizes = [e["tokens"][1] - e["tokens"][0] for e in ev]
+    assert max(sizes) <= doc["parameters"]["max_block"] and min(sizes[:-1]) >= doc["parameters"]["min_block"]
+
+
+def test_segment_stdin_and_metrics_json(tmp_path, smollm2):
+    env_home = tmp_path
+    from core.home import models_dir
+
+    env = {**os.environ, "EMLLM_HOME": str(env_home), "EMLLM_MODELS": str(models_dir())}
+    r = subprocess.run([EMLLM, "segment", "-", "--metrics", "--method", "all", "--json"], input=TEXT,
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert set(doc["difference_to_random"]) == {"F", "S", "SM", "SC", "FM", "FC"}
+    for m, d in doc["methods"].items():
+        for k in ("modularity", "conductance", "intra_inter"):
+            assert doc["difference_to_random"][m][k] == pytest.approx(d[k] - doc["random"][m][k])
