@@ -120,8 +120,8 @@ class Engine:
         c = chunk.numel()
         window = min(self.n_tokens, pr.n_local) + c
         cos, sin = self.rotary.table(max(window, pr.n_local), self.device, self.dtype)
-        budget = pr.n_mem if not pr.contiguity else int(pr.n_mem * (1 - pr.contiguity_ratio))
-        step = StepInfo(cos, sin, pr.n_local, pr.n_init, budget, self.on_retrieval)
+        cont = int(pr.n_mem * pr.contiguity_ratio) if pr.contiguity else 0
+        step = StepInfo(cos, sin, pr.n_local, pr.n_init, pr.n_mem - cont, cont, pr.neighbours, self.on_retrieval)
         for w in self.windows:
             w.step = step
         x = chunk.to(self.device)[None]

@@ -141,3 +141,25 @@ def representative_keys(keys: Tensor, mass: Tensor, lengths: Tensor, topk: int) 
     gathered = keys[kv_head[:, None, None], picked]  # [H_q, e, k, D]
     summed = (gathered * ok[..., None]).sum(2)  # [H_q, e, D]
     return (summed / ok.sum(2, keepdim=True)).transpose(0, 1).contiguous()
+
+
+def update_contiguity(queue: Tensor, selected: Tensor, lengths: Tensor, neighbours: int, budget: int) -> Tensor:
+    """Contiguity buffer (spec §4): a queue of event ids, oldest first.
+
+    The neighbours (±1..±neighbours) of the selected events that are neither selected nor queued
+    join at the back, in id order; then the oldest entries are dropped until the queue's tokens fit
+    in `budget`. Entries stay while they fit, even when no longer next to a selected event.
+    queue, selected: long [q], [k]; lengths: [E] all events' sizes. Returns the new queue.
+    """
+    n_events = lengths.numel()
+    if selected.numel() and neighbours > 0:
+        off = torch.cat((torch.arange(-neighbours, 0), torch.arange(1, neighbours + 1))).to(selected.device)
+        cand = torch.unique((selected[:, None] + off).flatten())  # sorted
+        cand = cand[(cand >= 0) & (cand < n_events)]
+        cand = cand[~torch.isin(cand, selected) & ~torch.isin(cand, queue)]
+        queue = torch.cat((queue, cand))
+    if queue.numel() == 0:
+        return queue
+    # Keep the newest suffix whose tokens fit.
+    from_back = torch.cumsum(lengths[queue].flip(0), 0).flip(0)  # tokens of entries i..end
+    return queue[from_back <= budget]

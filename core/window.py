@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .attention import attend
-from .memory import EventMemory, Selection, event_scores, representative_keys, select_events
+from .memory import EventMemory, Selection, event_scores, representative_keys, select_events, update_contiguity
 from .rope import apply_rotary
 
 
@@ -29,6 +29,8 @@ class StepInfo:
     n_local: int
     n_init: int
     budget: int  # similarity-buffer budget in tokens
+    contiguity_budget: int = 0  # tokens of the contiguity buffer (0: none)
+    neighbours: int = 1
     on_retrieval: Callable[[int, Selection], None] | None = None
 
 
@@ -53,6 +55,7 @@ class LayerWindow:
         self.rem_k, self.rem_v = z(h, 0, d), z(h, 0, d)
         self.rem_mass = z(self.n_q_heads, 0, dt=torch.float32)
         self.events = EventMemory(h, self.n_q_heads, d, self.dtype, self.device)
+        self.contiguity = torch.zeros(0, dtype=torch.long, device=self.device)  # event ids, oldest first
 
     # -- the attention call ------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float) -> Tensor:
@@ -73,8 +76,14 @@ class LayerWindow:
             q_mem = apply_rotary(q, st.cos[p : p + 1], st.sin[p : p + 1])
             parts_k, parts_v = [self.init_k], [self.init_v]
             if len(self.events):
-                sel = self.retrieve(q_mem.mean(1), st.budget)
-                mk, mv = self.events.gather(sel.ids)
+                ids = self.retrieve(q_mem.mean(1), st.budget).ids
+                if st.contiguity_budget:
+                    self.contiguity = update_contiguity(
+                        self.contiguity, ids, self.events.event_lengths(), st.neighbours, st.contiguity_budget
+                    )
+                    extra = self.contiguity[~torch.isin(self.contiguity, ids)]
+                    ids = torch.sort(torch.cat((ids, extra))).values
+                mk, mv = self.events.gather(ids)
                 parts_k.append(mk)
                 parts_v.append(mv)
             parts_k.append(self.rem_k)

@@ -21,7 +21,7 @@ def rotate(x: torch.Tensor, pos: int, inv_freq: torch.Tensor) -> torch.Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s))
 
 
-def naive_layer(snap: LayerWindow, q, k, v, scaling, n_local, budget, inv_freq):
+def naive_layer(snap: LayerWindow, q, k, v, scaling, n_local, budget, inv_freq, cont_budget=0):
     h_q, c, d = q.shape
     h_kv = k.shape[0]
     g = h_q // h_kv
@@ -37,6 +37,11 @@ def naive_layer(snap: LayerWindow, q, k, v, scaling, n_local, budget, inv_freq):
         chosen.append(e)
         used += lens[e]
     chosen.sort()
+    if cont_budget:  # contiguity queue: neighbours join at the back, oldest leave first
+        from tests.test_surprise_memory import brute_contiguity
+
+        queue = brute_contiguity(snap.contiguity.tolist(), chosen, lens, 1, cont_budget)
+        chosen = sorted(set(chosen) | set(queue))
     starts = [sum(lens[:e]) for e in range(len(lens))]
     ev_k = snap.events.keys.view()
     ev_v = snap.events.values.view()
@@ -59,10 +64,11 @@ def naive_layer(snap: LayerWindow, q, k, v, scaling, n_local, budget, inv_freq):
     return out, chosen
 
 
+@pytest.mark.parametrize("contiguity", [False, True])
 @pytest.mark.parametrize("step", ["chunk", "decode"])
-def test_fast_path_equals_naive_reference(step, monkeypatch):
+def test_fast_path_equals_naive_reference(step, contiguity, monkeypatch):
     model = tiny_model("llama3.1")
-    prof = tiny_profile()
+    prof = tiny_profile(contiguity=contiguity, n_mem=30)
     eng = Engine(model, prof)
     ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(11))
     eng.feed(ids[:160])
@@ -79,12 +85,16 @@ def test_fast_path_equals_naive_reference(step, monkeypatch):
         out = real_forward(self, q, k, v, scaling)
         self.step.on_retrieval = cb
         seen[self.layer_idx] = (snap, q.clone(), k.clone(), v.clone(), scaling, out.clone(), picked["ids"])
+        assert not contiguity or self.contiguity.numel() > 0  # the queue is really in play
         return out
 
     monkeypatch.setattr(LayerWindow, "forward", spy)
     eng.step(ids[160:168] if step == "chunk" else ids[160:161])
     inv_freq = model.model.rotary_emb.inv_freq
     for layer, (snap, q, k, v, scaling, out, ids_fast) in seen.items():
-        want, chosen = naive_layer(snap, q, k, v, scaling, prof.n_local, prof.n_mem, inv_freq)
-        assert ids_fast == chosen
+        cont = int(prof.n_mem * prof.contiguity_ratio) if contiguity else 0
+        want, chosen = naive_layer(snap, q, k, v, scaling, prof.n_local, prof.n_mem - cont, inv_freq, cont)
+        assert not contiguity or len(chosen) > len(ids_fast)
+        if not contiguity:
+            assert ids_fast == chosen
         torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)

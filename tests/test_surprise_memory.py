@@ -98,3 +98,43 @@ def test_event_memory_gather_and_scores():
     assert token_index(torch.tensor([5, 0]), torch.tensor([2, 3])).tolist() == [5, 6, 0, 1, 2]
     q = torch.randn(2, 3)
     torch.testing.assert_close(event_scores(mem.repr_keys(), q), torch.einsum("ehd,hd->e", mem.repr_keys(), q))
+
+
+def brute_contiguity(queue, selected, lengths, n, budget):
+    q = list(queue)
+    for c in sorted({e + o for e in selected for o in range(-n, n + 1) if o}):
+        if 0 <= c < len(lengths) and c not in selected and c not in q:
+            q.append(c)
+    while q and sum(lengths[e] for e in q) > budget:
+        q.pop(0)
+    return q
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_contiguity_queue_matches_brute_force(seed):
+    from core.memory import update_contiguity
+
+    g = torch.Generator().manual_seed(seed)
+    e = int(torch.randint(1, 30, (1,), generator=g))
+    lengths = torch.randint(1, 10, (e,), generator=g)
+    queue = torch.zeros(0, dtype=torch.long)
+    for step in range(6):
+        selected = torch.unique(torch.randint(0, e, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g))
+        n = 1 + step % 2
+        budget = int(torch.randint(0, 40, (1,), generator=g))
+        want = brute_contiguity(queue.tolist(), selected.tolist(), lengths.tolist(), n, budget)
+        queue = update_contiguity(queue, selected, lengths, n, budget)
+        assert queue.tolist() == want
+        assert int(lengths[queue].sum()) <= budget
+
+
+def test_contiguity_keeps_old_entries_while_they_fit():
+    from core.memory import update_contiguity
+
+    lengths = torch.full((20,), 4)
+    q = update_contiguity(torch.zeros(0, dtype=torch.long), torch.tensor([5]), lengths, 1, 12)
+    assert q.tolist() == [4, 6]
+    q = update_contiguity(q, torch.tensor([15]), lengths, 1, 12)  # 4 + 6 + 14 + 16 = 16 tokens > 12
+    assert q.tolist() == [6, 14, 16]  # the oldest went first
+    q = update_contiguity(q, torch.tensor([6]), lengths, 1, 12)  # 5 and 7 join; 6 is selected, stays queued
+    assert q.tolist() == [16, 5, 7]
