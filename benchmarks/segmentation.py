@@ -18,18 +18,14 @@ import time
 import torch
 
 from benchmarks.corpus import tokens as corpus_tokens
+from benchmarks.ingest_speed import emllm_run
 from core import document, models
 from core.engine import Engine
 from core.passkey import parse_length
 
 
 def per_chunk(model, prof, ids) -> float:
-    eng = Engine(model, prof)
-    t = []
-    for off in range(0, ids.numel(), prof.chunk_size):
-        t0 = time.perf_counter()
-        eng.step(ids[off : off + prof.chunk_size])
-        t.append(time.perf_counter() - t0)
+    t, _ = emllm_run(model, prof, ids)
     skip = -(-(prof.n_local) // prof.chunk_size)  # once events form
     return sum(t[skip:]) / len(t[skip:])
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from core.engine import Engine
+from tests.test_surprise_memory import brute_contiguity, brute_select
 from core.window import LayerWindow
 from tests.conftest import tiny_model, tiny_profile
 
@@ -29,17 +30,8 @@ def naive_layer(snap: LayerWindow, q, k, v, scaling, n_local, budget, inv_freq, 
     qm = torch.stack([torch.stack([rotate(q[h, i], n_local - 1, inv_freq) for i in range(c)]).mean(0) for h in range(h_q)])
     reprs, lens = snap.events.repr_keys().double(), snap.events.event_lengths().tolist()
     scores = [sum(float(qm[h] @ reprs[e, h]) for h in range(h_q)) for e in range(len(lens))]
-    order = sorted(range(len(lens)), key=lambda e: (-scores[e], e))
-    chosen, used = [], 0
-    for e in order:
-        if used + lens[e] > budget:
-            break
-        chosen.append(e)
-        used += lens[e]
-    chosen.sort()
+    chosen = brute_select(scores, lens, budget)
     if cont_budget:  # contiguity queue: neighbours join at the back, oldest leave first
-        from tests.test_surprise_memory import brute_contiguity
-
         queue = brute_contiguity(snap.contiguity.tolist(), chosen, lens, 1, cont_budget)
         chosen = sorted(set(chosen) | set(queue))
     starts = [sum(lens[:e]) for e in range(len(lens))]
