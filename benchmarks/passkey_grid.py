@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--first-trial", type=int, default=0, help="extend an earlier grid with new trials")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -48,7 +49,7 @@ def main() -> None:
               f"{r.answer!r} (key {r.key}, {r.seconds:.0f} s)", flush=True)
 
     res = run_grid(model, tok, lambda: Engine(model, src.profile), lengths, depths, a.trials, a.seed,
-                   baseline=not a.no_baseline, on_result=keep)
+                   baseline=not a.no_baseline, on_result=keep, first_trial=a.first_trial)
     acc = defaultdict(list)
     for r in res:
         acc[(r.method, r.length)].append(r.correct)

@@ -116,14 +116,15 @@ def _stop_ids(tok, model) -> list[int]:
 def run_grid(
     model, tok, engine_factory, lengths: list[int], depths: list[float], trials: int, seed: int,
     baseline: bool = False, on_result: Callable[[TrialResult], None] | None = None,
-    progress: Callable | None = None,
+    progress: Callable | None = None, first_trial: int = 0,
 ) -> list[TrialResult]:
-    """Every (length, depth, trial) cell; the key and prompt depend only on (seed, length, depth, trial)."""
+    """Every (length, depth, trial) cell; the key and prompt depend only on (seed, length, depth, trial),
+    so a grid can be extended later with `first_trial` without repeating a prompt."""
     results = []
     methods = ["emllm"] + (["baseline"] if baseline else [])
     for length in lengths:
         for depth in depths:
-            for t in range(trials):
+            for t in range(first_trial, first_trial + trials):
                 prompt = build_prompt(tok, length, depth, random.Random(f"{seed}/{length}/{depth}/{t}"))
                 for method in methods:
                     t0 = time.perf_counter()
