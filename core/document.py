@@ -79,7 +79,8 @@ def boundaries(a: Analysis, method: str, min_block: int, max_block: int, chunk: 
         lo, hi = b[i], b[j]
         local = torch.tensor(b[i:j]) - lo
         adj = key_adjacency(a.keys[:, :, lo:hi])
-        r = enforce_block_sizes(refine(adj, local, metric, min_block=min_block), hi - lo, min_block, max_block)
+        r = refine(adj, local, metric, min_block=min_block, max_block=max_block)
+        r = enforce_block_sizes(r, hi - lo, min_block, max_block)
         out.append(r + lo)
         i = j
     return torch.cat(out)

@@ -64,6 +64,16 @@ class Engine:
                 f"the model attends within a sliding window of {sw} tokens; the profile's local window "
                 f"n_local + chunk_size = {profile.n_local + profile.chunk_size} exceeds it: lower n_local"
             )
+        n_layers = cfg.num_hidden_layers
+        if profile.refine_from_layer is not None and profile.refine_from_layer >= n_layers:
+            # the profile cannot check this (it does not know the model); refinement would have
+            # no layers to build its similarity graph from
+            from .config import ProfileError
+
+            raise ProfileError(
+                f"profile {profile.name!r}: refine_from_layer = {profile.refine_from_layer} but the model "
+                f"has {n_layers} layers (0..{n_layers - 1})"
+            )
         self.model = model
         self.profile = profile
         attention.register()
@@ -184,7 +194,10 @@ class Engine:
         keys = torch.stack([w.rem_k[:, :n] for w in self.windows[first:]])  # [layers, H_kv, n, D]
         a = key_adjacency(keys)
         metric = "modularity" if pr.segmentation.endswith("M") else "conductance"
-        inner = refine(a, starts[:-1], metric, min_block=pr.min_block)
+        # Every event of the stretch is closed, so all of them (the last one, [starts[-2], n),
+        # included) must stay in [min_block, max_block]: refine only moves a boundary where both
+        # events it changes stay in bounds. enforce_block_sizes is then a no-op safety net.
+        inner = refine(a, starts[:-1], metric, min_block=pr.min_block, max_block=pr.max_block)
         inner = enforce_block_sizes(inner, n, pr.min_block, pr.max_block)
         return torch.cat((inner, starts[-1:]))
 

@@ -8,32 +8,71 @@ dims (Phi-3) where the pass-through part is never scaled.
 cos/sin come from the model's rotary module itself, so every rope type it supports (llama3
 scaling, LongRoPE with its short/long factors, YaRN, dynamic NTK) is honoured as the model would
 for a sequence of the window's length.
+
+Low precision (bf16/fp16)
+-------------------------
+The module computes ``cos(theta t) * s`` in float32 and casts to the model dtype. At position 0
+that is ``s_d = dtype(float32(s))`` (cos 0 = 1, sin 0 = 0), so what reaches us is
+``q0 = dtype(q * s_d)``, while the model would use ``dtype(q * dtype(cos * s)) + ...``.
+For ``q0 * c`` to equal ``q * cos * s`` we need ``c = cos * s / s_d``: we divide by the *rounded*
+scale s_d (read from the module at position 0 in the model dtype), not by s (that would leave a systematic factor s_d / s, up to 2^-9 in bf16 for
+LongRoPE/YaRN), and we divide the float32 values before the one cast to the model dtype, so the
+table is rounded once, like the model's, instead of dividing already-rounded values.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import Tensor, nn
 
+_MAX_CACHED = 8  # tables kept for length-dependent rope types (lengths seen: a handful per stream)
+
 
 class Rotary:
-    """cos/sin tables of one model's rotary embedding, without its attention scaling."""
+    """cos/sin tables of one model's rotary embedding, without its attention scaling.
+
+    Tables are cached: the engine asks for one every step. For most rope types position t's angle
+    does not depend on the table's length, so one table per (device, dtype), grown to the longest
+    length asked, is sliced. LongRoPE (short/long factors) and dynamic NTK pick their frequencies
+    from the length itself, so for those each length has its own table (a small LRU).
+    """
 
     def __init__(self, rotary_emb: nn.Module) -> None:
         self.module = rotary_emb
-        self.scaling = float(getattr(rotary_emb, "attention_scaling", 1.0) or 1.0)
+        rt = str(getattr(rotary_emb, "rope_type", "default"))
+        self.length_dependent = rt == "longrope" or "dynamic" in rt  # as transformers' dynamic_rope_update
+        self._cache: OrderedDict[tuple, tuple[Tensor, Tensor]] = OrderedDict()
 
     @torch.no_grad()
-    def table(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin: [length, rotary_dim] for positions 0..length-1."""
+    def _compute(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         pos = torch.arange(length, device=device)[None]  # [1, length]
-        probe = torch.empty(0, device=device, dtype=dtype)
-        cos, sin = self.module(probe, pos)  # [1, length, rotary_dim], scaled by attention_scaling
-        # Divide in float32 then cast: the model's tables are built the same way.
-        cos, sin = cos[0], sin[0]
-        if self.scaling != 1.0:
-            cos, sin = cos / self.scaling, sin / self.scaling
-        return cos.to(dtype), sin.to(dtype)
+        probe = torch.empty(0, device=device, dtype=torch.float32)  # float32 out: no rounding yet
+        # s_d: the factor the model's attention applies at position 0 (module doc), read from the
+        # module itself in the model dtype rather than re-derived, then divided out in float32
+        zero = torch.zeros(1, 1, dtype=torch.long, device=device)
+        s_d = self.module(torch.empty(0, device=device, dtype=dtype), zero)[0][0, 0, :1].float()  # [1]
+        cos, sin = self.module(probe, pos)  # [1, length, rotary_dim] float32, scaled by s
+        return (cos[0] / s_d).to(dtype), (sin[0] / s_d).to(dtype)
+
+    def table(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin: [length, rotary_dim] for positions 0..length-1 (read-only: may be cached views)."""
+        device = torch.device(device)
+        if self.length_dependent:
+            key = (length, device, dtype)
+            hit = self._cache.get(key)
+            if hit is None:
+                hit = self._cache[key] = self._compute(length, device, dtype)
+                while len(self._cache) > _MAX_CACHED:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(key)
+            return hit
+        key = (device, dtype)
+        hit = self._cache.get(key)
+        if hit is None or hit[0].shape[0] < length:
+            hit = self._cache[key] = self._compute(length, device, dtype)
+        return hit[0][:length], hit[1][:length]
 
 
 def rotate_half(x: Tensor) -> Tensor:

@@ -254,7 +254,12 @@ def intra_inter_similarity(A: Tensor, starts: Tensor) -> float:
 
 # -- refinement (paper Algorithm 1) ------------------------------------------------------------
 def refine(
-    A: Tensor, starts: Tensor, metric: str = "modularity", min_block: int = 1, tol: float = 1e-9
+    A: Tensor,
+    starts: Tensor,
+    metric: str = "modularity",
+    min_block: int = 1,
+    tol: float = 1e-9,
+    max_block: int | None = None,
 ) -> Tensor:
     """Move each boundary to its best position (paper Algorithm 1, spec §3).
 
@@ -263,8 +268,15 @@ def refine(
     or minimises mean conductance (metric="conductance") of the whole segmentation with only that
     boundary moved. Only events [alpha, p) and [p, gamma) change, so candidates are ranked by their
     contribution, computed for all p at once from 2-D prefix sums of A.
-    min_block: candidates must leave the left event at least min_block long (the original
-    position stays a candidate regardless); size limits are otherwise enforce_block_sizes' job.
+    Sizes: a candidate p must leave both changed events [alpha, p) and [p, gamma) at least
+    min_block and, if max_block is given, at most max_block long; the original position beta stays
+    a candidate regardless. Moving a boundary left grows the right event, so without max_block a
+    valid segmentation can come out with an event longer than max_block, and cutting that
+    afterwards (enforce_block_sizes) leaves a piece shorter than min_block. With max_block, a
+    segmentation whose events all lie in [min_block, max_block] keeps that property: the right
+    event [p, gamma) is checked here, and afterwards gamma can only move left to a position that
+    leaves it >= min_block (it is the next step's left event), so it never leaves the bounds. (For an input that already violates the bounds only
+    the moved positions are checked; e.g. a short last event of a document can stay short.)
 
     Ties: scores closer than ``tol`` (in metric units: modularity, or mean conductance) count as
     equal, so rounding never decides and plateaus (common: conductance is flat in p while both
@@ -280,6 +292,8 @@ def refine(
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     if min_block < 1:
         raise ValueError(f"min_block must be >= 1, got {min_block}")
+    if max_block is not None and max_block < min_block:
+        raise ValueError(f"need min_block <= max_block, got {min_block}, {max_block}")
     n, s = _check(A, starts)
     k = len(s)
     out = starts.reshape(-1).to(A.device).clone()
@@ -325,7 +339,11 @@ def refine(
             phi_l = _safe_div(cut_l, torch.minimum(deg_l, total - deg_l))
             phi_r = _safe_div(cut_r, torch.minimum(deg_r, total - deg_r))
             score = -(phi_l + phi_r)  # k * mean conductance, up to a constant; maximise its negative
-        valid = (p >= a1 + min_block) | (p == beta)
+        size_l, size_r = p - a1, gamma - p  # [c] sizes of the two changed events
+        valid = (size_l >= min_block) & (size_r >= min_block)
+        if max_block is not None:
+            valid &= (size_l <= max_block) & (size_r <= max_block)
+        valid |= p == beta  # the original position is always allowed (keeps the input's sizes)
         score = torch.where(valid, score, neg_inf)
         best = score.max()
         j = torch.argmax((score >= best - tol_s).to(torch.uint8))  # smallest p within tol of best

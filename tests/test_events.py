@@ -31,6 +31,33 @@ def test_events_respect_sizes_and_cover_the_evicted_stream(seg):
         assert set(lengths.tolist()) == {8}
 
 
+@pytest.mark.parametrize("seg", ["SM", "SC"])
+@pytest.mark.parametrize("sizes", [(4, 6), (2, 5)])
+def test_refined_events_respect_sizes(seg, sizes):
+    # Tight bounds: refinement moving a boundary left used to grow the next event past max_block,
+    # and cutting it afterwards left pieces shorter than min_block (as short as 1 token).
+    mn, mx = sizes
+    eng = Engine(tiny_model("qwen2"), tiny_profile(segmentation=seg, min_block=mn, max_block=mx))
+    eng.feed(torch.randint(0, 300, (300,), generator=torch.Generator().manual_seed(0)))
+    lengths = eng.windows[0].events.event_lengths()
+    assert lengths.numel() > 20
+    assert lengths.min() >= mn and lengths.max() <= mx, lengths.tolist()
+    assert int(lengths.sum()) == eng.rem_start - eng.profile.n_init
+
+
+def test_refine_from_layer_beyond_the_model_is_refused():
+    from core.config import ProfileError
+
+    model = tiny_model("qwen2")  # 2 layers
+    with pytest.raises(ProfileError, match="refine_from_layer = 2 but the model has 2 layers"):
+        Engine(model, tiny_profile(segmentation="SM", refine_from_layer=2))
+    with pytest.raises(ProfileError, match="refine_from_layer = 40"):
+        Engine(model, tiny_profile(segmentation="S", refine_from_layer=40))  # analyse() uses it too
+    eng = Engine(model, tiny_profile(segmentation="SM", refine_from_layer=1))  # the last layer: fine
+    eng.feed(torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(1)))
+    assert eng.n_events > 0
+
+
 def test_refinement_moves_some_boundaries():
     model = tiny_model("llama3.1")
     ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(4))

@@ -81,3 +81,93 @@ def test_sliding_window_smaller_than_local_window_is_refused():
     m = AutoModelForCausalLM.from_config(MistralConfig(**COMMON, sliding_window=16))
     with pytest.raises(UnsupportedModelError, match="sliding window"):
         Engine(m, tiny_profile())
+
+
+# -- low precision and the rotary tables ---------------------------------------------------------
+def tiny_model_dtype(arch: str, dtype: torch.dtype, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import tiny_config
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(arch), dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama3.1", "phi3"])  # llama3 rope scaling; LongRoPE with attention scaling
+@pytest.mark.parametrize("mode", ["one-shot", "chunks"])
+def test_bf16_models_close_to_vanilla(arch, mode):
+    model = tiny_model_dtype(arch, torch.bfloat16)
+    n = 60  # fits the local window, beyond the original context (32): long factors / llama3 scaling
+    ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(3))
+    ref = vanilla_logits(model, ids)
+    prof = tiny_profile(n_local=64, chunk_size=64 if mode == "one-shot" else 16)
+    got = engine_logits(model, prof, ids, [n] if mode == "one-shot" else [16, 16, 16, 12])
+    # bf16 keeps 8 significant bits: a few ulps of the largest logit, and far less on average
+    # (vanilla bf16 itself differs from vanilla float32 by about 0.004 here)
+    scale = ref.abs().max().item()
+    assert (got - ref).abs().max().item() <= 4 * 2**-8 * scale
+    assert (got - ref).abs().mean().item() <= 2**-8 * scale / 2
+
+
+def test_rotary_bf16_matches_the_models_rotation():
+    # What the attention receives at position 0 is q0 = bf16(q * bf16(s)); rotating q0 with our
+    # table must give what the model's own rotation at position t gives, without a bias. Dividing
+    # the bf16 table by the exact s (the former code) left a factor bf16(s)/s ~ 0.997 here.
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from core.rope import Rotary, apply_rotary
+
+    model = tiny_model_dtype("phi3", torch.bfloat16)
+    emb = model.model.rotary_emb
+    s = emb.attention_scaling
+    assert abs(float(torch.tensor(s).to(torch.bfloat16)) / s - 1) > 2e-3  # the rounding matters
+    n = 64
+    bf = torch.empty(0, dtype=torch.bfloat16)
+    cos_m, sin_m = emb(bf, torch.arange(n)[None])
+    cos_0, sin_0 = emb(bf, torch.zeros(1, n, dtype=torch.long))
+    q = torch.randn(1, 32, n, cos_m.shape[-1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    want, _ = apply_rotary_pos_emb(q, q, cos_m, sin_m)  # the model, position t
+    q0, _ = apply_rotary_pos_emb(q, q, cos_0, sin_0)  # what our attention gets
+    cos, sin = Rotary(emb).table(n, torch.device("cpu"), torch.bfloat16)
+    assert cos.dtype == torch.bfloat16 and cos.shape == (n, cos_m.shape[-1])
+    got = apply_rotary(q0, cos, sin).double()
+    w = want.double()
+    bias = float((got * w).sum() / (w * w).sum())  # least-squares scale of ours against the model's
+    assert abs(bias - 1) < 1e-3
+    assert float((got - w).abs().mean() / w.abs().mean()) < 2.5e-3  # rounding noise only
+
+
+@pytest.mark.parametrize("arch", ["llama3.1", "phi3"])
+def test_rotary_table_cache(arch):
+    from core.rope import Rotary
+
+    model = tiny_model(arch)
+    emb = model.model.rotary_emb
+    calls = []
+    hook = emb.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        rot = Rotary(emb)
+        dev, dt = torch.device("cpu"), torch.float32
+        c1, s1 = rot.table(64, dev, dt)
+        n_calls = len(calls)
+        c2, s2 = rot.table(64, dev, dt)
+        assert len(calls) == n_calls  # served from the cache
+        assert torch.equal(c1, c2) and torch.equal(s1, s2) and c1.data_ptr() == c2.data_ptr()
+        # A shorter table must equal a fresh one of that length. For LongRoPE it is not a slice:
+        # 20 <= 32 original positions selects the short factors, 64 the long ones.
+        c3, s3 = rot.table(20, dev, dt)
+        f3, g3 = Rotary(emb).table(20, dev, dt)
+        assert torch.equal(c3, f3) and torch.equal(s3, g3)
+        assert torch.equal(c3, c1[:20]) == (arch != "phi3")
+        rot.table(20, dev, dt)
+        rot.table(64, dev, dt)
+        assert torch.equal(rot.table(64, dev, dt)[0], c1)
+        # bf16 is its own entry: the float32 values divided by the bf16-rounded scale, rounded once
+        cb, _ = rot.table(64, dev, torch.bfloat16)
+        s_bf16 = float(emb(torch.empty(0, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.long))[0][0, 0, 0])
+        raw = emb(torch.empty(0), torch.arange(64)[None])[0][0]  # float32, scaled by s
+        assert cb.dtype == torch.bfloat16 and torch.equal(cb, (raw / s_bf16).to(torch.bfloat16))
+        if arch != "phi3":  # no attention scaling: simply the float32 table rounded
+            assert torch.equal(cb, c1.to(torch.bfloat16))
+    finally:
+        hook.remove()

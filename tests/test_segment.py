@@ -65,13 +65,29 @@ def metric_value(a: torch.Tensor, starts: torch.Tensor, metric: str) -> float:
 
 
 def naive_refine(
-    a: torch.Tensor, starts: torch.Tensor, metric: str, min_block: int = 1, tol: float = 1e-9
+    a: torch.Tensor,
+    starts: torch.Tensor,
+    metric: str,
+    min_block: int = 1,
+    tol: float = 1e-9,
+    max_block: int | None = None,
 ) -> list[int]:
-    """Algorithm 1 by brute force: every candidate scored by recomputing the metric from scratch."""
+    """Algorithm 1 by brute force: every candidate scored by recomputing the metric from scratch.
+
+    A candidate p must keep both changed events [alpha, p) and [p, gamma) within
+    [min_block, max_block]; the original position is always a candidate.
+    """
+    n = a.shape[0]
     cur = starts.tolist()
+    hi = max_block if max_block is not None else n
+
+    def fits(size: int) -> bool:
+        return min_block <= size <= hi
+
     for i in range(1, len(cur)):
         alpha, beta = cur[i - 1], cur[i]
-        cands = [p for p in range(alpha + 1, beta + 1) if p - alpha >= min_block or p == beta]
+        gamma = cur[i + 1] if i + 1 < len(cur) else n
+        cands = [p for p in range(alpha + 1, beta + 1) if (fits(p - alpha) and fits(gamma - p)) or p == beta]
         score = {p: metric_value(a, torch.tensor(cur[:i] + [p] + cur[i + 1 :]), metric) for p in cands}
         best = max(score.values())
         if best > score[beta] + tol:  # keep the original unless beaten by > tol
@@ -248,6 +264,62 @@ def test_refine_matches_naive(metric):
         cases += 1
         moved += got != st.tolist()
     assert moved > cases // 2  # the comparison is not vacuous
+
+
+def rand_sized_starts(rng: random.Random, mn: int, mx: int, k: int) -> tuple[torch.Tensor, int]:
+    """k events with sizes uniform in [mn, mx] (the last one too); returns (starts, n)."""
+    sizes = [rng.randint(mn, mx) for _ in range(k)]
+    starts = [0]
+    for x in sizes[:-1]:
+        starts.append(starts[-1] + x)
+    return torch.tensor(starts, dtype=torch.long), sum(sizes)
+
+
+def sizes_of(starts: torch.Tensor, n: int) -> list[int]:
+    s = starts.tolist() + [n]
+    return [b - a for a, b in zip(s, s[1:])]
+
+
+@pytest.mark.parametrize("metric", ["modularity", "conductance"])
+def test_refine_keeps_every_event_within_block_sizes(metric):
+    # The engine's closed stretch: every event, the last one included, is in [min, max]; after
+    # refinement they all must still be (moving a boundary left grows the event to its right).
+    rng = random.Random(11)
+    grew = 0  # cases where refinement without max_block would have produced an event > max
+    for seed in range(80):
+        mn = rng.randint(1, 5)
+        mx = rng.randint(mn, mn + rng.choice([0, 1, 3, 8]))
+        st, n = rand_sized_starts(rng, mn, mx, rng.randint(1, max(1, 70 // mx)))
+        a = rand_graph(n, 9000 + seed, zero_frac=rng.choice([0.0, 0.5]), diag=rng.random() < 0.7)
+        if rng.random() < 0.3:
+            a = a.float()
+        got = refine(a, st, metric, min_block=mn, max_block=mx)
+        assert got.dtype == torch.long and got.numel() == st.numel() and torch.all(got <= st)
+        assert all(mn <= x <= mx for x in sizes_of(got, n)), (seed, st.tolist(), got.tolist(), mn, mx)
+        assert got.tolist() == naive_refine(a, st, metric, min_block=mn, max_block=mx), (seed, st.tolist())
+        assert metric_value(a, got, metric) >= metric_value(a, st, metric) - 1e-9
+        assert enforce_block_sizes(got, n, mn, mx).tolist() == got.tolist()  # the engine's safety net: a no-op
+        grew += max(sizes_of(refine(a, st, metric, min_block=mn), n)) > mx
+    assert grew > 5  # the bound is exercised, not vacuous
+
+
+@pytest.mark.parametrize("metric", ["modularity", "conductance"])
+def test_refine_max_block_examples(metric):
+    # Two planted blocks, [0, 6) and [6, 24); events of 4, 8, 8, 4 tokens. Unbounded, the boundary
+    # at 12 moves to the block edge 6 and leaves [8 or 14, 24) longer than 8 (enforce_block_sizes
+    # would then cut it, leaving a short piece). With max_block 8 no move keeps [p, 20) <= 8, so
+    # nothing moves; with 10, 12 may go down to 10 and does, as close to the edge as allowed.
+    a = torch.full((24, 24), 0.05, dtype=torch.float64)
+    a[:6, :6] += 1
+    a[6:, 6:] += 1
+    st = torch.tensor([0, 4, 12, 20])
+    assert refine(a, st, metric, min_block=2).tolist()[:3] == [0, 4, 6]
+    assert refine(a, st, metric, min_block=2, max_block=8).tolist() == [0, 4, 12, 20]
+    assert refine(a, st, metric, min_block=2, max_block=10).tolist() == [0, 4, 10, 20]
+    for mx in (8, 10):
+        assert refine(a, st, metric, min_block=2, max_block=mx).tolist() == naive_refine(a, st, metric, 2, max_block=mx)
+    with pytest.raises(ValueError):
+        refine(a, st, min_block=5, max_block=4)
 
 
 @pytest.mark.parametrize("metric", ["modularity", "conductance"])
