@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 from . import attention
 from .config import Profile
-from .memory import GrowBuffer, Selection
+from .memory import EventMemory, GrowBuffer, Selection
 from .rope import Rotary
 from .segment import enforce_block_sizes, key_adjacency, refine, surprise_starts
 from .surprise import boundary_flags, token_surprise
@@ -55,7 +55,10 @@ class ChunkReport:
 
 
 class Engine:
-    def __init__(self, model: PreTrainedModel, profile: Profile) -> None:
+    def __init__(
+        self, model: PreTrainedModel, profile: Profile, memory: Callable[[int], EventMemory] | None = None
+    ) -> None:
+        """memory: layer index -> that layer's event memory (default: in RAM; the store gives its own)."""
         check_supported(model)
         cfg = model.config
         sw = getattr(cfg, "sliding_window", None)
@@ -86,6 +89,9 @@ class Engine:
             LayerWindow(i, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, self.dtype, self.device)
             for i in range(cfg.num_hidden_layers)
         ]
+        if memory is not None:
+            for w in self.windows:
+                w.events = memory(w.layer_idx)
         self.ids = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         self.surprise = GrowBuffer((0,), 0, torch.float32, torch.device("cpu"))  # NaN: none
         self.flags = GrowBuffer((0,), 0, torch.bool, torch.device("cpu"))
@@ -200,6 +206,37 @@ class Engine:
         inner = refine(a, starts[:-1], metric, min_block=pr.min_block, max_block=pr.max_block)
         inner = enforce_block_sizes(inner, n, pr.min_block, pr.max_block)
         return torch.cat((inner, starts[-1:]))
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Tensor]:
+        """Everything that continues the stream besides the events and the token arrays:
+        per layer the initial tokens, remainder and local window with their attention mass, the
+        contiguity queue; the last logits and the stream counters."""
+        out: dict[str, Tensor] = {"rem_start": torch.tensor(self.rem_start), "n_tokens": torch.tensor(self.n_tokens)}
+        if self.last_logits is not None:
+            out["last_logits"] = self.last_logits
+        for w in self.windows:
+            for name, t in w.state().items():
+                out[f"layer{w.layer_idx}.{name}"] = t
+        return out
+
+    def load_state_dict(self, state: dict[str, Tensor], ids: Tensor, surprise: Tensor, flags: Tensor) -> None:
+        """Continue a stream: `state` from `state_dict`, and the stream's token arrays [n]."""
+        n = int(state["n_tokens"])
+        if not ids.numel() == surprise.numel() == flags.numel() == n:
+            raise ValueError(f"state is for {n} tokens, arrays hold {ids.numel()}")
+        self.ids = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
+        self.surprise = GrowBuffer((0,), 0, torch.float32, torch.device("cpu"))
+        self.flags = GrowBuffer((0,), 0, torch.bool, torch.device("cpu"))
+        if n:
+            self.ids.append(ids.long())
+            self.surprise.append(surprise.float())
+            self.flags.append(flags.bool())
+        self.rem_start = int(state["rem_start"])
+        self.last_logits = state.get("last_logits")
+        for w in self.windows:
+            prefix = f"layer{w.layer_idx}."
+            w.load_state({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
     # -- generation ----------------------------------------------------------------------------
     def generate_iter(self, max_new_tokens: int, stop_ids: set[int] | None = None) -> Iterator[int]:

@@ -158,6 +158,15 @@ def load(source: ModelSource, dtype: str = "auto", device: str | None = None):
     return model, tok
 
 
+def stop_token_ids(tok, model) -> list[int]:
+    """Token ids that end an answer: the tokenizer's EOS and the generation config's."""
+    ids = {tok.eos_token_id}
+    gen = getattr(model, "generation_config", None)
+    e = getattr(gen, "eos_token_id", None)
+    ids.update(e if isinstance(e, (list, tuple)) else [e])
+    return sorted(i for i in ids if i is not None)
+
+
 def config_hash(model) -> str:
     """A short hash of the model's architecture config, for store identity."""
     d = model.config.to_dict()
@@ -166,4 +175,4 @@ def config_hash(model) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-__all__ = ["resolve", "load", "ModelSource", "ModelNotFoundError", "ProfileError", "config_hash", "DEFAULT_MODEL"]
+__all__ = ["resolve", "load", "stop_token_ids", "ModelSource", "ModelNotFoundError", "ProfileError", "config_hash", "DEFAULT_MODEL"]

@@ -106,11 +106,9 @@ def run_baseline(model, tok, prompt: Prompt, max_new_tokens: int = 10) -> str:
 
 
 def _stop_ids(tok, model) -> list[int]:
-    ids = {tok.eos_token_id}
-    gen = getattr(model, "generation_config", None)
-    e = getattr(gen, "eos_token_id", None)
-    ids.update(e if isinstance(e, (list, tuple)) else [e])
-    return sorted(i for i in ids if i is not None)
+    from .models import stop_token_ids
+
+    return stop_token_ids(tok, model)
 
 
 def run_grid(

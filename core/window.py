@@ -57,6 +57,19 @@ class LayerWindow:
         self.events = EventMemory(h, self.n_q_heads, d, self.dtype, self.device)
         self.contiguity = torch.zeros(0, dtype=torch.long, device=self.device)  # event ids, oldest first
 
+    _STATE = ("init_k", "init_v", "local_k", "local_v", "local_mass", "rem_k", "rem_v", "rem_mass", "contiguity")
+
+    def state(self) -> dict[str, Tensor]:
+        """The tensors that continue this layer's stream (events excluded: they are in `events`)."""
+        return {**{name: getattr(self, name) for name in self._STATE}, "n_seen": torch.tensor(self.n_seen)}
+
+    def load_state(self, state: dict[str, Tensor]) -> None:
+        for name in self._STATE:
+            if name in state:
+                ref = getattr(self, name)
+                setattr(self, name, state[name].to(ref.device, ref.dtype).contiguous())
+        self.n_seen = int(state.get("n_seen", 0))
+
     # -- the attention call ------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float) -> Tensor:
         """q [H_q, c, D], k/v [H_kv, c, D], all pre-RoPE. Returns [H_q, c, D]."""

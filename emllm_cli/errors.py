@@ -25,8 +25,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from core.config import ProfileError
     from core.engine import UnsupportedModelError
     from core.models import ModelNotFoundError
+    from core.store import StoreError
 
-    return (UserError, ProfileError, ModelNotFoundError, UnsupportedModelError, FileNotFoundError, IsADirectoryError)
+    return (UserError, StoreError, ProfileError, ModelNotFoundError, UnsupportedModelError, FileNotFoundError, IsADirectoryError)
 
 
 def guarded(fn: F) -> F:

@@ -7,6 +7,8 @@ from importlib.metadata import PackageNotFoundError, version
 import typer
 
 from .errors import DEBUG
+from .ask import ask
+from .ingest import ingest
 from .passkey import passkey
 from .segment import segment
 
@@ -42,5 +44,7 @@ def main(
     hf_logging.set_verbosity_error()
 
 
+app.command("ingest")(ingest)
+app.command("ask")(ask)
 app.command("passkey")(passkey)
 app.command("segment")(segment)

@@ -1,0 +1,54 @@
+"""Asking a store: the read path behind `emllm ask`.
+
+The question continues the store's stream on a copy of its tail state: the engine is built on the
+store opened read-only, so events it closes while answering stay in RAM and the files are never
+written. Every question sees the same memory.
+
+    store = Store.open(path)
+    session = Session(store, model, tok)
+    for token_id in session.answer("who hid the key?", max_new_tokens=128): ...
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from torch import Tensor
+
+from .engine import Engine
+from .ingest import SEPARATOR, encode, open_engine, pending_tokens
+from .models import stop_token_ids
+from .store import Store, StoreError
+
+
+class Session:
+    """One question against a store (read-only)."""
+
+    def __init__(self, store: Store, model: Any, tok: Any) -> None:
+        job = store.manifest.get("job")
+        if job and not job["complete"]:
+            raise StoreError(
+                f"{store.path} has an unfinished ingest ({job['done']} of {job['tokens']} tokens): "
+                f"finish it with `emllm ingest --resume --store {store.path}`"
+            )
+        if store.tokens.rows == 0 and not pending_tokens(store):
+            raise StoreError(f"{store.path} is empty: add a document with `emllm ingest --append`")
+        self.store, self.model, self.tok = store, model, tok
+        self.engine: Engine = open_engine(store, model)
+
+    def question_ids(self, question: str) -> list[int]:
+        """The pending tail of the stream, then the question closing the user turn."""
+        fmt = self.store.manifest["stream"]
+        return pending_tokens(self.store) + encode(self.tok, SEPARATOR + question.strip() + fmt["suffix"])
+
+    def read_question(self, question: str) -> Tensor:
+        """Feed the question; returns the logits that predict the answer's first token [V]."""
+        return self.engine.feed(self.question_ids(question))
+
+    def answer(self, question: str, max_new_tokens: int = 256) -> Iterator[int]:
+        """Greedy answer, token by token, each token retrieving from the memory."""
+        self.read_question(question)
+        yield from self.engine.generate_iter(max_new_tokens, set(stop_token_ids(self.tok, self.model)))
+
+
+__all__ = ["Session"]

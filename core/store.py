@@ -1,0 +1,547 @@
+"""The on-disk store: the episodic memory of a stream, outliving the process (spec §5, design.md).
+
+A store is a folder:
+
+    manifest.json            what is committed: version, identity, profile, geometry, row counts
+    tokens.i32 surprise.f32 flags.u8          one row per processed token of the stream
+    events.i32                                one row per event: its length in tokens
+    layers/NN.k layers/NN.v                   per layer, one row [H_kv, D] per event token (pre-RoPE)
+    layers/NN.r                               per layer, one row [H_q, D] per event (representative key)
+    job-G.i32                the tokens of the current ingest job (so --resume needs no input)
+    state-G.safetensors      what continues the stream: windows, remainder, masses, last logits
+    lock                     held (flock) by the one writer
+
+Arrays are raw little-endian rows, append-only. A commit writes data first, fsyncs it, writes the
+new state file, then replaces the manifest atomically (temporary file, fsync, rename, fsync of
+the folder). Rows past the manifest's counts are an uncommitted tail: readers ignore it, a writer
+truncates it on open. So a crash at any moment, `kill -9` included, leaves the last commit
+readable. The manifest carries a checksum of its own content: an edited manifest is refused.
+No pickles: JSON, raw arrays and safetensors only. Format: docs/store-format.md.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .memory import GrowBuffer, token_index
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+# torch dtype <-> (name, numpy dtype of the raw bytes). bfloat16 has no numpy type: stored as u2.
+_DTYPES = {
+    torch.float32: ("float32", np.dtype("<f4")),
+    torch.float16: ("float16", np.dtype("<f2")),
+    torch.bfloat16: ("bfloat16", np.dtype("<u2")),
+    torch.int32: ("int32", np.dtype("<i4")),
+    torch.uint8: ("uint8", np.dtype("u1")),
+}
+_BY_NAME = {name: (t, n) for t, (name, n) in _DTYPES.items()}
+
+
+class StoreError(Exception):
+    """A store that cannot be used as asked; the message says what is wrong and what to do."""
+
+
+class StoreLockedError(StoreError):
+    pass
+
+
+# -- identity -------------------------------------------------------------------------------------
+def weights_hash(model: torch.nn.Module) -> str:
+    """Hash of the weights' metadata (names, shapes, dtypes): cheap, and catches another checkpoint
+    of a different shape; two fine-tunes of one shape differ in config or name instead."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def tokenizer_hash(tok: Any) -> str:
+    """Hash of the tokenizer's full definition (vocabulary, merges, normaliser, special tokens)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        text = backend.to_str()
+    else:
+        text = json.dumps(sorted(tok.get_vocab().items()))
+    text += json.dumps(sorted((str(k), str(v)) for k, v in tok.special_tokens_map.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a store was written with; all of it must match to continue or read it."""
+
+    model: str  # how the user named it (alias, folder or hub id)
+    config_hash: str
+    weights_hash: str
+    tokenizer_hash: str
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int
+    kv_heads: int
+    q_heads: int
+    head_dim: int
+    vocab: int
+    dtype: str  # of keys, values, representative keys (the model's)
+
+
+# -- raw arrays -----------------------------------------------------------------------------------
+class RowFile:
+    """An append-only file of fixed-shape rows, read through a memory map.
+
+    `rows` counts rows written by this process or committed before it; reads never reach past it.
+    The map is refreshed lazily when a read needs rows written since it was made.
+    """
+
+    def __init__(self, path: Path, row: tuple[int, ...], dtype: torch.dtype, rows: int, writable: bool) -> None:
+        self.path, self.row, self.dtype, self.rows, self.writable = path, tuple(row), dtype, rows, writable
+        self.np_dtype = _DTYPES[dtype][1]
+        self.row_bytes = int(np.prod(self.row, dtype=np.int64)) * self.np_dtype.itemsize
+        self._map: np.memmap | None = None
+        self._fd: int | None = None
+        if writable:
+            if rows:
+                self.check_size()  # never extend a truncated file with zeros
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            os.ftruncate(self._fd, rows * self.row_bytes)  # drop an uncommitted tail
+            os.lseek(self._fd, 0, os.SEEK_END)
+
+    def check_size(self) -> None:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            if self.rows == 0:
+                return
+            raise StoreError(f"{self.path.name} is missing from the store") from None
+        if size < self.rows * self.row_bytes:
+            raise StoreError(
+                f"{self.path.parent.name}/{self.path.name} is truncated ({size} bytes, the manifest needs "
+                f"{self.rows * self.row_bytes}): the store is damaged; re-ingest the document"
+            )
+
+    def append(self, x: Tensor) -> None:
+        """x [n, *row] in this file's dtype."""
+        assert self._fd is not None, "read-only"
+        data = x.detach().to("cpu", self.dtype).contiguous()
+        if self.dtype == torch.bfloat16:
+            data = data.view(torch.int16)
+        buf = data.numpy().tobytes()
+        view = memoryview(buf)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        self.rows += int(x.shape[0])
+
+    def sync(self) -> None:
+        if self._fd is not None:
+            os.fsync(self._fd)
+
+    def _mapped(self, need: int) -> np.memmap:
+        if self._map is None or self._map.shape[0] < need:
+            self._map = None
+            if self.rows == 0:
+                return np.zeros((0, *self.row), dtype=self.np_dtype)  # type: ignore[return-value]
+            self._map = np.memmap(self.path, dtype=self.np_dtype, mode="r", shape=(self.rows, *self.row))
+        return self._map
+
+    def _tensor(self, a: np.ndarray) -> Tensor:
+        with warnings.catch_warnings():  # a read-only map: nobody writes through these tensors
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(np.ascontiguousarray(a))
+        return t.view(torch.bfloat16) if self.dtype == torch.bfloat16 else t
+
+    def take(self, idx: Tensor) -> Tensor:
+        """Rows idx [n] (long, < rows) -> [n, *row], copied out of the map."""
+        if idx.numel() == 0:
+            return torch.zeros((0, *self.row), dtype=self.dtype)
+        m = self._mapped(int(idx.max()) + 1)
+        return self._tensor(m[idx.cpu().numpy()])
+
+    def read(self, start: int = 0, stop: int | None = None) -> Tensor:
+        stop = self.rows if stop is None else stop
+        if stop <= start:
+            return torch.zeros((0, *self.row), dtype=self.dtype)
+        return self._tensor(self._mapped(stop)[start:stop])
+
+    def close(self) -> None:
+        self._map = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+# -- the event memory of one layer, backed by the store --------------------------------------------
+class StoredEvents:
+    """`EventMemory` for one layer whose keys and values live in the store's files.
+
+    Representative keys and event sizes are small and scored at every step: they are kept in RAM
+    (read once on open). Keys/values are read per step for the retrieved events only, through the
+    memory map (the page cache is the warm tier). A read-only store (asking) keeps events closed
+    after opening in RAM instead, so asking never changes the files.
+    """
+
+    def __init__(self, store: "Store", layer: int) -> None:
+        self.store, self.layer = store, layer
+        g = store.geometry
+        dt = _BY_NAME[g.dtype][0]
+        self.k, self.v, self.r = store.layer_files[layer]
+        self.lengths = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
+        self.starts = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
+        self.reprs = GrowBuffer((0, g.q_heads, g.head_dim), 0, dt, torch.device("cpu"))
+        self.mapped_reprs = self.reprs.view()  # [E0, H_q, D] reader: the map itself, never copied
+        lengths = store.events.read().long()
+        if lengths.numel():
+            self.lengths.append(lengths)
+            self.starts.append(torch.cumsum(lengths, 0) - lengths)
+            if store.writable:
+                self.reprs.append(self.r.read())  # the writer appends at every step: keep one buffer
+            else:
+                self.mapped_reprs = self.r.read()
+        self.n_disk = int(lengths.sum())  # event tokens in the files
+        self.ram_k = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
+        self.ram_v = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
+
+    def __len__(self) -> int:
+        return self.lengths.n
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_disk + self.ram_k.n
+
+    def append(self, keys: Tensor, values: Tensor, lengths: Tensor, reprs: Tensor) -> None:
+        """keys/values [H_kv, n, D], lengths [e], reprs [e, H_q, D]."""
+        lengths = lengths.cpu()
+        offsets = torch.cumsum(lengths, 0) - lengths + self.n_tokens
+        k, v = keys.transpose(0, 1).cpu(), values.transpose(0, 1).cpu()  # [n, H_kv, D] rows
+        if self.store.writable:
+            self.k.append(k)
+            self.v.append(v)
+            self.r.append(reprs)
+            self.n_disk += k.shape[0]
+        else:
+            self.ram_k.append(k)
+            self.ram_v.append(v)
+        self.starts.append(offsets)
+        self.lengths.append(lengths)
+        self.reprs.append(reprs.cpu())
+
+    def repr_keys(self) -> Tensor:
+        """[E, H_q, D]; a reader's are the map, plus events closed since opening (rare: a cat)."""
+        if self.mapped_reprs.shape[0] == 0:
+            return self.reprs.view()
+        if self.reprs.n == 0:
+            return self.mapped_reprs
+        return torch.cat((self.mapped_reprs, self.reprs.view()))
+
+    def event_lengths(self) -> Tensor:
+        return self.lengths.view()
+
+    def gather(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of events `ids`: [H_kv, n, D] each, on the ids' device."""
+        dev = ids.device
+        ids = ids.cpu()
+        idx = token_index(self.starts.view()[ids], self.lengths.view()[ids])
+        disk = idx < self.n_disk
+        if bool(disk.all()):
+            k, v = self.k.take(idx), self.v.take(idx)
+        else:
+            k = torch.empty((idx.numel(), *self.k.row), dtype=self.ram_k.buf.dtype)
+            v = torch.empty_like(k)
+            k[disk], v[disk] = self.k.take(idx[disk]), self.v.take(idx[disk])
+            ram = idx[~disk] - self.n_disk
+            k[~disk], v[~disk] = self.ram_k.view()[ram], self.ram_v.view()[ram]
+        return k.transpose(0, 1).to(dev), v.transpose(0, 1).to(dev)
+
+
+# -- the store --------------------------------------------------------------------------------------
+def _checksum(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def is_store(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+class Store:
+    """One store folder, open for reading (any number of readers) or writing (one writer)."""
+
+    def __init__(self, path: Path, manifest: dict, writable: bool, lock_fd: int | None) -> None:
+        self.path, self.manifest, self.writable, self._lock_fd = path, manifest, writable, lock_fd
+        g = manifest["geometry"]
+        self.geometry = Geometry(**g)
+        rows = manifest["rows"]
+        dt = _BY_NAME[self.geometry.dtype][0]
+        f = lambda name, row, dtype, n: RowFile(path / name, row, dtype, n, writable)  # noqa: E731
+        self.tokens = f("tokens.i32", (), torch.int32, rows["tokens"])
+        self.surprise = f("surprise.f32", (), torch.float32, rows["tokens"])
+        self.flags = f("flags.u8", (), torch.uint8, rows["tokens"])
+        self.events = f("events.i32", (), torch.int32, rows["events"])
+        h, hq, d = self.geometry.kv_heads, self.geometry.q_heads, self.geometry.head_dim
+        self.layer_files = [
+            (
+                f(f"layers/{i:02d}.k", (h, d), dt, rows["event_tokens"]),
+                f(f"layers/{i:02d}.v", (h, d), dt, rows["event_tokens"]),
+                f(f"layers/{i:02d}.r", (hq, d), dt, rows["events"]),
+            )
+            for i in range(self.geometry.layers)
+        ]
+        job = manifest.get("job")
+        self.job: RowFile | None = f(job["file"], (), torch.int32, job["tokens"]) if job else None
+
+    # -- files -------------------------------------------------------------------------------
+    def all_files(self) -> list[RowFile]:
+        job = [self.job] if self.job is not None else []
+        return [self.tokens, self.surprise, self.flags, self.events, *job] + [x for t in self.layer_files for x in t]
+
+    def close(self) -> None:
+        for rf in self.all_files():
+            rf.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- open / create -----------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: Path, identity: Identity, profile: dict, geometry: Geometry, extra: dict | None = None) -> "Store":
+        """A new, empty store at `path` (which must not exist or be an empty folder)."""
+        path = Path(path)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            if is_store(path):
+                raise StoreError(f"a store already exists at {path}: use --append to add to it, or choose another --store")
+            raise StoreError(f"{path} exists and is not an empty folder: choose another --store")
+        (path / "layers").mkdir(parents=True, exist_ok=True)
+        lock_fd = _lock(path)
+        now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        manifest = {
+            "format": "emllm-store",
+            "version": FORMAT_VERSION,
+            "created": now,
+            "updated": now,
+            "identity": identity.as_dict(),
+            "profile": profile,
+            "geometry": geometry.__dict__,
+            "rows": {"tokens": 0, "events": 0, "event_tokens": 0},
+            "state": None,
+            "job": None,
+            "documents": [],
+            **(extra or {}),
+        }
+        st = cls(path, manifest, True, lock_fd)
+        st._write_manifest()
+        return st
+
+    @classmethod
+    def open(cls, path: Path, writable: bool = False) -> "Store":
+        path = Path(path)
+        if not path.is_dir():
+            raise StoreError(f"no store at {path}")
+        if not is_store(path):
+            raise StoreError(f"{path} is not an emllm store (no {MANIFEST}); give a store made by `emllm ingest`")
+        lock_fd = _lock(path) if writable else None
+        try:
+            manifest = read_manifest(path)
+            st = cls(path, manifest, writable, lock_fd)
+            st._check_files()
+        except BaseException:
+            if lock_fd is not None:
+                os.close(lock_fd)
+            raise
+        if writable:
+            st._drop_stale_states()
+        return st
+
+    def _check_files(self) -> None:
+        for rf in self.all_files():
+            if not rf.writable:
+                rf.check_size()
+        if self.manifest["state"] and not (self.path / self.manifest["state"]["file"]).is_file():
+            raise StoreError(f"{self.manifest['state']['file']} is missing from the store: the store is damaged")
+
+    def check_identity(self, identity: Identity) -> None:
+        """Refuse a model or tokenizer other than the store's, naming the difference."""
+        have = self.manifest["identity"]
+        for key, what in (("config_hash", "model config"), ("weights_hash", "model weights"), ("tokenizer_hash", "tokenizer")):
+            if have[key] != getattr(identity, key):
+                raise StoreError(
+                    f"the store was written with model {have['model']!r}; this {what} differs "
+                    f"({getattr(identity, key)} != {have[key]}): use -m {have['model']} or another --store"
+                )
+
+    # -- commit ------------------------------------------------------------------------------
+    def commit(self, engine_state: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        """Make everything appended so far durable, with the state that continues the stream.
+
+        Order: data files fsynced, new state file written and fsynced, then the manifest swapped
+        atomically; the previous state file is deleted only after the manifest no longer names it.
+        """
+        from safetensors.torch import save_file
+
+        assert self.writable
+        for rf in self.all_files():
+            rf.sync()
+        gen = (self.manifest["state"] or {}).get("generation", 0) + 1
+        name = f"state-{gen}.safetensors"
+        tmp = self.path / (name + ".tmp")
+        save_file({k: v.detach().cpu().contiguous() for k, v in engine_state.items()}, str(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path / name)
+        old = self.manifest["state"]
+        self.manifest["state"] = {"file": name, "generation": gen, **meta}
+        self.manifest["rows"] = {
+            "tokens": self.tokens.rows, "events": self.events.rows, "event_tokens": self.layer_files[0][0].rows,
+        }
+        self.manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self._write_manifest()
+        if old and old["file"] != name:
+            (self.path / old["file"]).unlink(missing_ok=True)
+
+    def set_job(self, tokens: Tensor, documents: list[dict]) -> None:
+        """Start an ingest job: its tokens go to a new job file (so --resume needs no input) and the
+        manifest is committed at once, naming it. The previous job's file (whose pending tail must
+        be part of `tokens`) is deleted only after that."""
+        assert self.writable
+        old = self.manifest.get("job")
+        gen = (old or {}).get("generation", 0) + 1
+        name = f"job-{gen}.i32"
+        if self.job is not None:
+            self.job.close()
+        self.job = RowFile(self.path / name, (), torch.int32, 0, True)
+        self.job.append(tokens.to(torch.int32))
+        self.job.sync()
+        self.manifest["job"] = {"file": name, "generation": gen, "tokens": int(tokens.numel()), "done": 0, "complete": False}
+        self.manifest["documents"] = self.manifest["documents"] + documents
+        self._write_manifest()
+        if old and old["file"] != name:
+            (self.path / old["file"]).unlink(missing_ok=True)
+
+    def load_state(self) -> dict[str, Tensor]:
+        from safetensors.torch import load_file
+
+        if not self.manifest["state"]:
+            return {}
+        try:
+            return load_file(str(self.path / self.manifest["state"]["file"]))
+        except Exception as e:  # noqa: BLE001 - any parse failure is a damaged file
+            raise StoreError(f"cannot read {self.manifest['state']['file']}: {e}; the store is damaged") from None
+
+    def _write_manifest(self) -> None:
+        self.manifest["checksum"] = _checksum(self.manifest)
+        _write_atomic(self.path / MANIFEST, (json.dumps(self.manifest, indent=1) + "\n").encode())
+
+    def _drop_stale_states(self) -> None:
+        keep = (self.manifest["state"] or {}).get("file")
+        job = (self.manifest.get("job") or {}).get("file")
+        for p in [*self.path.glob("state-*.safetensors*"), *self.path.glob("job-*.i32")]:
+            if p.name not in (keep, job):
+                p.unlink(missing_ok=True)
+        (self.path / (MANIFEST + ".tmp")).unlink(missing_ok=True)
+
+    # -- reading -------------------------------------------------------------------------------
+    def bytes_on_disk(self) -> dict[str, int]:
+        parts = {"tokens": 0, "events": 0, "keys+values": 0, "representative keys": 0, "state": 0, "job": 0}
+        for p in self.path.rglob("*"):
+            if not p.is_file():
+                continue
+            n = p.stat().st_size
+            if p.suffix in (".k", ".v"):
+                parts["keys+values"] += n
+            elif p.suffix == ".r":
+                parts["representative keys"] += n
+            elif p.name.startswith("state-"):
+                parts["state"] += n
+            elif p.name.startswith("job-"):
+                parts["job"] += n
+            elif p.name == "events.i32":
+                parts["events"] += n
+            elif p.name in ("tokens.i32", "surprise.f32", "flags.u8"):
+                parts["tokens"] += n
+        return parts
+
+
+def read_manifest(path: Path) -> dict:
+    """The committed manifest, validated: format, version, checksum, required fields."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StoreError(f"{path / MANIFEST} is unreadable ({e}): the store is damaged") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "emllm-store":
+        raise StoreError(f"{path} is not an emllm store (its {MANIFEST} is of another kind)")
+    v = manifest.get("version")
+    if not isinstance(v, int) or v > FORMAT_VERSION:
+        raise StoreError(
+            f"{path} has store format version {v}, newer than this emllm reads ({FORMAT_VERSION}): upgrade emllm"
+        )
+    if manifest.get("checksum") != _checksum(manifest):
+        raise StoreError(f"{path / MANIFEST} fails its checksum: it was edited or damaged; restore it or re-ingest")
+    try:
+        Geometry(**manifest["geometry"])
+        rows = manifest["rows"]
+        assert all(isinstance(rows[k], int) and rows[k] >= 0 for k in ("tokens", "events", "event_tokens"))
+        manifest["identity"]["config_hash"], manifest["profile"]["name"]
+    except (KeyError, TypeError, AssertionError):
+        raise StoreError(f"{path / MANIFEST} lacks required fields: the store is damaged") from None
+    return manifest
+
+
+def _lock(path: Path) -> int:
+    """Take the store's writer lock (non-blocking); readers never take it."""
+    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise StoreLockedError(f"{path} is being written by another emllm process; wait for it to finish") from None
+        raise
+    return fd
+
+
+__all__ = [
+    "Store", "StoreError", "StoreLockedError", "StoredEvents", "Identity", "Geometry", "RowFile",
+    "FORMAT_VERSION", "is_store", "read_manifest", "weights_hash", "tokenizer_hash",
+]

@@ -1,0 +1,68 @@
+"""`emllm ask`: answer a question from a store, streaming the answer to stdout."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import typer
+
+from . import render
+from .errors import UserError, guarded
+from .stores import existing_store
+
+
+@guarded
+def ask(
+    question: str = typer.Argument(..., help="The question (- reads it from stdin)."),
+    store: str = typer.Option(None, "--store", "-s", help="Store name or path; default: the most recently written."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Longest answer, in tokens."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
+) -> None:
+    """Answer from a stored document. The store is not changed: every question sees the same memory.
+
+    Examples:
+
+      emllm ask "who hid the key?"
+
+      echo "summarise chapter 2" | emllm ask - --store book --json
+    """
+    from core import ingest as ing
+    from core import models
+    from core.ask import Session
+    from core.store import Store
+
+    if question == "-":
+        question = sys.stdin.read()
+    if not question.strip():
+        raise UserError("the question is empty")
+    path = existing_store(store)
+    t0 = time.perf_counter()
+    with Store.open(path) as st:
+        name = st.manifest["identity"]["model"]
+        src = models.resolve(name, log=lambda m: render.err.print(f"[dim]{m}[/dim]"))
+        mdl, tok = models.load(src)
+        st.check_identity(ing.identity_of(name, mdl, tok))
+        session = Session(st, mdl, tok)
+        out: list[int] = []
+        shown = ""
+        first = None
+        for t in session.answer(question, max_new_tokens):
+            if first is None:
+                first = time.perf_counter() - t0
+            out.append(t)
+            if not as_json:
+                text = tok.decode(out, skip_special_tokens=True)
+                if not text.endswith("\ufffd"):  # hold back half a multi-byte character
+                    sys.stdout.write(text[len(shown):])
+                    sys.stdout.flush()
+                    shown = text
+        answer = tok.decode(out, skip_special_tokens=True)
+    if as_json:
+        render.print_json({
+            "store": str(path), "question": question, "answer": answer.strip(), "tokens": len(out),
+            "seconds_to_first_token": round(first or 0.0, 3), "seconds": round(time.perf_counter() - t0, 3),
+        })
+    else:
+        sys.stdout.write(answer[len(shown):] + "\n")
+        sys.stdout.flush()

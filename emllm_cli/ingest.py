@@ -1,0 +1,123 @@
+"""`emllm ingest`: stream documents into a store that outlives the process."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from . import render
+from .errors import UserError, guarded
+from .inputs import read_text
+from .options import ModelOpt, ProfileOpt
+from .stores import store_path
+
+
+@guarded
+def ingest(
+    paths: list[str] = typer.Argument(None, help="Text files to ingest in order (- for stdin)."),
+    model: str = ModelOpt,
+    profile: str = ProfileOpt,
+    store: str = typer.Option(None, "--store", "-s", help="Store name (under the emllm home) or path; default: the first file's name."),
+    append: bool = typer.Option(False, "--append", help="Add the documents to an existing store."),
+    resume: bool = typer.Option(False, "--resume", help="Finish an interrupted ingest (needs no files)."),
+    raw: bool = typer.Option(False, "--raw", help="Do not wrap the stream in the model's chat template."),
+    commit_every: int = typer.Option(4, "--commit-every", min=1, help="Commit the store every N chunks."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+) -> None:
+    """Read documents into an episodic memory on disk: ingest once, ask many times, append later.
+
+    Examples:
+
+      emllm ingest book.txt                         # store 'book', model smollm2
+
+      cat notes/*.md | emllm ingest - --store notes
+
+      emllm ingest chapter2.txt --store book --append
+
+      emllm ingest --resume --store book            # after an interruption
+    """
+    from core import ingest as ing
+    from core import models
+    from core.store import Store, is_store
+
+    paths = paths or []
+    if resume and paths:
+        raise typer.BadParameter("--resume continues the interrupted job; give no files", param_hint="--resume")
+    if not resume and not paths:
+        raise typer.BadParameter("give at least one file (or - for stdin)", param_hint="PATHS")
+    if resume and append:
+        raise typer.BadParameter("use --resume or --append, not both", param_hint="--append")
+    docs = [(p if p != "-" else "stdin", read_text(p)) for p in paths]  # bad files fail before any work
+
+    if store is None:
+        if resume or append:
+            raise typer.BadParameter("say which store with --store", param_hint="--store")
+        if paths[0] == "-":
+            raise typer.BadParameter("reading stdin: name the store with --store", param_hint="--store")
+        store = Path(paths[0]).stem
+    path = store_path(store)
+    existing = is_store(path)
+    if (append or resume) and not existing:
+        raise UserError(f"no store at {path} to {'append to' if append else 'resume'}; create it with `emllm ingest FILE --store {store}`")
+    if existing and not (append or resume):
+        raise UserError(f"store {store!r} already exists ({path}): add with --append, or choose another --store")
+
+    log = lambda m: render.err.print(f"[dim]{m}[/dim]")  # noqa: E731
+    if existing:
+        st = Store.open(path, writable=True)
+        try:
+            name = st.manifest["identity"]["model"]
+            src = models.resolve(model or name, log=log)
+            prof = ing.store_profile(st)
+            if profile is not None and models.load_profile(profile) != prof:
+                raise UserError(f"the store uses profile {prof.name!r}; a store keeps one profile (omit --profile)")
+            mdl, tok = models.load(src)
+            st.check_identity(ing.identity_of(name, mdl, tok))
+        except BaseException:
+            st.close()
+            raise
+    else:
+        src = models.resolve(model, profile, log=log)
+        mdl, tok = models.load(src)
+        name = str(src.path.resolve()) if Path(src.name).exists() else src.name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        st = ing.create_store(path, name, mdl, tok, src.profile, chat=not raw)
+
+    with st:
+        engine = ing.open_engine(st, mdl)
+        if docs:
+            ing.add_documents(st, tok, docs)
+        job = st.manifest["job"]
+        t0, done0 = time.perf_counter(), job["done"]
+        try:
+            with render.progress(transient=False) as bar:
+                task = bar.add_task("ingesting", total=job["tokens"], completed=job["done"], rate="")
+
+                def show(p: ing.Progress) -> None:
+                    rate = (p.done - done0) / max(time.perf_counter() - t0, 1e-9)
+                    bar.update(task, completed=p.done, rate=f"{rate:.0f} tok/s · {p.events} events")
+
+                ing.run_job(st, engine, commit_every, show)
+        except KeyboardInterrupt:
+            j = st.manifest["job"]
+            render.err.print(f"emllm: interrupted: the store keeps {j['done']} of {j['tokens']} tokens of this job; "
+                             f"finish with: emllm ingest --resume --store {store}")
+            raise typer.Exit(130)
+        secs = time.perf_counter() - t0
+        m = st.manifest
+        summary = {
+            "store": str(path), "model": m["identity"]["model"], "profile": m["profile"]["name"],
+            "documents": [d["name"] for d in m["documents"]], "tokens": m["rows"]["tokens"] + len(ing.pending_tokens(st)),
+            "events": m["rows"]["events"], "ingested_tokens": m["job"]["tokens"] - done0,
+            "seconds": round(secs, 2), "tokens_per_second": round((m["job"]["tokens"] - done0) / max(secs, 1e-9), 1),
+            "bytes": sum(st.bytes_on_disk().values()),
+        }
+    if as_json:
+        render.print_json(summary)
+    else:
+        render.err.print(
+            f"[green]stored[/green] {summary['tokens']} tokens, {summary['events']} events in {path} "
+            f"({summary['bytes'] / 2**20:.1f} MiB, {summary['tokens_per_second']:.0f} tok/s)"
+        )

@@ -1,0 +1,314 @@
+"""The on-disk store: ask after ingest (same and new process), append, crash safety, validation.
+
+A tiny random Llama with SmolLM2's tokenizer keeps every ingest to seconds; the store code does
+not know the difference.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+from core import ingest as ing
+from core.ask import Session
+from core.config import load_profile_file
+from core.engine import Engine
+from core.store import Store, StoreError
+
+from .test_cli import run
+
+TINY_PROFILE = """\
+description: tiny test profile
+chunk_size: 16
+n_init: 4
+n_local: 32
+n_mem: 32
+repr_topk: 2
+min_block: 2
+max_block: 8
+segmentation: S
+"""
+QUESTION = "What is the pass key?"
+
+
+def _text(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    vocab = "the grass is green sky blue sun yellow key door river stone night bread".split()
+    return " ".join(rng.choice(vocab) for _ in range(words)) + "."
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """(model folder, profile file, second model folder, folder with another tokenizer)."""
+    from core import models
+
+    root = tmp_path_factory.mktemp("tiny")
+    tok = AutoTokenizer.from_pretrained(models.resolve("smollm2").path)
+    dirs = []
+    for i, layers in enumerate((2, 3)):
+        torch.manual_seed(i)
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
+                          tie_word_embeddings=True)
+        d = root / f"model{i}"
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+        tok.save_pretrained(d)
+        dirs.append(d)
+    other_tok = root / "other-tokenizer"
+    AutoModelForCausalLM.from_pretrained(dirs[0]).save_pretrained(other_tok)
+    tok2 = AutoTokenizer.from_pretrained(dirs[0])
+    tok2.add_special_tokens({"additional_special_tokens": ["<|note|>"]})
+    tok2.save_pretrained(other_tok)
+    prof = root / "tiny.yaml"
+    prof.write_text(TINY_PROFILE)
+    return dirs[0], prof, dirs[1], other_tok
+
+
+def _load(folder: Path):
+    m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    m.eval()
+    return m, AutoTokenizer.from_pretrained(folder)
+
+
+def _ingest(path: Path, folder: Path, prof: Path, docs: list[tuple[str, str]], commit_every: int = 2) -> None:
+    model, tok = _load(folder)
+    with ing.create_store(path, str(folder), model, tok, load_profile_file(prof)) as st:
+        engine = ing.open_engine(st, model)
+        ing.add_documents(st, tok, docs)
+        ing.run_job(st, engine, commit_every)
+
+
+def _files(store: Path) -> dict[str, bytes]:
+    """Every file's bytes, the lock file aside (flock needs it; its content is empty)."""
+    return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*")) if p.is_file() and p.name != "lock"}
+
+
+def _arrays(store: Path) -> dict[str, bytes]:
+    return {k: v for k, v in _files(store).items() if k.endswith((".i32", ".f32", ".u8", ".k", ".v", ".r")) and not k.startswith("job")}
+
+
+def _state(store: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    m = json.loads((store / "manifest.json").read_text())
+    return load_file(str(store / m["state"]["file"]))
+
+
+def _same_state(a: Path, b: Path) -> None:
+    sa, sb = _state(a), _state(b)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def test_ask_equals_the_in_ram_engine_in_this_and_a_new_process(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    doc = _text(0, 700)
+    store = tmp_path / "s"
+    _ingest(store, folder, prof, [("doc", doc)])
+    model, tok = _load(folder)
+
+    # Reference: the plain in-RAM engine over the same stream, chunked the same way.
+    with Store.open(store) as st:
+        job = st.job.read().long()
+        tail = ing.pending_tokens(st)
+        session = Session(st, model, tok)
+        q_ids = session.question_ids(QUESTION)
+        got = session.read_question(QUESTION)
+        got_answer = list(session.engine.generate_iter(8))
+        assert st.manifest["rows"]["events"] > 10  # the question reads retrieved memory, not just a window
+    assert q_ids[: len(tail)] == tail and 0 < len(tail) < 16
+    ref = Engine(model, load_profile_file(prof))
+    done = len(job) - len(tail)
+    ref.feed(job[:done])
+    ref_logits = ref.feed(torch.tensor(q_ids))
+    ref_answer = ref.generate(8)
+    torch.testing.assert_close(got, ref_logits, atol=1e-5, rtol=0)
+    assert got_answer == ref_answer
+
+    # A new process maps the store and computes the same question logits.
+    out = tmp_path / "logits.npy"
+    code = (
+        "import sys, numpy as np, torch\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "from core.store import Store\nfrom core.ask import Session\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, dtype=torch.float32).eval()\n"
+        f"t = AutoTokenizer.from_pretrained({str(folder)!r})\n"
+        f"s = Session(Store.open({str(store)!r}), m, t)\n"
+        f"np.save({str(out)!r}, s.read_question({QUESTION!r}).numpy())\n"
+        "print(list(s.engine.generate_iter(8)))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
+    assert r.returncode == 0, r.stderr
+    torch.testing.assert_close(torch.from_numpy(np.load(out)), got, atol=1e-5, rtol=0)
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == got_answer
+
+
+def test_asking_leaves_the_store_unchanged(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    store = tmp_path / "s"
+    _ingest(store, folder, prof, [("doc", _text(1, 300))])
+    before = _files(store)
+    model, tok = _load(folder)
+    for _ in range(2):
+        with Store.open(store) as st:
+            answer = list(Session(st, model, tok).answer(QUESTION, 40))  # long enough to close events
+    assert len(answer) > 0
+    assert _files(store) == before
+
+
+def test_append_equals_one_call(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    a, b = _text(2, 300), _text(3, 250)
+    _ingest(tmp_path / "one", folder, prof, [("a", a), ("b", b)])
+    _ingest(tmp_path / "two", folder, prof, [("a", a)])
+    model, tok = _load(folder)
+    with Store.open(tmp_path / "two", writable=True) as st:
+        engine = ing.open_engine(st, model)
+        ing.add_documents(st, tok, [("b", b)])
+        ing.run_job(st, engine, 2)
+    assert _arrays(tmp_path / "one") == _arrays(tmp_path / "two")
+    _same_state(tmp_path / "one", tmp_path / "two")
+    m1, m2 = (json.loads((tmp_path / n / "manifest.json").read_text()) for n in ("one", "two"))
+    assert m1["documents"] == m2["documents"] and m1["rows"] == m2["rows"]
+
+
+def _wait_for_commit(store: Path, proc: subprocess.Popen, at_least: int) -> bool:
+    """Until the store has committed `at_least` tokens; False if the process ended first."""
+    while proc.poll() is None:
+        try:
+            if json.loads((store / "manifest.json").read_text())["rows"]["tokens"] >= at_least:
+                return True
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_equals_an_uninterrupted_ingest(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    doc = tmp_path / "doc.txt"
+    doc.write_text(_text(4, 3000))
+    ref = tmp_path / "ref"
+    r = run("ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", str(ref), "--commit-every", "1", home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    total = json.loads((ref / "manifest.json").read_text())["rows"]["tokens"]
+
+    store = tmp_path / "crashed"
+    rng = random.Random(0)
+    env = {**os.environ, "EMLLM_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    from .test_cli import EMLLM
+
+    kills = 0
+    first = [EMLLM, "ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", str(store), "--commit-every", "1"]
+    resume = [EMLLM, "ingest", "--resume", "--store", str(store), "--commit-every", "1"]
+    args = first
+    committed = 0
+    for _ in range(3):
+        p = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if _wait_for_commit(store, p, committed + 1):
+            time.sleep(rng.uniform(0, 0.3))
+            p.send_signal(signal.SIGKILL)
+            kills += 1
+        p.wait()
+        with Store.open(store) as st:  # the last commit is readable after each kill
+            committed = st.manifest["rows"]["tokens"]
+        args = resume
+    assert kills >= 2, "the ingest finished before it could be killed: make the document longer"
+    assert committed < total
+    r = subprocess.run(resume, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert _arrays(store) == _arrays(ref)
+    _same_state(store, ref)
+
+
+# -- errors: one line, exit 1, store untouched ----------------------------------------------------
+@pytest.fixture
+def stored(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    doc = tmp_path / "doc.txt"
+    doc.write_text(_text(5, 200))
+    r = run("ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", "s", home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    return tmp_path / "stores" / "s"
+
+
+def _edit_manifest(store: Path, change, fix_checksum: bool) -> None:
+    from core.store import _checksum
+
+    m = json.loads((store / "manifest.json").read_text())
+    change(m)
+    if fix_checksum:
+        m["checksum"] = _checksum(m)
+    (store / "manifest.json").write_text(json.dumps(m))
+
+
+def _truncate(store: Path) -> None:
+    p = store / "layers" / "01.k"
+    p.write_bytes(p.read_bytes()[:-10])
+
+
+CASES = {
+    "truncated array": (lambda s, t: _truncate(s), ["ask", "hi", "--store", "s"], "truncated"),
+    "edited manifest": (lambda s, t: _edit_manifest(s, lambda m: m["rows"].update(tokens=5), False),
+                        ["ask", "hi", "--store", "s"], "checksum"),
+    "newer format": (lambda s, t: _edit_manifest(s, lambda m: m.update(version=99), True),
+                     ["ask", "hi", "--store", "s"], "upgrade emllm"),
+    "wrong model": (lambda s, t: None, ["ingest", "{doc}", "--append", "--store", "s", "-m", "{other_model}"], "differs"),
+    "wrong tokenizer": (lambda s, t: None, ["ingest", "{doc}", "--append", "--store", "s", "-m", "{other_tok}"], "tokenizer differs"),
+    "second writer": (None, ["ingest", "{doc}", "--append", "--store", "s"], "being written by another"),
+    "not a store": (lambda s, t: (t / "plain").mkdir(), ["ask", "hi", "--store", "{plain}"], "not an emllm store"),
+    "store exists": (lambda s, t: None, ["ingest", "{doc}", "--store", "s"], "already exists"),
+    "append to nothing": (lambda s, t: None, ["ingest", "{doc}", "--append", "--store", "nope"], "no store"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_store_errors(case, tiny, stored, tmp_path):
+    damage, args, needle = CASES[case]
+    _, _, other_model, other_tok = tiny
+    lock = None
+    if damage is None:  # hold the writer lock, as a running ingest does
+        lock = os.open(stored / "lock", os.O_RDWR)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    else:
+        damage(stored, tmp_path)
+    before = _files(stored)
+    fill = {"doc": str(tmp_path / "doc.txt"), "other_model": str(other_model), "other_tok": str(other_tok),
+            "plain": str(tmp_path / "plain")}
+    r = run(*[a.format(**fill) for a in args], home=tmp_path)
+    if lock is not None:
+        os.close(lock)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert needle in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert _files(stored) == before
+
+
+def test_ask_without_any_store(tmp_path):
+    r = run("ask", "anything", home=tmp_path)
+    assert r.returncode == 1 and "no store yet" in r.stderr
+
+
+def test_library_refuses_a_truncated_file_before_writing(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    store = tmp_path / "s"
+    _ingest(store, folder, prof, [("doc", _text(6, 200))])
+    _truncate(store)
+    before = _files(store)
+    with pytest.raises(StoreError, match="truncated"):
+        Store.open(store, writable=True)
+    assert _files(store) == before
