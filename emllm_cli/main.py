@@ -9,6 +9,7 @@ import typer
 from .errors import DEBUG
 from .ask import ask
 from .ingest import ingest
+from .inspect import inspect
 from .passkey import passkey
 from .segment import segment
 
@@ -47,4 +48,5 @@ def main(
 app.command("ingest")(ingest)
 app.command("ask")(ask)
 app.command("passkey")(passkey)
+app.command("inspect")(inspect)
 app.command("segment")(segment)

@@ -88,3 +88,81 @@ def metrics_table(table: dict, tokens: int) -> Table:
     for m, d in table.items():
         t.add_row(m, f"{1e3 * d['modularity']:+.3f}", f"{d['conductance']:+.4f}", f"{d['intra_inter']:+.4f}")
     return t
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def stores_table(rows: list[dict]) -> Table:
+    t = Table(title="stores")
+    for c, j in (("name", "left"), ("model", "left"), ("tokens", "right"), ("events", "right"), ("size", "right"), ("updated", "left")):
+        t.add_column(c, justify=j)
+    for r in rows:
+        t.add_row(r["name"], str(r["model"]), str(r["tokens"]), str(r["events"]), _size(r["bytes"]), str(r["updated"])[:19])
+    return t
+
+
+def store_summary(s: dict):
+    from rich.console import Group
+
+    t = Table(show_header=False, box=None)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("store", s["store"])
+    t.add_row("model", f"{s['model']}  [dim]config {s['identity']['config_hash']}[/dim]")
+    t.add_row("profile", f"{s['profile']['name']}: {s['profile']['segmentation']}, n_local {s['profile']['n_local']}, "
+              f"n_mem {s['profile']['n_mem']}, chunk {s['profile']['chunk_size']}")
+    t.add_row("tokens", f"{s['tokens']}" + ("" if s["complete"] else "  [yellow](ingest unfinished: --resume)[/yellow]"))
+    t.add_row("events", f"{s['events']} (mean {s['mean_event_size']} tokens)")
+    t.add_row("documents", ", ".join(d["name"] for d in s["documents"]) or "-")
+    t.add_row("on disk", ", ".join(f"{k} {_size(v)}" for k, v in s["bytes"].items() if v))
+    h = Table(title="event sizes (tokens)", show_edge=False)
+    h.add_column("size")
+    h.add_column("events", justify="right")
+    h.add_column("")
+    peak = max(s["event_sizes"].values(), default=1) or 1
+    for k, v in s["event_sizes"].items():
+        h.add_row(k, str(v), "█" * round(30 * v / peak))
+    return Group(t, h)
+
+
+_SHADES = " ░▒▓█"
+
+
+def retrieval_view(r: dict, tokens: int):
+    """Heatmap: layers (rows) × position in the document (columns), shaded by share retrieved."""
+    from rich.console import Group
+    from rich.text import Text
+
+    lines = Text()
+    lines.append(f"retrieval for {r['query']!r}: {r['layers']} layers × document position "
+                 f"(0 … {tokens} tokens), shade = share of the stretch retrieved\n", style="bold")
+    for i, row in enumerate(r["coverage"]):
+        lines.append(f"{i:>3} ", style="dim")
+        for x in row:
+            lines.append(_SHADES[min(4, int(round(x * 4)))] if x > 0 else "·", style="cyan" if x > 0 else "grey35")
+        lines.append("\n")
+    t = Table(title="most retrieved events", show_lines=False)
+    t.add_column("event", justify="right")
+    t.add_column("tokens", justify="right")
+    t.add_column("layers", justify="right")
+    t.add_column("text")
+    for e in r["top_events"]:
+        t.add_row(str(e["event"]), f"{e['tokens'][0]}-{e['tokens'][1]}", str(e["layers"]), repr(e["preview"])[1:-1])
+    parts = [lines, t]
+    if "layer" in r:
+        lt = Table(title=f"layer {r['layer']['index']}")
+        lt.add_column("step", justify="right")
+        lt.add_column("event", justify="right")
+        lt.add_column("score", justify="right")
+        lt.add_column("text")
+        for s in r["layer"]["steps"]:
+            for e in s["events"]:
+                lt.add_row(str(s["step"]), str(e["event"]), f"{e['score']:.3f}", repr(e["preview"])[1:-1])
+        parts.append(lt)
+    return Group(*parts)

@@ -312,3 +312,107 @@ def test_library_refuses_a_truncated_file_before_writing(tiny, tmp_path):
     with pytest.raises(StoreError, match="truncated"):
         Store.open(store, writable=True)
     assert _files(store) == before
+
+
+# -- the commands' normal paths, JSON schemas (README), stdin, Ctrl-C -----------------------------
+INSPECT_KEYS = {"store": str, "format_version": int, "model": str, "identity": dict, "profile": dict, "created": str,
+                "updated": str, "tokens": int, "processed_tokens": int, "events": int, "event_tokens": int,
+                "event_sizes": dict, "documents": list, "complete": bool, "bytes": dict}
+RETRIEVAL_KEYS = {"query": str, "layers": int, "bins": int, "steps": int, "coverage": list, "top_events": list}
+
+
+def _check(doc: dict, schema: dict) -> None:
+    for k, t in schema.items():
+        assert isinstance(doc[k], t), (k, doc[k])
+
+
+def test_ingest_ask_inspect_through_the_executable(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    doc = tmp_path / "a.txt"
+    doc.write_text(_text(7, 400))
+    r = run("ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--json", home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["store"] == str(tmp_path / "stores" / "a") and s["events"] > 0 and s["tokens"] == s["ingested_tokens"]
+    # stdin, appended
+    r = subprocess.run([*_cmd(), "ingest", "-", "--append", "--store", "a", "--json"], input=_text(8, 100),
+                       capture_output=True, text=True, env=_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    s2 = json.loads(r.stdout)
+    assert s2["documents"] == [str(doc), "stdin"] and s2["tokens"] > s["tokens"]
+    # ask: without --store the most recent store; streaming text, or one JSON document
+    r = run("ask", QUESTION, "-n", "5", home=tmp_path)
+    assert r.returncode == 0 and r.stdout.endswith("\n"), r.stderr  # a random model may answer in blanks
+    r = run("ask", QUESTION, "-n", "5", "--json", "--store", "a", home=tmp_path)
+    a = json.loads(r.stdout)
+    assert set(a) >= {"store", "question", "answer", "tokens", "seconds_to_first_token", "seconds"} and a["tokens"] <= 5
+    # inspect: the list, one store, a query
+    r = run("inspect", "--json", home=tmp_path)
+    (row,) = json.loads(r.stdout)["stores"]
+    assert row["name"] == "a" and row["tokens"] == s2["tokens"]
+    r = run("inspect", "a", "--json", home=tmp_path)
+    summary = json.loads(r.stdout)
+    _check(summary, INSPECT_KEYS)
+    assert sum(summary["event_sizes"].values()) == summary["events"]
+    r = run("inspect", "a", "--query", QUESTION, "--layer", "1", "--json", home=tmp_path)
+    ret = json.loads(r.stdout)["retrieval"]
+    _check(ret, RETRIEVAL_KEYS)
+    assert len(ret["coverage"]) == 2 and all(len(row) == ret["bins"] for row in ret["coverage"])
+    assert all(0 <= x <= 1 for row in ret["coverage"] for x in row) and any(x > 0 for row in ret["coverage"] for x in row)
+    assert ret["layer"]["index"] == 1 and ret["layer"]["steps"]
+    r = run("inspect", "a", "--query", QUESTION, home=tmp_path)  # the Rich view renders
+    assert r.returncode == 0 and "most retrieved events" in r.stdout
+
+
+def test_trace_is_deterministic(tiny, tmp_path):
+    from core.trace import Trace
+
+    folder, prof, _, _ = tiny
+    store = tmp_path / "s"
+    _ingest(store, folder, prof, [("doc", _text(9, 400))])
+    model, tok = _load(folder)
+    runs = []
+    for _ in range(2):
+        with Store.open(store) as st:
+            session = Session(st, model, tok)
+            trace = Trace.attach(session.engine)
+            session.read_question(QUESTION)
+            list(session.engine.generate_iter(3))
+            runs.append([(r.step, r.layer, r.ids.tolist(), r.scores.tolist()) for r in trace.records])
+            steps = -(-len(session.question_ids(QUESTION)) // 16) + 3  # question chunks + 3 tokens
+    assert runs[0] == runs[1] and len(runs[0]) == 2 * steps  # one record per layer per step
+    assert [r[0] for r in runs[0]] == [s for s in range(steps) for _ in range(2)]
+
+
+def _cmd() -> list[str]:
+    from .test_cli import EMLLM
+
+    return [EMLLM]
+
+
+def _env(home: Path) -> dict:
+    from core.home import models_dir
+
+    return {**os.environ, "EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_cleanly_and_resume_completes(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    doc = tmp_path / "doc.txt"
+    doc.write_text(_text(10, 3000))
+    store = tmp_path / "s"
+    p = subprocess.Popen([*_cmd(), "ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", str(store),
+                          "--commit-every", "1"], env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert _wait_for_commit(store, p, 1), "finished before the interrupt"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert "--resume" in err and "Traceback" not in err
+    with Store.open(store) as st:
+        assert not st.manifest["job"]["complete"]
+    r = subprocess.run([*_cmd(), "ingest", "--resume", "--store", str(store), "--json"], capture_output=True, text=True,
+                       env=_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    with Store.open(store) as st:
+        assert st.manifest["job"]["complete"] and len(ing.pending_tokens(st)) < 16

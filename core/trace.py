@@ -1,0 +1,81 @@
+"""Retrieval traces: which events each layer retrieved, step by step (spec §4, issue: inspect).
+
+    trace = Trace.attach(engine)         # engine.on_retrieval now records
+    engine.feed(question_ids)
+    trace.detach()
+    trace.coverage(n_tokens, bins=60)    # [layers, bins]: share of each stretch of the document retrieved
+
+Cheap when nobody listens: the engine calls its callback only when one is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .engine import Engine
+from .memory import Selection, token_index
+
+
+@dataclass
+class Record:
+    step: int
+    layer: int
+    ids: Tensor  # [k] event ids, increasing
+    scores: Tensor  # [k]
+
+
+@dataclass
+class Trace:
+    engine: Engine
+    records: list[Record] = field(default_factory=list)
+    _step: int = -1
+
+    @classmethod
+    def attach(cls, engine: Engine) -> "Trace":
+        t = cls(engine)
+        engine.on_retrieval = t._record
+        return t
+
+    def detach(self) -> None:
+        self.engine.on_retrieval = None
+
+    def _record(self, layer: int, sel: Selection) -> None:
+        if layer == 0 or self._step < 0:
+            self._step += 1
+        self.records.append(Record(self._step, layer, sel.ids.cpu(), sel.scores.float().cpu()))
+
+    def event_spans(self) -> Tensor:
+        """[E, 2] stream positions [start, end) of every event (events follow the initial tokens)."""
+        lengths = self.engine.windows[0].events.event_lengths().cpu()
+        ends = torch.cumsum(lengths, 0) + self.engine.profile.n_init
+        return torch.stack((ends - lengths, ends), 1)
+
+    def counts(self) -> Tensor:
+        """[layers, E]: how many steps each layer retrieved each event."""
+        n_layers = len(self.engine.windows)
+        e = len(self.engine.windows[0].events)
+        out = torch.zeros(n_layers, e, dtype=torch.long)
+        for r in self.records:
+            out[r.layer, r.ids[r.ids < e]] += 1
+        return out
+
+    def coverage(self, n_tokens: int, bins: int) -> Tensor:
+        """[layers, bins] in [0, 1]: for each layer and each stretch of n_tokens / bins stream
+        positions, the share of its tokens in events the layer retrieved at any step."""
+        spans = self.event_spans()
+        hit = self.counts() > 0  # [layers, E]
+        per_token = torch.zeros(hit.shape[0], n_tokens)
+        for_each = torch.repeat_interleave(torch.arange(spans.shape[0]), spans[:, 1] - spans[:, 0])
+        pos = token_index(spans[:, 0], spans[:, 1] - spans[:, 0])  # [event tokens] stream positions
+        keep = pos < n_tokens
+        per_token[:, pos[keep]] = hit[:, for_each[keep]].float()
+        edges = torch.linspace(0, n_tokens, bins + 1).long()
+        cum = torch.nn.functional.pad(per_token.cumsum(1), (1, 0))
+        width = (edges[1:] - edges[:-1]).clamp_min(1)
+        return (cum[:, edges[1:]] - cum[:, edges[:-1]]) / width
+
+
+__all__ = ["Trace", "Record"]
