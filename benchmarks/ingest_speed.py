@@ -1,11 +1,14 @@
-"""Ingest speed: emllm against a vanilla HF forward over a window of the same size, side by side.
+"""Ingest speed: emllm (in RAM, and writing a store) against a vanilla HF forward over a window of
+the same size, measured side by side: the runs advance in lockstep, one chunk each in turn, so
+load on the machine hits all of them alike.
 
-    python benchmarks/ingest_speed.py --tokens 32k
+    python -m benchmarks.ingest_speed --tokens 32k [--store]
 
 The vanilla run streams the same tokens chunk by chunk (same chunk size) through the unpatched
 model (sdpa) with a KV cache cut to the last W = n_init + n_mem + n_local tokens after every
 chunk: the cost of attending to a window as large as emllm's, without any memory management.
-Both runs use the same model object and thread count, one after the other in one process.
+The store run is `emllm ingest`'s loop (commits every 4 chunks, fsync included) into a
+temporary folder. All runs share one model object and the thread count.
 """
 
 from __future__ import annotations
@@ -13,42 +16,32 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 from benchmarks.corpus import tokens as corpus_tokens
+from core import ingest as ing
 from core import models
 from core.engine import Engine
 from core.passkey import parse_length
 
 
-@torch.no_grad()
-def vanilla_window(model, ids: torch.Tensor, chunk: int, window: int) -> list[float]:
-    model.set_attn_implementation("sdpa")
-    cache = DynamicCache()
-    times = []
-    for off in range(0, ids.numel(), chunk):
-        x = ids[off : off + chunk][None]
-        past = cache.get_seq_length()
-        pos = torch.arange(past, past + x.shape[1])[None]
-        t = time.perf_counter()
-        model(input_ids=x, past_key_values=cache, position_ids=pos, use_cache=True)
-        for layer in cache.layers:  # slide: keep the last `window` tokens
-            layer.keys, layer.values = layer.keys[:, :, -window:], layer.values[:, :, -window:]
-        times.append(time.perf_counter() - t)
-    return times
+class Vanilla:
+    def __init__(self, model, window: int) -> None:
+        self.model, self.window, self.cache = model, window, DynamicCache()
 
-
-def emllm_run(model, profile, ids: torch.Tensor) -> tuple[list[float], int]:
-    eng = Engine(model, profile)
-    times = []
-    for off in range(0, ids.numel(), profile.chunk_size):
-        t = time.perf_counter()
-        eng.step(ids[off : off + profile.chunk_size])
-        times.append(time.perf_counter() - t)
-    return times, eng.n_events
+    @torch.no_grad()
+    def step(self, x: torch.Tensor) -> None:
+        self.model.set_attn_implementation("sdpa")
+        past = self.cache.get_seq_length()
+        pos = torch.arange(past, past + x.numel())[None]
+        self.model(input_ids=x[None], past_key_values=self.cache, position_ids=pos, use_cache=True)
+        for layer in self.cache.layers:  # slide: keep the last `window` tokens
+            layer.keys, layer.values = layer.keys[:, :, -self.window :], layer.values[:, :, -self.window :]
 
 
 def main() -> None:
@@ -56,6 +49,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tokens", default="32k")
     ap.add_argument("--text", default="prose", choices=["prose", "code", "haystack"])
+    ap.add_argument("--store", action="store_true", help="also time the store-backed ingest")
     a = ap.parse_args()
     src = models.resolve(a.model)
     model, tok = models.load(src)
@@ -63,19 +57,50 @@ def main() -> None:
     n = parse_length(a.tokens)
     ids = torch.tensor(corpus_tokens(tok, a.text, n))
     w = prof.n_init + prof.n_mem + prof.n_local
-    em, events = emllm_run(model, prof, ids)
-    va = vanilla_window(model, ids, prof.chunk_size, w)
-    # Steady state: once the window is full (both runs attend to about W tokens per chunk).
-    skip = -(-w // prof.chunk_size) + 1
+    cs = prof.chunk_size
+    n = ids.numel() - ids.numel() % cs  # whole chunks only, as a store processes them
+    ids = ids[:n]
+
+    ram = Engine(model, prof)
+    van = Vanilla(model, w)
+    runs = {"emllm": lambda x: ram.step(x), "vanilla": van.step}
+    tmp = None
+    if a.store:
+        tmp = tempfile.TemporaryDirectory(dir=Path.cwd())
+        st = ing.create_store(Path(tmp.name) / "s", a.model, model, tok, prof)
+        store_eng = ing.open_engine(st, model)
+        st.set_job(ids.to(torch.int32), [{"name": "bench", "start": 0, "tokens": n}])
+        k = {"chunks": 0}
+
+        def store_step(x):
+            store_eng.step(x)
+            k["chunks"] += 1
+            if k["chunks"] % 4 == 0:
+                ing._commit(st, store_eng, k["chunks"] * cs, complete=False)
+
+        runs["store"] = store_step
+    times: dict[str, list[float]] = {m: [] for m in runs}
+    for off in range(0, n, cs):
+        x = ids[off : off + cs]
+        for m, f in runs.items():
+            t = time.perf_counter()
+            f(x)
+            times[m].append(time.perf_counter() - t)
+    skip = -(-w // cs) + 1  # steady state: the window is full, all runs attend to about W tokens
     res = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-        "model": a.model, "tokens": n, "text": a.text, "window": w, "chunk": prof.chunk_size, "events": events,
-        "emllm_tok_s": round(n / sum(em), 1), "vanilla_tok_s": round(n / sum(va), 1),
-        "ratio_total": round(sum(em) / sum(va), 3),
-        "ratio_steady": round(sum(em[skip:]) / sum(va[skip:]), 3),
-        "emllm_chunk_s_steady": round(sum(em[skip:]) / len(em[skip:]), 3),
-        "vanilla_chunk_s_steady": round(sum(va[skip:]) / len(va[skip:]), 3),
+        "model": a.model, "tokens": n, "text": a.text, "window": w, "chunk": cs, "events": ram.n_events,
     }
+    for m, t in times.items():
+        res[f"{m}_tok_s"] = round(n / sum(t), 1)
+        res[f"{m}_chunk_s_steady"] = round(sum(t[skip:]) / len(t[skip:]), 3)
+    res["ratio_emllm_vs_vanilla_total"] = round(sum(times["emllm"]) / sum(times["vanilla"]), 3)
+    res["ratio_emllm_vs_vanilla_steady"] = round(sum(times["emllm"][skip:]) / sum(times["vanilla"][skip:]), 3)
+    if a.store:
+        res["ratio_store_vs_ram_total"] = round(sum(times["store"]) / sum(times["emllm"]), 3)
+        res["store_bytes_per_token"] = round(sum(st.bytes_on_disk().values()) / n, 1)
+        st.close()
+        tmp.cleanup()
     print(json.dumps(res, indent=2))
 
 

@@ -17,6 +17,7 @@ def ask(
     question: str = typer.Argument(..., help="The question (- reads it from stdin)."),
     store: str = typer.Option(None, "--store", "-s", help="Store name or path; default: the most recently written."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Longest answer, in tokens."),
+    show_retrieval: bool = typer.Option(False, "--show-retrieval", help="Draw what each layer retrieved, on stderr."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
 ) -> None:
     """Answer from a stored document. The store is not changed: every question sees the same memory.
@@ -44,6 +45,11 @@ def ask(
         mdl, tok = models.load(src)
         st.check_identity(ing.identity_of(name, mdl, tok))
         session = Session(st, mdl, tok)
+        trace = None
+        if show_retrieval:
+            from core.trace import Trace
+
+            trace = Trace.attach(session.engine)
         out: list[int] = []
         shown = ""
         first = None
@@ -58,11 +64,18 @@ def ask(
                     sys.stdout.flush()
                     shown = text
         answer = tok.decode(out, skip_special_tokens=True)
+        if trace is not None:
+            from .inspect import retrieval_doc
+
+            retrieval = retrieval_doc(trace, st, tok, question)
+    if not as_json:
+        sys.stdout.write(answer[len(shown):] + "\n")
+        sys.stdout.flush()
+    if trace is not None:
+        render.err.print(render.retrieval_view(retrieval, st.manifest["rows"]["tokens"]))
     if as_json:
         render.print_json({
             "store": str(path), "question": question, "answer": answer.strip(), "tokens": len(out),
             "seconds_to_first_token": round(first or 0.0, 3), "seconds": round(time.perf_counter() - t0, 3),
+            **({"retrieval": retrieval} if trace is not None else {}),
         })
-    else:
-        sys.stdout.write(answer[len(shown):] + "\n")
-        sys.stdout.flush()

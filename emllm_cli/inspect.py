@@ -120,6 +120,12 @@ def _retrieval(st, query: str, layer: int | None, top: int) -> dict:
     trace = Trace.attach(session.engine)
     session.read_question(query)
     trace.detach()
+    return retrieval_doc(trace, st, tok, query, layer, top)
+
+
+def retrieval_doc(trace, st, tok, query: str, layer: int | None = None, top: int = 8) -> dict:
+    """The retrieval recorded in `trace` as data: coverage heatmap, most retrieved events, one layer."""
+    n_layers = st.geometry.layers
     n = st.manifest["rows"]["tokens"]
     cov = trace.coverage(n, BINS) if n else None
     counts = trace.counts()  # [layers, E]

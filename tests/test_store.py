@@ -360,6 +360,8 @@ def test_ingest_ask_inspect_through_the_executable(tiny, tmp_path):
     assert len(ret["coverage"]) == 2 and all(len(row) == ret["bins"] for row in ret["coverage"])
     assert all(0 <= x <= 1 for row in ret["coverage"] for x in row) and any(x > 0 for row in ret["coverage"] for x in row)
     assert ret["layer"]["index"] == 1 and ret["layer"]["steps"]
+    r = run("ask", QUESTION, "-n", "2", "--show-retrieval", home=tmp_path)
+    assert r.returncode == 0 and "most retrieved events" in r.stderr, r.stderr
     r = run("inspect", "a", "--query", QUESTION, home=tmp_path)  # the Rich view renders
     assert r.returncode == 0 and "most retrieved events" in r.stdout
 
