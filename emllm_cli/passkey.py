@@ -6,6 +6,8 @@ import time
 from dataclasses import asdict
 
 import typer
+from rich.console import Group
+from rich.live import Live
 
 from . import render
 from .errors import guarded
@@ -65,30 +67,47 @@ def passkey(
     methods = ["emllm"] + (["baseline"] if baseline else [])
     done: list[dict] = []
     total = len(ls) * len(ds) * trials * len(methods)
-    with render.progress() as bar:
-        task = bar.add_task("passkey", total=total, rate="")
-        t0 = time.perf_counter()
+    # In a terminal the grid fills in as trials finish (one live view: table + progress);
+    # piped, progress goes to stderr and the table or JSON comes once at the end.
+    interactive = render.out.is_terminal and not as_json
+    bar = render.progress(console=render.out if interactive else render.err)
+    task = bar.add_task("passkey", total=total, rate="")
+    live = Live(Group(render.passkey_table(done, ls, ds, methods), bar), console=render.out,
+                refresh_per_second=4) if interactive else bar
+    t0 = time.perf_counter()
 
-        def on_result(r) -> None:
-            done.append(asdict(r))
-            ok = sum(x["correct"] for x in done)
-            bar.update(task, advance=1, rate=f"{ok}/{len(done)} correct")
+    def on_result(r) -> None:
+        done.append(asdict(r))
+        ok = sum(x["correct"] for x in done)
+        bar.update(task, advance=1, rate=f"{ok}/{len(done)} correct")
+        if interactive:
+            live.update(Group(render.passkey_table(done, ls, ds, methods), bar))
 
-        results = run_grid(mdl, tok, lambda: Engine(mdl, src.profile), ls, ds, trials, seed, baseline, on_result)
+    interrupted = False
+    try:
+        with live:
+            run_grid(mdl, tok, lambda: Engine(mdl, src.profile), ls, ds, trials, seed, baseline, on_result)
+    except KeyboardInterrupt:
+        interrupted = True  # keep what finished: print it below
     doc = {
         "model": src.name, "profile": asdict(src.profile), "lengths": ls, "depths": ds, "trials": trials,
-        "seed": seed, "seconds": round(time.perf_counter() - t0, 1), "results": [asdict(r) for r in results],
-        "accuracy": {m: {str(n): _acc(results, m, n) for n in ls} for m in methods},
+        "seed": seed, "seconds": round(time.perf_counter() - t0, 1), "complete": not interrupted, "results": done,
+        "accuracy": {m: {str(n): _acc(done, m, n) for n in ls} for m in methods},
     }
     if as_json:
         render.print_json(doc)
+    elif interactive:
+        pass  # the live view (grid and bar) stays on screen
     else:
-        render.out.print(render.passkey_table(doc["results"], ls, ds, methods))
+        render.out.print(render.passkey_table(done, ls, ds, methods))
+    if interrupted:
+        render.err.print(f"emllm: interrupted after {len(done)} of {total} trials; the results above are partial")
+        raise typer.Exit(130)
 
 
-def _acc(results, method: str, length: int) -> float:
-    r = [x.correct for x in results if x.method == method and x.length == length]
-    return sum(r) / len(r) if r else float("nan")
+def _acc(results: list[dict], method: str, length: int) -> float | None:
+    r = [x["correct"] for x in results if x["method"] == method and x["length"] == length]
+    return sum(r) / len(r) if r else None
 
 
 

@@ -19,12 +19,13 @@ def print_json(doc: Any) -> None:
     sys.stdout.flush()
 
 
-def progress(transient: bool = True) -> Progress:
-    """A progress bar on stderr; silent when stderr is not a terminal."""
+def progress(transient: bool = True, console: Console | None = None) -> Progress:
+    """A progress bar (on stderr by default); silent when its console is not a terminal."""
+    console = console or err
     return Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-        console=err, transient=transient, disable=not err.is_terminal,
+        console=console, transient=transient, disable=not console.is_terminal,
     )
 
 
