@@ -40,6 +40,7 @@ class Profile:
     contiguity_ratio: float = 0.3
     neighbours: int = 1
     refine_from_layer: int | None = None  # None: the last third of the layers
+    faiss_threshold: int | None = 20000  # events per layer from which retrieval uses faiss (null: never)
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -71,6 +72,9 @@ def validate(p: Profile, where: str = "") -> Profile:
         raise bad("tau", f"must be an integer >= 2 or null, got {p.tau!r}")
     if p.refine_from_layer is not None and (not isinstance(p.refine_from_layer, int) or p.refine_from_layer < 0):
         raise bad("refine_from_layer", f"must be an integer >= 0 or null, got {p.refine_from_layer!r}")
+    if p.faiss_threshold is not None and (not isinstance(p.faiss_threshold, int) or isinstance(p.faiss_threshold, bool)
+                                          or p.faiss_threshold < 1):
+        raise bad("faiss_threshold", f"must be an integer >= 1 or null, got {p.faiss_threshold!r}")
     if not isinstance(p.gamma, (int, float)) or isinstance(p.gamma, bool) or p.gamma != p.gamma:
         raise bad("gamma", f"must be a number, got {p.gamma!r}")
     if not isinstance(p.contiguity_ratio, (int, float)) or not 0.0 <= p.contiguity_ratio < 1.0:

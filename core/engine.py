@@ -86,7 +86,8 @@ class Engine:
         self.device, self.dtype = p.device, p.dtype
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.windows = [
-            LayerWindow(i, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, self.dtype, self.device)
+            LayerWindow(i, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, self.dtype, self.device,
+                        faiss_threshold=profile.faiss_threshold)
             for i in range(cfg.num_hidden_layers)
         ]
         if memory is not None:

@@ -45,13 +45,18 @@ class EventMemory:
 
     keys/values: [H_kv, T, D] for the T tokens of all events, in stream order.
     starts/lengths: [E] each event's offset into that token axis and its size.
-    reprs: [E, H_q, D] representative keys.
+    reprs: [E, H_q, D] representative keys, in the retrieval index (float32).
     """
 
-    def __init__(self, n_kv_heads: int, n_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, n_kv_heads: int, n_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+        faiss_threshold: int | None = None,
+    ):
+        from .search import EventIndex  # search builds on this module's selection rule
+
         self.keys = GrowBuffer((n_kv_heads, 0, head_dim), 1, dtype, device)
         self.values = GrowBuffer((n_kv_heads, 0, head_dim), 1, dtype, device)
-        self.reprs = GrowBuffer((0, n_q_heads, head_dim), 0, dtype, device)
+        self.index = EventIndex(n_q_heads, head_dim, device, threshold=faiss_threshold)  # reprs, float32
         self.starts = GrowBuffer((0,), 0, torch.long, device)
         self.lengths = GrowBuffer((0,), 0, torch.long, device)
 
@@ -69,10 +74,15 @@ class EventMemory:
         self.values.append(values)
         self.starts.append(offsets)
         self.lengths.append(lengths)
-        self.reprs.append(reprs)
+        self.index.add(reprs)
 
     def repr_keys(self) -> Tensor:
-        return self.reprs.view()
+        """[E, H_q, D] float32."""
+        return self.index.vectors()
+
+    def select(self, query: Tensor, budget: int) -> Selection:
+        """The similarity buffer for `query` [H_q, D]: exact, or faiss past the threshold."""
+        return self.index.select(query, self.event_lengths(), budget)
 
     def event_lengths(self) -> Tensor:
         return self.lengths.view()

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .memory import GrowBuffer, token_index
+from .memory import GrowBuffer, Selection, event_scores, select_events, token_index
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -206,16 +206,17 @@ class StoredEvents:
         self.k, self.v, self.r = store.layer_files[layer]
         self.lengths = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         self.starts = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
-        self.reprs = GrowBuffer((0, g.q_heads, g.head_dim), 0, dt, torch.device("cpu"))
-        self.mapped_reprs = self.reprs.view()  # [E0, H_q, D] reader: the map itself, never copied
+        self.threshold = store.manifest["profile"].get("faiss_threshold")
+        self.index = None  # the writer's (and a large reader's) EventIndex, float32 in RAM
+        self.mapped_reprs = torch.zeros(0, g.q_heads, g.head_dim, dtype=dt)  # [E0, H_q, D] a reader's map
+        self.new_reprs = GrowBuffer((0, g.q_heads, g.head_dim), 0, torch.float32, torch.device("cpu"))
         lengths = store.events.read().long()
         if lengths.numel():
             self.lengths.append(lengths)
             self.starts.append(torch.cumsum(lengths, 0) - lengths)
-            if store.writable:
-                self.reprs.append(self.r.read())  # the writer appends at every step: keep one buffer
-            else:
-                self.mapped_reprs = self.r.read()
+            self.mapped_reprs = self.r.read()  # a map: nothing is read until scored
+        if store.writable:  # the writer adds at every step: one float32 buffer (and graph) in RAM
+            self._build_index()
         self.n_disk = int(lengths.sum())  # event tokens in the files
         self.ram_k = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
         self.ram_v = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
@@ -242,15 +243,37 @@ class StoredEvents:
             self.ram_v.append(v)
         self.starts.append(offsets)
         self.lengths.append(lengths)
-        self.reprs.append(reprs.cpu())
+        if self.index is not None:
+            self.index.add(reprs.cpu())
+        else:
+            self.new_reprs.append(reprs.cpu())
+
+    def _build_index(self) -> None:
+        from .search import EventIndex
+
+        g = self.store.geometry
+        self.index = EventIndex(g.q_heads, g.head_dim, threshold=self.threshold)
+        self.index.add(self.mapped_reprs)
+        self.index.add(self.new_reprs.view())
 
     def repr_keys(self) -> Tensor:
-        """[E, H_q, D]; a reader's are the map, plus events closed since opening (rare: a cat)."""
-        if self.mapped_reprs.shape[0] == 0:
-            return self.reprs.view()
-        if self.reprs.n == 0:
-            return self.mapped_reprs
-        return torch.cat((self.mapped_reprs, self.reprs.view()))
+        """[E, H_q, D] float32 (a reader of a float32 store: the map itself, not a copy)."""
+        if self.index is not None:
+            return self.index.vectors()
+        if self.new_reprs.n == 0:
+            return self.mapped_reprs.float()
+        return torch.cat((self.mapped_reprs.float(), self.new_reprs.view()))
+
+    def select(self, query: Tensor, budget: int) -> Selection:
+        """As `EventMemory.select`. A reader scores the map directly (the exact path, bit for bit
+        the index's) and builds an index only past the faiss threshold."""
+        if self.index is None and self.threshold is not None and len(self) >= self.threshold:
+            self._build_index()
+        if self.index is not None:
+            return self.index.select(query, self.event_lengths(), budget)
+        if len(self) == 0 or budget <= 0:
+            return select_events(torch.zeros(0), self.event_lengths(), 0)
+        return select_events(event_scores(self.repr_keys(), query), self.event_lengths(), budget)
 
     def event_lengths(self) -> Tensor:
         return self.lengths.view()

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .attention import attend
-from .memory import EventMemory, Selection, event_scores, representative_keys, select_events, update_contiguity
+from .memory import EventMemory, Selection, representative_keys, update_contiguity
 from .rope import apply_rotary
 
 
@@ -44,6 +44,7 @@ class LayerWindow:
     device: torch.device
     events: EventMemory = field(init=False)
     step: StepInfo | None = None
+    faiss_threshold: int | None = None  # events from which retrieval searches a faiss index
     n_seen: int = 0  # tokens of the stream this layer has processed
 
     def __post_init__(self) -> None:
@@ -54,7 +55,7 @@ class LayerWindow:
         self.local_mass = z(self.n_q_heads, 0, dt=torch.float32)
         self.rem_k, self.rem_v = z(h, 0, d), z(h, 0, d)
         self.rem_mass = z(self.n_q_heads, 0, dt=torch.float32)
-        self.events = EventMemory(h, self.n_q_heads, d, self.dtype, self.device)
+        self.events = EventMemory(h, self.n_q_heads, d, self.dtype, self.device, self.faiss_threshold)
         self.contiguity = torch.zeros(0, dtype=torch.long, device=self.device)  # event ids, oldest first
 
     _STATE = ("init_k", "init_v", "local_k", "local_v", "local_mass", "rem_k", "rem_v", "rem_mass", "contiguity")
@@ -109,7 +110,7 @@ class LayerWindow:
 
     def retrieve(self, query: Tensor, budget: int) -> Selection:
         """query [H_q, D] (rotated at the memory position) -> the events to attend to."""
-        sel = select_events(event_scores(self.events.repr_keys(), query), self.events.event_lengths(), budget)
+        sel = self.events.select(query, budget)
         if self.step is not None and self.step.on_retrieval is not None:
             self.step.on_retrieval(self.layer_idx, sel)
         return sel
