@@ -5,8 +5,8 @@
 For each text: one streaming pass of the engine gives surprise and keys; every method's
 boundaries are scored (modularity, conductance, intra/inter similarity, averaged over
 chunk-sized stretches) as the difference to random segmentation with the same number of events.
-With --cost, the engine ingests the text with S and with SM, side by side, and the mean per-chunk
-times are compared.
+With --cost, engines with S and with SM ingest the first text in lockstep (one chunk each in
+turn), and the mean per-chunk times are compared. --cost-tokens sets that run's length.
 """
 
 from __future__ import annotations
@@ -18,16 +18,23 @@ import time
 import torch
 
 from benchmarks.corpus import tokens as corpus_tokens
-from benchmarks.ingest_speed import emllm_run
 from core import document, models
 from core.engine import Engine
 from core.passkey import parse_length
 
 
-def per_chunk(model, prof, ids) -> float:
-    t, _ = emllm_run(model, prof, ids)
-    skip = -(-(prof.n_local) // prof.chunk_size)  # once events form
-    return sum(t[skip:]) / len(t[skip:])
+def lockstep_cost(model, prof, ids) -> tuple[float, float]:
+    """Mean per-chunk time of S and SM engines advancing in turn over the same chunks (so load on
+    the machine hits both alike), once events form."""
+    engines = {m: Engine(model, prof.replace(segmentation=m)) for m in ("S", "SM")}
+    times: dict[str, list[float]] = {m: [] for m in engines}
+    for off in range(0, ids.numel(), prof.chunk_size):
+        for m, e in engines.items():
+            t = time.perf_counter()
+            e.step(ids[off : off + prof.chunk_size])
+            times[m].append(time.perf_counter() - t)
+    skip = -(-prof.n_local // prof.chunk_size)
+    return tuple(sum(times[m][skip:]) / len(times[m][skip:]) for m in ("S", "SM"))  # type: ignore[return-value]
 
 
 def main() -> None:
@@ -35,6 +42,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="8k")
     ap.add_argument("--texts", default="prose,code,haystack")
     ap.add_argument("--cost", action="store_true")
+    ap.add_argument("--cost-tokens", default=None, help="length of the cost run (default: --tokens)")
     a = ap.parse_args()
     src = models.resolve("smollm2")
     model, tok = models.load(src)
@@ -55,8 +63,9 @@ def main() -> None:
         for m, r in rows.items():
             print(f"| {m} | {r['events']} | {1e3 * r['modularity']:+.3f} | {r['conductance']:+.4f} | {r['intra_inter']:+.4f} |")
         if a.cost and kind == a.texts.split(",")[0]:
-            s, sm = per_chunk(model, prof, ids), per_chunk(model, prof.replace(segmentation="SM"), ids)
-            out["cost"] = {"text": kind, "S_chunk_s": round(s, 3), "SM_chunk_s": round(sm, 3), "ratio": round(sm / s, 3)}
+            cids = torch.tensor(corpus_tokens(tok, kind, parse_length(a.cost_tokens))) if a.cost_tokens else ids
+            s, sm = lockstep_cost(model, prof, cids)
+            out["cost"] = {"text": kind, "tokens": cids.numel(), "S_chunk_s": round(s, 3), "SM_chunk_s": round(sm, 3), "ratio": round(sm / s, 3)}
             print(f"\nper-chunk time: S {s:.3f} s, SM {sm:.3f} s, ratio {sm / s:.3f}")
     print(json.dumps(out))
 
