@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Callable, TypeVar
 
@@ -37,6 +38,9 @@ def guarded(fn: F) -> F:
             return fn(*args, **kwargs)
         except (typer.Exit, *_CLICK_ERRORS):
             raise  # usage errors: Click prints them and exits 2
+        except BrokenPipeError:  # e.g. `emllm segment x --json | head`: the reader left
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(1)
         except KeyboardInterrupt:
             print("emllm: interrupted", file=sys.stderr)
             raise typer.Exit(130)

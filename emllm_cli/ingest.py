@@ -49,14 +49,14 @@ def ingest(
         raise typer.BadParameter("give at least one file (or - for stdin)", param_hint="PATHS")
     if resume and append:
         raise typer.BadParameter("use --resume or --append, not both", param_hint="--append")
-    docs = [(p if p != "-" else "stdin", read_text(p)) for p in paths]  # bad files fail before any work
-
     if store is None:
         if resume or append:
             raise typer.BadParameter("say which store with --store", param_hint="--store")
         if paths[0] == "-":
             raise typer.BadParameter("reading stdin: name the store with --store", param_hint="--store")
         store = Path(paths[0]).stem
+    docs = [(p if p != "-" else "stdin", read_text(p)) for p in paths]  # bad files fail before any work
+
     path = store_path(store)
     existing = is_store(path)
     if (append or resume) and not existing:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -44,10 +45,14 @@ def segment(
         raise typer.BadParameter("--method all compares methods: use it with --metrics", param_hint="--method")
     if any(m not in document.METHODS for m in methods):
         raise typer.BadParameter(f"{method!r}: choose one of {', '.join(document.METHODS)} (or all)", param_hint="--method")
+    if out is not None:
+        _check_writable(out)  # before minutes of model work, not after
     text = read_text(path)
     src = models.resolve(model, profile, log=lambda m: render.err.print(f"[dim]{m}[/dim]"))
     prof = src.profile.replace(segmentation="S", **({"gamma": gamma} if gamma is not None else {}))
     mdl, tok = models.load(src)
+    if not getattr(tok, "is_fast", False):
+        raise UserError(f"the tokenizer of {src.name} has no fast (Rust) version: segment needs its character offsets")
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     if not ids:
@@ -104,11 +109,25 @@ def _doc(model, method, prof, text, ids, offsets, starts, a) -> dict:
             "tokens": len(ids), "characters": len(text), "events": events}
 
 
+def _check_writable(out: Path) -> None:
+    if out.is_dir():
+        raise UserError(f"--out {out}: is a directory; give a file name")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"--out {out}: no folder {parent}")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise UserError(f"--out {out}: not writable")
+
+
 def _emit(doc: dict, out: Path | None, as_json: bool) -> None:
+    if as_json:  # printed first: a failing write below must not lose the result
+        render.print_json(doc)
     if out:
         tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        tmp.replace(out)
+        try:
+            tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            tmp.replace(out)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise UserError(f"--out {out}: cannot write: {e.strerror}") from None
         render.err.print(f"wrote {len(doc.get('events', []))} events to {out}" if "events" in doc else f"wrote {out}")
-    if as_json:
-        render.print_json(doc)

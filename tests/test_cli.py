@@ -27,6 +27,15 @@ def run(*args: str, home: Path, timeout: int = 600) -> subprocess.CompletedProce
     (["passkey", "-m", "nope"], 1, "unknown model 'nope'"),
     (["passkey", "-m", "llama3.1"], 1, "never downloads"),
     (["passkey", "--profile", "nope"], 1, "unknown profile 'nope'"),
+    (["segment", "README.md", "--out", "/nonexistent/x.json"], 1, "no folder /nonexistent"),
+    (["ingest", "README.md", "-m", "nope"], 1, "unknown model 'nope'"),
+    (["ingest", "README.md", "--profile", "nope"], 1, "unknown profile 'nope'"),
+    (["ingest"], 2, "give at least one file"),
+    (["ingest", "--resume", "README.md"], 2, "continues the interrupted"),
+    (["ingest", "-"], 2, "name the store"),
+    (["ask", "hi", "--store", "/nonexistent/store"], 1, "no store"),
+    (["ask", " "], 1, "the question is empty"),
+    (["inspect", "nope"], 1, "no store 'nope'"),
 ])
 def test_bad_input(tmp_path, args, code, needle):
     r = run(*args, home=tmp_path)
@@ -42,6 +51,17 @@ def test_version_and_help(tmp_path):
     assert r.returncode == 0 and r.stdout.startswith("emllm ")
     r = run("passkey", "--help", home=tmp_path)
     assert r.returncode == 0 and "--baseline" in r.stdout and "Examples" in r.stdout
+    for cmd, opt in (("ingest", "--resume"), ("ask", "--show-retrieval"), ("inspect", "--query"), ("segment", "--metrics")):
+        r = run(cmd, "--help", home=tmp_path)
+        assert r.returncode == 0 and opt in r.stdout and "Examples" in r.stdout, cmd
+
+
+def test_bad_profile_value(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("n_local: -3\n")
+    r = run("ingest", "README.md", "--profile", str(bad), home=tmp_path)
+    assert r.returncode == 1 and "n_local: must be an integer >= 1" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "stores").exists()
 
 
 def test_passkey_json(tmp_path, smollm2):  # smollm2: the converted model exists before the subprocess
