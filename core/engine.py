@@ -141,6 +141,8 @@ class Engine:
         step = StepInfo(cos, sin, pr.n_local, pr.n_init, pr.n_mem - cont, cont, pr.neighbours, self.on_retrieval)
         for w in self.windows:
             w.step = step
+        if self.model.config._attn_implementation != attention.NAME:  # someone ran the plain model meanwhile
+            self.model.set_attn_implementation(attention.NAME)
         x = chunk.to(self.device)[None]
         out = self.model(
             input_ids=x,
