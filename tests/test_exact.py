@@ -171,3 +171,20 @@ def test_rotary_table_cache(arch):
             assert torch.equal(cb, c1.to(torch.bfloat16))
     finally:
         hook.remove()
+
+
+def test_engine_survives_the_plain_model_running_in_between():
+    """A baseline run on the same model object (sdpa) between two chunks changes nothing."""
+    model = tiny_model("llama3.1")
+    prof = tiny_profile()
+    ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(3))
+    ref = Engine(model, prof)
+    ref.feed(ids[:64])
+    want = ref.feed(ids[64:])
+    eng = Engine(model, prof)
+    eng.feed(ids[:64])
+    model.set_attn_implementation("sdpa")
+    model(input_ids=ids[None, :16])
+    got = eng.feed(ids[64:])
+    assert eng.n_events == ref.n_events > 0
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
