@@ -1,0 +1,116 @@
+"""RULER-style quality grid: emllm (segmentations S, SM, F) against the plain model truncated from
+the left to its context and a retrieval-augmented baseline (core/rag.py).
+
+    python benchmarks/quality.py --lengths 8k --samples 2 --out docs/results/quality.jsonl
+
+For every task × length × sample one prompt (seeded by seed/task/length/sample; the needle depth
+spread evenly over the samples: (i + 0.5) / samples) is answered by every method; one JSON line per
+answer is appended to --out as it finishes, then a markdown table of the mean score (RULER
+string_match_all, in %) per task × length × method is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict
+
+import torch
+
+from core import models
+from core.engine import Engine
+from core.passkey import parse_length, run_baseline
+from core.rag import run_rag
+from core.ruler import TASKS, build_prompt, run_task
+
+METHODS = ("emllm-S", "emllm-SM", "emllm-F", "baseline", "rag")
+
+
+def table(rows: list[dict], methods: list[str]) -> str:
+    acc: dict[tuple, list[float]] = defaultdict(list)
+    for r in rows:
+        acc[(r["task"], r["length"], r["method"])].append(r["score"])
+    cells = sorted({(t, n) for t, n, _ in acc}, key=lambda x: (list(TASKS).index(x[0]) if x[0] in TASKS else 99, x[1]))
+    out = ["| task | length | " + " | ".join(methods) + " |", "|---|---:|" + "---:|" * len(methods)]
+    for t, n in cells:
+        vals = []
+        for m in methods:
+            v = acc.get((t, n, m))
+            vals.append(f"{100 * sum(v) / len(v):.0f} ({len(v)})" if v else "–")
+        out.append(f"| {t} | {n} | " + " | ".join(vals) + " |")
+    means = []
+    for m in methods:
+        v = [s for (t, n, mm), ss in acc.items() if mm == m for s in ss]
+        means.append(f"{100 * sum(v) / len(v):.0f}" if v else "–")
+    out.append("| **mean** | | " + " | ".join(means) + " |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of: {', '.join(TASKS)}")
+    ap.add_argument("--lengths", default="8k,32k,128k")
+    ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--first-sample", type=int, default=0, help="extend an earlier grid without repeating a prompt")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of: {', '.join(METHODS)}")
+    ap.add_argument("--rag-chunk", type=int, default=128, help="RAG chunk size in tokens")
+    ap.add_argument("--rag-k", type=int, default=None, help="RAG chunks kept (default: as many as fit)")
+    ap.add_argument("--rag-budget", type=int, default=None,
+                    help="RAG prompt tokens (default: the model's context); e.g. n_local + n_mem to match emllm's attention")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    for t in tasks:
+        if t not in TASKS:
+            ap.error(f"unknown task {t!r}: one of {', '.join(TASKS)}")
+    for m in methods:
+        if m not in METHODS:
+            ap.error(f"unknown method {m!r}: one of {', '.join(METHODS)}")
+    lengths = [parse_length(x) for x in a.lengths.split(",")]
+    src = models.resolve(a.model, log=lambda s: print(s, file=sys.stderr))
+    model, tok = models.load(src)
+    factories = {f"emllm-{s}": (lambda s=s: Engine(model, src.profile.replace(segmentation=s))) for s in ("S", "SM", "F")}
+    with open(a.out, "a") as f:
+        f.write(json.dumps({"run": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.processor() or platform.machine(),
+                            "device": str(next(model.parameters()).device), "threads": torch.get_num_threads(),
+                            "profile": asdict(src.profile), "argv": sys.argv}) + "\n")
+    rows = []
+    for task in tasks:
+        for length in lengths:
+            for i in range(a.first_sample, a.first_sample + a.samples):
+                depth = round((i - a.first_sample + 0.5) / a.samples, 4)
+                prompt = build_prompt(task, tok, length, depth, random.Random(f"{a.seed}/{task}/{length}/{i}"))
+                for m in methods:
+                    t0 = time.perf_counter()
+                    extra = {}
+                    if m in factories:
+                        answer = run_task(factories[m], tok, prompt)
+                    elif m == "baseline":
+                        answer = run_baseline(model, tok, prompt, max_new_tokens=prompt.max_new_tokens)
+                    else:
+                        answer, rc = run_rag(model, tok, prompt, chunk_tokens=a.rag_chunk, k=a.rag_k, budget=a.rag_budget)
+                        hit = [any(s <= prompt.needles[j][0] < e for s, e in rc.spans) for j in prompt.targets]
+                        extra = {"rag_chunks": len(rc.spans), "rag_of": rc.n_chunks, "rag_needles_found": sum(hit),
+                                 "rag_tokens": len(rc.ids)}
+                    r = {"task": task, "length": length, "sample": i, "depth": depth, "method": m,
+                         "answers": prompt.answers, "answer": answer.strip(), "score": prompt.score(answer),
+                         "seconds": round(time.perf_counter() - t0, 2),
+                         "tokens": len(prompt.document) + len(prompt.question), **extra}
+                    rows.append(r)
+                    with open(a.out, "a") as f:
+                        f.write(json.dumps(r) + "\n")
+                    print(f"{task:20} {length:>7} #{i} d{depth:.2f} {m:9} {100 * r['score']:3.0f}% {r['answer'][:60]!r} "
+                          f"(want {','.join(prompt.answers)[:40]}, {r['seconds']:.0f} s)", file=sys.stderr, flush=True)
+    print(table(rows, methods))
+
+
+if __name__ == "__main__":
+    main()

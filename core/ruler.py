@@ -1,0 +1,359 @@
+"""RULER-style long-context tasks (Hsieh et al., 2024), generated deterministically over a tokenizer.
+
+Same shape as `core.passkey`: every generator is `build(tok, length, depth, rng) -> Prompt`, with
+the document (instructions + haystack with the needles: the stream to ingest) and the question
+(its own chunk, ending with the answer prefix) as token-id lists, plain text without a chat
+template. `len(document) + len(question)` equals `length` (unless `length` is smaller than the
+fixed parts). Scoring is RULER's `string_match_all`: the share of the expected values that the
+answer contains, case-insensitively.
+
+Tasks (`TASKS`):
+
+- `niah_single_words` / `niah_single_numbers` / `niah_single_uuids`: one needle
+  "One of the special magic {kind} for {key} is: {value}." at `depth`, asked for by its key.
+- `niah_multikey`: four needles with different keys (the asked one at `depth`, the others at
+  random places), one key asked.
+- `niah_multivalue`: four needles with the same key and different values (the first at `depth`,
+  the others at random places), all values asked.
+- `vt`: variable tracking: a chain `VAR A = 12345`, `VAR B = VAR A`, ... (4 hops) spread over the
+  document in order, plus `distractor` chains with other values; asked: every variable equal to
+  the chain's value.
+
+Haystacks: the passkey filler ("noise") or essay-like sentences generated from the rng ("essay").
+Needles sit on sentence borders. The rng alone decides everything, so a prompt depends only on the
+seed string the caller builds (`random.Random(f"{seed}/{task}/{length}/{sample}")`).
+"""
+
+from __future__ import annotations
+
+import random
+import string
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .passkey import FILLER, _stop_ids
+
+# -- vocabularies (disjoint: no key or value word occurs in the essay filler or the templates) ---------------
+
+KEY_ADJECTIVES = (
+    "amber", "brisk", "cobalt", "dusky", "elated", "fabled", "gilded", "hollow", "ivory", "jagged",
+    "kindly", "lunar", "mellow", "nimble", "opaline", "placid", "quaint", "rustic", "scarlet", "tawny",
+    "umber", "velvet", "wistful", "zesty",
+)
+KEY_NOUNS = (
+    "badger", "cactus", "dolphin", "falcon", "gazelle", "heron", "iguana", "jackal", "kestrel", "lobster",
+    "marmot", "narwhal", "ocelot", "panther", "quokka", "raccoon", "salmon", "tortoise", "walrus", "yak",
+)
+VALUE_WORDS = (
+    "accordion", "barometer", "carburetor", "dulcimer", "escalator", "flamingo", "gondola", "harmonica",
+    "igloo", "jukebox", "kaleidoscope", "lantern", "marimba", "nectarine", "origami", "periscope",
+    "quesadilla", "rickshaw", "saxophone", "trombone", "ukulele", "vermicelli", "wheelbarrow", "xylophone",
+    "zeppelin", "pretzel", "bagpipe", "cinnamon", "dandelion", "tambourine",
+)
+
+_E_SUBJECTS = (
+    "the history of cities", "most good ideas", "a careful reader", "the best teachers", "every small company",
+    "an honest critic", "the modern school", "a new habit", "the average office", "young writers",
+    "the typical startup", "a patient builder", "many old books", "the quiet student", "the wider public",
+    "a thoughtful editor", "the early internet", "most ambitious people", "a growing town", "the local library",
+)
+_E_VERBS = (
+    "suggested", "showed", "reminded us", "implied", "taught us", "made it clear", "hinted", "proved",
+    "told us", "revealed",
+)
+_E_CLAUSES = (
+    "that patient work often matters more than talent", "that curiosity is worth more than certainty",
+    "that simple plans tend to survive longer", "that the obvious answer is sometimes wrong",
+    "that good questions are harder to find than good answers", "that habits shape what we notice",
+    "that people learn fastest when they are a little confused", "that clear writing follows clear thinking",
+    "that most progress looks boring from the inside", "that taste can be learned slowly",
+    "that the right problem is half of the solution", "that small groups move faster than large ones",
+    "that trust is built over many ordinary days", "that a good draft is rarely the first one",
+    "that attention is the scarcest thing we own", "that luck favours those who keep trying",
+    "that rules written long ago still guide us", "that the future arrives unevenly",
+    "that practice beats planning more often than not", "that the hardest part is getting started",
+)
+_E_TAILS = (
+    "", "", "", " in the long run", " more than we admit", " if we look closely", " year after year",
+    " even when nobody is watching", " in surprising ways", " for better or worse",
+)
+_E_OPENERS = ("", "", "", "In practice, ", "Over time, ", "Of course, ", "Still, ", "Perhaps ", "Often ")
+
+INTRO = (
+    "Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the {kind} afterwards.\n"
+)
+NEEDLE = "One of the special magic {kind} for {key} is: {value}. "
+QUERY_ONE = "What is the special magic {kind_one} for {key} mentioned in the provided text?"
+QUERY_ALL = "What are all the special magic {kind} for {key} mentioned in the provided text?"
+PREFIX_ONE = "The special magic {kind_one} for {key} mentioned in the provided text is"
+PREFIX_ALL = "The special magic {kind} for {key} mentioned in the provided text are"
+
+VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+VT_QUERY = "Question: Find all variables that are assigned the value {value} in the text above."
+VT_PREFIX = (
+    "Answer: According to the chain(s) of variable assignment in the text above, {n} variables are "
+    "assigned the value {value}, they are:"
+)
+
+KINDS = {"words": ("words", "word"), "numbers": ("numbers", "number"), "uuids": ("uuids", "uuid")}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    task: str
+    document: list[int]  # instructions + haystack with the needles: the stream to ingest
+    question: list[int]  # question and answer prefix: its own chunk
+    answers: list[str]  # every one must be in the answer (string_match_all)
+    query: str  # the bare question (what a retriever searches with)
+    needles: list[tuple[int, int]]  # token spans [start, end) of every inserted needle in `document`
+    targets: list[int]  # indices into `needles` of those holding the answers
+    head: int  # tokens of instructions at the start of `document`
+    depth: float
+    max_new_tokens: int = 32
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def needle_at(self) -> int:
+        """Token position of the first asked needle."""
+        return self.needles[self.targets[0]][0]
+
+    @property
+    def key(self) -> str:  # passkey-compatible field for code that prints one
+        return ",".join(self.answers)
+
+    def score(self, answer: str) -> float:
+        return score(answer, self.answers)
+
+
+def score(answer: str, answers: list[str]) -> float:
+    """RULER string_match_all: the share of `answers` contained in `answer`, case-insensitively."""
+    if not answers:
+        return 0.0
+    a = answer.lower()
+    return sum(r.lower() in a for r in answers) / len(answers)
+
+
+def score_part(answer: str, answers: list[str]) -> float:
+    """RULER string_match_part: 1 if any of `answers` is contained in `answer`."""
+    a = answer.lower()
+    return float(any(r.lower() in a for r in answers))
+
+
+# -- values ------------------------------------------------------------------------------------------
+
+def _key_word(rng: random.Random, taken: set[str]) -> str:
+    while True:
+        k = f"{rng.choice(KEY_ADJECTIVES)}-{rng.choice(KEY_NOUNS)}"
+        if k not in taken:
+            taken.add(k)
+            return k
+
+
+def _value(kind: str, rng: random.Random, taken: set[str]) -> str:
+    while True:
+        if kind == "numbers":
+            v = str(rng.randint(1_000_000, 9_999_999))
+        elif kind == "uuids":
+            v = str(uuid.UUID(int=rng.getrandbits(128), version=4))
+        else:
+            v = rng.choice(VALUE_WORDS)
+        if v not in taken:
+            taken.add(v)
+            return v
+
+
+# -- haystacks ---------------------------------------------------------------------------------------
+
+def essay_sentence(rng: random.Random) -> str:
+    s = (f"{rng.choice(_E_OPENERS)}{rng.choice(_E_SUBJECTS)} {rng.choice(_E_VERBS)} "
+         f"{rng.choice(_E_CLAUSES)}{rng.choice(_E_TAILS)}. ")
+    return s[0].upper() + s[1:]
+
+
+class _Haystack:
+    """Sentences as token lists, exactly `n` tokens in all (the last one cut), needles between them."""
+
+    def __init__(self, tok, n: int, kind: str, rng: random.Random) -> None:
+        enc = _encoder(tok)
+        self.sents: list[list[int]] = []
+        total = 0
+        if kind == "noise":
+            unit = enc(FILLER)
+            while total < n:
+                self.sents.append(unit)
+                total += len(unit)
+        else:
+            cache: dict[str, list[int]] = {}
+            while total < n:
+                s = essay_sentence(rng)
+                ids = cache.get(s) or cache.setdefault(s, enc(s))
+                self.sents.append(ids)
+                total += len(ids)
+        if total > n:  # cut the last sentence so the haystack has exactly n tokens
+            self.sents[-1] = self.sents[-1][: len(self.sents[-1]) - (total - n)]
+            if not self.sents[-1]:
+                self.sents.pop()
+        self.n = n
+        # needles go before sentence i, i in [0, full]; the cut sentence stays last
+        self.full = len(self.sents) - (1 if total > n and self.sents else 0)
+
+    def slot(self, depth: float) -> int:
+        return min(self.full, max(0, round(depth * self.full)))
+
+    def random_slots(self, rng: random.Random, k: int) -> list[int]:
+        return [rng.randint(0, self.full) for _ in range(k)]
+
+    def assemble(self, head: list[int], inserts: list[tuple[int, list[int]]]) -> tuple[list[int], list[tuple[int, int]]]:
+        """inserts: (slot, needle ids) in the order they should appear at equal slots. Returns
+        the document and the needles' spans in the order of `inserts`."""
+        order = sorted(range(len(inserts)), key=lambda j: (inserts[j][0], j))
+        doc = list(head)
+        spans: list[tuple[int, int] | None] = [None] * len(inserts)
+        nxt = 0
+        for i, sent in enumerate(self.sents + [[]]):
+            while nxt < len(order) and inserts[order[nxt]][0] == i:
+                ids = inserts[order[nxt]][1]
+                spans[order[nxt]] = (len(doc), len(doc) + len(ids))
+                doc.extend(ids)
+                nxt += 1
+            doc.extend(sent)
+        return doc, spans  # type: ignore[return-value]
+
+
+def _encoder(tok) -> Callable[[str], list[int]]:
+    return lambda s: tok(s, add_special_tokens=False)["input_ids"]
+
+
+# -- needle tasks ------------------------------------------------------------------------------------
+
+def _niah(tok, length: int, depth: float, rng: random.Random, *, task: str, kind: str, haystack: str,
+          n_keys: int = 1, n_values: int = 1, max_new_tokens: int = 32) -> Prompt:
+    enc = _encoder(tok)
+    kinds, kind_one = KINDS[kind]
+    taken_k: set[str] = set()
+    taken_v: set[str] = set()
+    keys = [_key_word(rng, taken_k) for _ in range(n_keys)]
+    values = [[_value(kind, rng, taken_v) for _ in range(n_values)] for _ in keys]
+    asked = 0  # the first key is the one asked for
+    needles = [(keys[i], v) for i in range(n_keys) for v in values[i]]
+    needle_ids = [enc(NEEDLE.format(kind=kinds, key=k, value=v)) for k, v in needles]
+    head = enc(INTRO.format(kind=kinds))
+    if n_values > 1:
+        query = QUERY_ALL.format(kind=kinds, key=keys[asked])
+        prefix = PREFIX_ALL.format(kind=kinds, key=keys[asked])
+    else:
+        query = QUERY_ONE.format(kind_one=kind_one, key=keys[asked])
+        prefix = PREFIX_ONE.format(kind_one=kind_one, key=keys[asked])
+    question = enc("\n" + query) + enc("\n" + prefix)
+    n_hay = max(0, length - len(head) - sum(map(len, needle_ids)) - len(question))
+    hay = _Haystack(tok, n_hay, haystack, rng)
+    others = hay.random_slots(rng, len(needles) - 1)
+    slots = [hay.slot(depth)] + others  # needle 0 (asked key, first value) at the requested depth
+    document, spans = hay.assemble(head, list(zip(slots, needle_ids)))
+    targets = [j for j, (k, _) in enumerate(needles) if k == keys[asked]]
+    return Prompt(task, document, question, list(values[asked]), query, spans, targets, len(head), depth,
+                  max_new_tokens, {"keys": keys, "values": values})
+
+
+def niah_single_words(tok, length: int, depth: float, rng: random.Random) -> Prompt:
+    return _niah(tok, length, depth, rng, task="niah_single_words", kind="words", haystack="essay", max_new_tokens=16)
+
+
+def niah_single_numbers(tok, length: int, depth: float, rng: random.Random) -> Prompt:
+    return _niah(tok, length, depth, rng, task="niah_single_numbers", kind="numbers", haystack="noise",
+                 max_new_tokens=20)
+
+
+def niah_single_uuids(tok, length: int, depth: float, rng: random.Random) -> Prompt:
+    return _niah(tok, length, depth, rng, task="niah_single_uuids", kind="uuids", haystack="essay", max_new_tokens=48)
+
+
+def niah_multikey(tok, length: int, depth: float, rng: random.Random) -> Prompt:
+    return _niah(tok, length, depth, rng, task="niah_multikey", kind="numbers", haystack="essay", n_keys=4,
+                 max_new_tokens=20)
+
+
+def niah_multivalue(tok, length: int, depth: float, rng: random.Random) -> Prompt:
+    return _niah(tok, length, depth, rng, task="niah_multivalue", kind="numbers", haystack="essay", n_values=4,
+                 max_new_tokens=64)
+
+
+# -- variable tracking -------------------------------------------------------------------------------
+
+def _var_name(rng: random.Random, taken: set[str]) -> str:
+    while True:
+        v = "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
+        if v not in taken:
+            taken.add(v)
+            return v
+
+
+def vt(tok, length: int, depth: float, rng: random.Random, hops: int = 4, distractors: int = 1) -> Prompt:
+    """Variable tracking. The asked chain's first statement sits at `depth`, its later hops at
+    random places after it; distractor chains (other values) anywhere, each in its own order."""
+    enc = _encoder(tok)
+    names: set[str] = set()
+    values: set[str] = set()
+    chains = []
+    for _ in range(1 + distractors):
+        val = str(rng.randint(10000, 99999))  # 5-digit values as in RULER
+        while val in values:
+            val = str(rng.randint(10000, 99999))
+        values.add(val)
+        chains.append((val, [_var_name(rng, names) for _ in range(hops + 1)]))
+    statements: list[list[str]] = []
+    for val, vs in chains:
+        st = [f"VAR {vs[0]} = {val}. "] + [f"VAR {vs[i]} = VAR {vs[i - 1]}. " for i in range(1, len(vs))]
+        statements.append(st)
+    head = enc(VT_INTRO)
+    val0, vars0 = chains[0]
+    query = VT_QUERY.format(value=val0)
+    question = enc("\n" + query) + enc("\n" + VT_PREFIX.format(n=len(vars0), value=val0))
+    st_ids = [[enc(s) for s in st] for st in statements]
+    n_fixed = sum(len(x) for st in st_ids for x in st)
+    n_hay = max(0, length - len(head) - n_fixed - len(question))
+    hay = _Haystack(tok, n_hay, "noise", rng)
+    inserts: list[tuple[int, list[int]]] = []
+    first = hay.slot(depth)
+    later = sorted(rng.randint(first, hay.full) for _ in range(hops))
+    for slot, ids in zip([first] + later, st_ids[0]):
+        inserts.append((slot, ids))
+    for st in st_ids[1:]:
+        for slot, ids in zip(sorted(hay.random_slots(rng, len(st))), st):
+            inserts.append((slot, ids))
+    document, spans = hay.assemble(head, inserts)
+    return Prompt("vt", document, question, list(vars0), query, spans, list(range(hops + 1)), len(head), depth,
+                  30, {"chains": [[v, list(vs)] for v, vs in chains]})
+
+
+TASKS: dict[str, Callable[..., Prompt]] = {
+    "niah_single_words": niah_single_words,
+    "niah_single_numbers": niah_single_numbers,
+    "niah_single_uuids": niah_single_uuids,
+    "niah_multikey": niah_multikey,
+    "niah_multivalue": niah_multivalue,
+    "vt": vt,
+}
+
+
+def build_prompt(task: str, tok, length: int, depth: float, rng: random.Random) -> Prompt:
+    try:
+        gen = TASKS[task]
+    except KeyError:
+        raise ValueError(f"unknown task {task!r}: one of {', '.join(TASKS)}") from None
+    return gen(tok, length, depth, rng)
+
+
+def run_task(engine_factory: Callable[[], object], tok, prompt: Prompt, max_new_tokens: int | None = None,
+             progress: Callable | None = None) -> str:
+    """emllm: ingest the document, feed the question as its own chunk, generate greedily."""
+    eng = engine_factory()
+    eng.feed(prompt.document, progress=progress)
+    eng.feed(prompt.question)
+    out = eng.generate(max_new_tokens or prompt.max_new_tokens, stop_ids=set(_stop_ids(tok, eng.model)))
+    return tok.decode(out, skip_special_tokens=True)
+
+
+__all__ = ["TASKS", "Prompt", "build_prompt", "run_task", "score", "score_part", "essay_sentence"]

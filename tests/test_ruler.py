@@ -1,0 +1,181 @@
+"""RULER-style task generators (core/ruler.py) and the RAG baseline's chunking/retrieval (core/rag.py).
+Tokenizer only (SmolLM2's); the one model forward is the small sentence embedder."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from core import ruler
+from core.rag import build_context, chunk_spans, sentence_ends
+from core.ruler import TASKS, build_prompt, score
+
+NIAH = [t for t in TASKS if t.startswith("niah")]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from core import models
+
+    return AutoTokenizer.from_pretrained(models.resolve("smollm2").path, local_files_only=True)
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_deterministic_by_seed(tok, task):
+    a = build_prompt(task, tok, 1500, 0.4, random.Random("s/1"))
+    b = build_prompt(task, tok, 1500, 0.4, random.Random("s/1"))
+    c = build_prompt(task, tok, 1500, 0.4, random.Random("s/2"))
+    assert (a.document, a.question, a.answers, a.needles) == (b.document, b.question, b.answers, b.needles)
+    assert a.answers != c.answers and a.document != c.document
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("length", [700, 3000, 9000])
+def test_length(tok, task, length):
+    p = build_prompt(task, tok, length, 0.5, random.Random(length))
+    assert abs(len(p.document) + len(p.question) - length) <= 4
+    assert tok.decode(p.question).rstrip().endswith(("is", "are", "they are:"))
+    assert p.max_new_tokens > 0 and 0 < p.head < p.needles[0][0] + 1
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 0.8, 1.0])
+def test_needle_at_depth(tok, task, depth):
+    p = build_prompt(task, tok, 4000, depth, random.Random(7))
+    n_hay = len(p.document) - p.head - sum(e - s for s, e in p.needles)
+    # needles sit on sentence borders: within about a filler sentence of the requested depth
+    before = p.needle_at - p.head - sum(e - s for s, e in p.needles if s < p.needle_at)
+    assert abs(before - depth * n_hay) <= 40
+    # the spans hold the needles' text
+    for j, (s, e) in enumerate(p.needles):
+        text = tok.decode(p.document[s:e])
+        assert text.startswith(("One of the special magic", "VAR ")), text
+    for j, ans in zip(p.targets, p.answers):
+        assert ans in tok.decode(p.document[slice(*p.needles[j])])
+
+
+@pytest.mark.parametrize("task", NIAH)
+def test_answers_appear_once(tok, task):
+    for seed in range(3):
+        p = build_prompt(task, tok, 3000, 0.5, random.Random(seed))
+        doc = tok.decode(p.document)
+        q = tok.decode(p.question)
+        for a in p.answers:
+            assert doc.count(a) == 1, (a, task)
+            assert a not in q
+        keys = p.meta["keys"]
+        assert len(set(keys)) == len(keys)
+        assert q.count(keys[0]) == 2  # in the question and the answer prefix
+        n_needles_of_key = len(p.meta["values"][0])
+        assert doc.count(keys[0]) == n_needles_of_key
+        for other in keys[1:]:
+            assert other not in q
+
+
+def test_multi_tasks_shape(tok):
+    mk = build_prompt("niah_multikey", tok, 3000, 0.5, random.Random(1))
+    assert len(mk.needles) == 4 and len(mk.answers) == 1 and mk.targets == [0]
+    mv = build_prompt("niah_multivalue", tok, 3000, 0.5, random.Random(1))
+    assert len(mv.needles) == 4 and len(mv.answers) == 4 and len(set(mv.answers)) == 4 and mv.targets == [0, 1, 2, 3]
+    u = build_prompt("niah_single_uuids", tok, 1000, 0.5, random.Random(1))
+    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", u.answers[0])
+    n = build_prompt("niah_single_numbers", tok, 1000, 0.5, random.Random(1))
+    assert re.fullmatch(r"\d{7}", n.answers[0])
+    w = build_prompt("niah_single_words", tok, 1000, 0.5, random.Random(1))
+    assert w.answers[0] in ruler.VALUE_WORDS
+
+
+def test_vocabularies_disjoint():
+    essay = " ".join(ruler._E_SUBJECTS + ruler._E_VERBS + ruler._E_CLAUSES + ruler._E_TAILS + ruler._E_OPENERS).lower()
+    fixed = (ruler.INTRO + ruler.QUERY_ALL + ruler.PREFIX_ALL + ruler.NEEDLE + ruler.FILLER).lower()
+    for w in ruler.VALUE_WORDS + ruler.KEY_ADJECTIVES + ruler.KEY_NOUNS:
+        assert w not in essay and w not in fixed, w
+
+
+def test_score():
+    assert score("The number is 1234567.", ["1234567"]) == 1.0
+    assert score("7654321", ["1234567"]) == 0.0
+    assert score("", ["1234567"]) == 0.0
+    assert score(" ACCORDION!", ["accordion"]) == 1.0
+    assert score("1, 2 and 4", ["1", "2", "3", "4"]) == 0.75
+    assert score("they are: ABCDE, FGHIJ", ["abcde", "fghij", "klmno"]) == pytest.approx(2 / 3)
+    assert ruler.score_part("FGHIJ", ["abcde", "fghij"]) == 1.0 and ruler.score_part("x", ["abcde"]) == 0.0
+
+
+def test_prompt_score_uses_answers(tok):
+    p = build_prompt("niah_multivalue", tok, 1200, 0.5, random.Random(5))
+    assert p.score(" " + ", ".join(p.answers)) == 1.0
+    assert p.score(" " + ", ".join(p.answers[:2])) == 0.5
+    assert p.score(" none") == 0.0
+
+
+def _resolve_vt(text: str) -> dict[str, str]:
+    """Brute force: every variable's value, by iterating the assignments to a fixed point."""
+    direct = dict(re.findall(r"VAR ([A-Z]{5}) = (\d+)\.", text))
+    refs = dict(re.findall(r"VAR ([A-Z]{5}) = VAR ([A-Z]{5})\.", text))
+    values = dict(direct)
+    changed = True
+    while changed:
+        changed = False
+        for a, b in refs.items():
+            if b in values and values.get(a) != values[b]:
+                values[a] = values[b]
+                changed = True
+    return values
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_vt_chain_resolves(tok, seed):
+    p = ruler.vt(tok, 2500, 0.3, random.Random(seed), hops=4, distractors=2)
+    text = tok.decode(p.document)
+    values = _resolve_vt(text)
+    value = p.meta["chains"][0][0]
+    assert f"value {value} " in tok.decode(p.question)
+    assert sorted(v for v, x in values.items() if x == value) == sorted(p.answers)
+    assert len(p.answers) == 5 and len(values) == 15
+    # each assignment comes after the one it refers to
+    for a, b in re.findall(r"VAR ([A-Z]{5}) = VAR ([A-Z]{5})\.", text):
+        assert text.index(f"VAR {b} =") < text.index(f"VAR {a} =")
+    assert f"{len(p.answers)} variables" in tok.decode(p.question)
+
+
+def test_chunk_spans_cover():
+    for n, size, start in [(1000, 128, 0), (1000, 128, 37), (129, 128, 0), (5, 128, 0), (0, 16, 0)]:
+        spans = chunk_spans(n, size, start)
+        assert all(0 < e - s <= size for s, e in spans)
+        assert [s for s, _ in spans[1:]] == [e for _, e in spans[:-1]]
+        if n > start:
+            assert spans[0][0] == start and spans[-1][1] == n
+
+
+def test_chunk_spans_snap_to_sentences(tok):
+    p = build_prompt("niah_single_words", tok, 3000, 0.5, random.Random(2))
+    ends = sentence_ends(tok, p.document)
+    spans = chunk_spans(len(p.document), 128, p.head, ends)
+    assert spans[0][0] == p.head and spans[-1][1] == len(p.document)
+    assert [s for s, _ in spans[1:]] == [e for _, e in spans[:-1]]
+    assert all(64 < e - s <= 128 for s, e in spans[:-1])
+    assert sum(ends[e - 1] for s, e in spans[:-1]) == len(spans) - 1  # every cut after a sentence
+    s, e = p.needles[0]
+    assert any(a <= s and e <= b for a, b in spans)  # the needle is not cut
+
+
+def test_rag_retrieves_the_needle(tok):
+    try:
+        from core.rag import load_embedder
+
+        emb = load_embedder()
+    except Exception as e:  # pragma: no cover - the package is part of the dev install
+        pytest.skip(f"embedder not available: {e}")
+    p = build_prompt("niah_single_numbers", tok, 6000, 0.63, random.Random(11))
+    rc = build_context(tok, emb, p.document, p.question, p.query, p.head, budget=400, chunk_tokens=128)
+    s, e = p.needles[0]
+    best = rc.ranked[0]
+    assert any(a <= s < b for a, b in rc.spans)
+    assert p.answers[0] in tok.decode(rc.ids)
+    assert len(rc.ids) <= 400 and rc.ids[:p.head] == p.document[:p.head] and rc.ids[-len(p.question):] == p.question
+    assert rc.spans == sorted(rc.spans) and best >= 0
