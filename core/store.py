@@ -25,6 +25,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import time
 import warnings
@@ -118,6 +119,7 @@ class RowFile:
         self.row_bytes = int(np.prod(self.row, dtype=np.int64)) * self.np_dtype.itemsize
         self._map: np.memmap | None = None
         self._fd: int | None = None
+        self.release = True  # give mapped pages back after each read (keys/values)
         if writable:
             if rows:
                 self.check_size()  # never extend a truncated file with zeros
@@ -174,7 +176,12 @@ class RowFile:
         if idx.numel() == 0:
             return torch.zeros((0, *self.row), dtype=self.dtype)
         m = self._mapped(int(idx.max()) + 1)
-        return self._tensor(m[idx.cpu().numpy()])
+        out = self._tensor(m[idx.cpu().numpy()])  # fancy indexing copies
+        if self.release and isinstance(m, np.memmap):
+            # Drop the touched pages from this process (they stay in the page cache): resident
+            # memory then stays bounded however much of the store the chunks attend to.
+            m._mmap.madvise(mmap.MADV_DONTNEED)
+        return out
 
     def read(self, start: int = 0, stop: int | None = None) -> Tensor:
         stop = self.rows if stop is None else stop
