@@ -34,8 +34,62 @@ def attend(
 ) -> tuple[Tensor, Tensor]:
     """Returns (output [H_q, c, D], attention mass each window key received [H_q, L], float32).
 
-    Query i of the chunk sees window keys 0..L-c+i (causal) and all memory keys.
+    Query i of the chunk sees window keys 0..L-c+i (causal) and all memory keys. On the CPU the
+    output comes from torch's fused flash kernel, part by part, merged by log-sum-exp; elsewhere
+    (or without that kernel) from materialised probabilities. Both are one exact softmax.
     """
+    if q_local.device.type == "cpu" and _FLASH_CPU is not None:
+        return _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling)
+    return _attend_materialised(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling)
+
+
+# torch's CPU flash-attention kernel; unlike the public sdpa it also returns the log-sum-exp,
+# which is what lets separately rotated parts share one softmax. Absent: the materialised path.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling):
+    h_q, c, d = q_local.shape
+    h_kv, length, _ = k_local.shape
+    g = h_q // h_kv
+
+    def part(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+        # GQA: [H_kv, g, c, D] queries against keys expanded over g without a copy.
+        o, lse = _FLASH_CPU(
+            q.reshape(h_kv, g, c, d), k[:, None].expand(-1, g, -1, -1), v[:, None].expand(-1, g, -1, -1),
+            is_causal=causal, scale=scaling,
+        )
+        return o.float(), lse  # [H_kv, g, c, D], [H_kv, g, c] float32
+
+    # The chunk's own keys form a square c x c block, where the kernel's (top-left) causal mask
+    # is the right one; the older window keys and the memory are seen by every query.
+    parts = [part(q_local, k_local[:, length - c :], v_local[:, length - c :], True)]
+    if length > c:
+        parts.append(part(q_local, k_local[:, : length - c], v_local[:, : length - c], False))
+    if k_mem is not None and k_mem.shape[1]:
+        parts.append(part(q_mem, k_mem, v_mem, False))
+    lse = parts[0][1]
+    for _, p_lse in parts[1:]:
+        lse = torch.logaddexp(lse, p_lse)
+    out = parts[0][0] * (parts[0][1] - lse).exp_().unsqueeze(-1)
+    for o, p_lse in parts[1:]:
+        out += o * (p_lse - lse).exp_().unsqueeze(-1)
+    # Mass: the probabilities of the window keys, exp(q.k * scaling - lse), summed over queries.
+    # The kernel does not give them, so the window's scores are computed once more (no output
+    # product, no softmax pass): lse is folded into the product, the sum over queries is a GEMV.
+    scores = torch.baddbmm(
+        (-lse).reshape(h_kv, g * c, 1).expand(-1, -1, length),
+        q_local.reshape(h_kv, g * c, d).float(), k_local.transpose(1, 2).float(), alpha=scaling,
+    )  # [H_kv, g*c, L]
+    causal = torch.ones(c, c, dtype=torch.bool, device=scores.device).triu_(1)
+    scores.view(h_kv, g, c, length)[..., length - c :].masked_fill_(causal, float("-inf"))
+    scores.exp_()
+    ones = torch.ones(h_kv, g, 1, c, dtype=scores.dtype, device=scores.device)
+    mass = torch.matmul(ones, scores.view(h_kv, g, c, length)).reshape(h_q, length)
+    return out.to(v_local.dtype).view(h_q, c, d), mass
+
+
+def _attend_materialised(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling):
     h_q, c, d = q_local.shape
     h_kv, length, _ = k_local.shape
     g = h_q // h_kv

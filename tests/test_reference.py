@@ -90,3 +90,36 @@ def test_fast_path_equals_naive_reference(step, contiguity, monkeypatch):
         if not contiguity:
             assert ids_fast == chosen
         torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "h_q,h_kv,c,length,m",
+    [(4, 2, 8, 20, 13), (3, 3, 1, 9, 5), (6, 2, 5, 5, 0), (4, 1, 1, 1, 0), (9, 3, 16, 40, 1)],
+)
+@pytest.mark.parametrize("path", ["fused", "materialised"])
+def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, path):
+    """Output and per-key attention mass of both attention paths against the softmax over the
+    concatenated logits in float64 (chunk, decoding, no memory, no older window, MHA and GQA)."""
+    from core import attention
+
+    gen = torch.Generator().manual_seed(h_q * 100 + c * 10 + length + m)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    d, scaling = 8, 8**-0.5
+    q, qm = r(h_q, c, d), r(h_q, c, d)
+    k, v, km, vm = r(h_kv, length, d), r(h_kv, length, d), r(h_kv, m, d), r(h_kv, m, d)
+    fn = attention._attend_fused if path == "fused" else attention._attend_materialised
+    if path == "fused" and attention._FLASH_CPU is None:
+        pytest.skip("this torch has no CPU flash kernel")
+    out, mass = fn(q, k, v, qm if m else None, km if m else None, vm if m else None, scaling)
+    g = h_q // h_kv
+    want_out = torch.zeros(h_q, c, d, dtype=torch.float64)
+    want_mass = torch.zeros(h_q, length, dtype=torch.float64)
+    for h in range(h_q):
+        for i in range(c):
+            seen = length - c + i + 1  # causal: window keys 0..L-c+i
+            logits = torch.cat((km[h // g] @ qm[h, i], k[h // g, :seen] @ q[h, i])).double() * scaling
+            p = torch.softmax(logits, 0)
+            want_out[h, i] = p @ torch.cat((vm[h // g], v[h // g, :seen])).double()
+            want_mass[h, :seen] += p[m:]
+    torch.testing.assert_close(out.double(), want_out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(mass.double(), want_mass, atol=1e-6, rtol=1e-5)
