@@ -76,11 +76,11 @@ def _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling):
         out += o * (p_lse - lse).exp_().unsqueeze(-1)
     # Mass: the probabilities of the window keys, exp(q.k * scaling - lse), summed over queries.
     # The kernel does not give them, so the window's scores are computed once more (no output
-    # product, no softmax pass): lse is folded into the product, the sum over queries is a GEMV.
-    scores = torch.baddbmm(
-        (-lse).reshape(h_kv, g * c, 1).expand(-1, -1, length),
-        q_local.reshape(h_kv, g * c, d).float(), k_local.transpose(1, 2).float(), alpha=scaling,
-    )  # [H_kv, g*c, L]
+    # product, no softmax pass). -lse rides in the product as one more dimension of q against a
+    # key component of 1 (a broadcast add would cost a pass, and baddbmm copies it at a crawl).
+    qa = torch.cat((q_local.reshape(h_kv, g * c, d).float() * scaling, -lse.reshape(h_kv, g * c, 1)), -1)
+    ka = torch.cat((k_local.float(), k_local.new_ones(h_kv, length, 1, dtype=torch.float32)), -1)
+    scores = torch.bmm(qa, ka.transpose(1, 2))  # [H_kv, g*c, L]
     causal = torch.ones(c, c, dtype=torch.bool, device=scores.device).triu_(1)
     scores.view(h_kv, g, c, length)[..., length - c :].masked_fill_(causal, float("-inf"))
     scores.exp_()

@@ -13,10 +13,16 @@ def token_surprise(logits: Tensor, ids: Tensor, prev_logits: Tensor | None) -> T
     the previous chunk (it predicts this chunk's first token), or None at the start of the
     stream, where the first token gets NaN (no prediction exists).
     """
-    first = prev_logits[None] if prev_logits is not None else logits.new_full((1, logits.shape[1]), float("nan"))
-    pred = torch.cat((first, logits[:-1]), 0).float()  # [c, V]: row t predicts token t
-    logp = torch.log_softmax(pred, dim=-1)
-    return -logp.gather(1, ids[:, None]).squeeze(1)
+    c = ids.shape[0]
+    # Row t-1 predicts token t. No concatenation of the [c, V] logits and no log_softmax written
+    # out: cross_entropy fuses them, and the row carried over from the last chunk is done alone.
+    out = torch.empty(c, dtype=torch.float32, device=logits.device)
+    out[0] = float("nan") if prev_logits is None else torch.nn.functional.cross_entropy(
+        prev_logits[None].float(), ids[:1], reduction="none"
+    )[0]
+    if c > 1:
+        out[1:] = torch.nn.functional.cross_entropy(logits[:-1].float(), ids[1:], reduction="none")
+    return out
 
 
 def boundary_flags(surprise: Tensor, start: int, tau: int, gamma: float) -> Tensor:
