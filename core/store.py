@@ -273,9 +273,9 @@ class StoredEvents:
 
     def select(self, query: Tensor, budget: int) -> Selection:
         """As `EventMemory.select`. A reader scores the map directly (the exact path, bit for bit
-        the index's) and builds an index only past the faiss threshold."""
-        if self.index is None and self.threshold is not None and len(self) >= self.threshold:
-            self._build_index()
+        the index's below the faiss threshold) and never builds a graph, even past the threshold:
+        building one takes minutes on a large store, while an answer needs a few hundred exact
+        passes over the mapped representative keys (from the page cache after the first)."""
         if self.index is not None:
             return self.index.select(query, self.event_lengths(), budget)
         if len(self) == 0 or budget <= 0:
