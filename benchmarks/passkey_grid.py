@@ -1,6 +1,7 @@
 """Passkey grid on the embedded SmolLM2: emllm against the plain model truncated to its context.
 
     python benchmarks/passkey_grid.py --lengths 16k,32k --trials 2 --out docs/results/passkey.jsonl
+    python benchmarks/passkey_grid.py --variant contiguity --lengths 32k,64k --depths 0.5 --trials 1 --no-baseline --out docs/results/passkey-variants.jsonl
 
 Writes one JSON line per trial as it finishes (a long run keeps what it measured), then prints
 a table of accuracy per (method, length).
@@ -23,6 +24,14 @@ from core.engine import Engine
 from core.passkey import parse_length, run_grid
 
 
+VARIANTS = {
+    "profile": {},
+    "similarity": {"contiguity": False},
+    "contiguity": {"contiguity": True},
+    "F": {"segmentation": "F", "contiguity": False},
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -33,22 +42,26 @@ def main() -> None:
     ap.add_argument("--first-trial", type=int, default=0, help="extend an earlier grid with new trials")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="profile",
+                    help="retrieval ablation (spec §4): similarity only, with the "
+                         "contiguity buffer, or fixed blocks of max_block (InfLLM-like)")
     a = ap.parse_args()
     src = models.resolve(a.model)
     model, tok = models.load(src)
+    profile = src.profile.replace(**VARIANTS[a.variant])
     lengths = [parse_length(x) for x in a.lengths.split(",")]
     depths = [float(x) for x in a.depths.split(",")]
     with open(a.out, "a") as f:
         f.write(json.dumps({"run": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.processor() or platform.machine(),
-                            "threads": torch.get_num_threads(), "profile": asdict(src.profile), "argv": sys.argv}) + "\n")
+                            "threads": torch.get_num_threads(), "variant": a.variant, "profile": asdict(profile), "argv": sys.argv}) + "\n")
 
     def keep(r):
         with open(a.out, "a") as f:
             f.write(json.dumps(asdict(r)) + "\n")
-        print(f"{r.method:8} {r.length:>7} depth {r.depth:.2f} trial {r.trial}: {'OK ' if r.correct else 'BAD'} "
+        print(f"{a.variant:10} {r.method:8} {r.length:>7} depth {r.depth:.2f} trial {r.trial}: {'OK ' if r.correct else 'BAD'} "
               f"{r.answer!r} (key {r.key}, {r.seconds:.0f} s)", flush=True)
 
-    res = run_grid(model, tok, lambda: Engine(model, src.profile), lengths, depths, a.trials, a.seed,
+    res = run_grid(model, tok, lambda: Engine(model, profile), lengths, depths, a.trials, a.seed,
                    baseline=not a.no_baseline, on_result=keep, first_trial=a.first_trial)
     acc = defaultdict(list)
     for r in res:
