@@ -66,7 +66,12 @@ def passkey(
     mdl, tok = models.load(src)
     methods = ["emllm"] + (["baseline"] if baseline else [])
     done: list[dict] = []
-    total = len(ls) * len(ds) * trials * len(methods)
+    n_trials = len(ls) * len(ds) * trials * len(methods)
+    # Progress counts tokens, so the ETA weighs a 32k trial 8 times a 4k one (the plain model
+    # reads at most its context).
+    ctx = getattr(mdl.config, "max_position_embeddings", None) or max(ls)
+    cost = lambda method, n: n if method == "emllm" else min(n, ctx)  # noqa: E731
+    total = sum(cost(m, n) for m in methods for n in ls) * len(ds) * trials
     # In a terminal the grid fills in as trials finish (one live view: table + progress);
     # piped, progress goes to stderr and the table or JSON comes once at the end.
     interactive = render.out.is_terminal and not as_json
@@ -79,7 +84,7 @@ def passkey(
     def on_result(r) -> None:
         done.append(asdict(r))
         ok = sum(x["correct"] for x in done)
-        bar.update(task, advance=1, rate=f"{ok}/{len(done)} correct")
+        bar.update(task, advance=cost(r.method, r.length), rate=f"tokens · {len(done)}/{n_trials} trials, {ok} correct")
         if interactive:
             live.update(Group(render.passkey_table(done, ls, ds, methods), bar))
 

@@ -26,6 +26,7 @@ def progress(transient: bool = True, console: Console | None = None) -> Progress
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
         console=console, transient=transient, disable=not console.is_terminal,
+        speed_estimate_period=3600,  # steps can take minutes; Rich's 30 s window would never show an ETA
     )
 
 
