@@ -214,7 +214,7 @@ class StoredEvents:
         self.lengths = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         self.starts = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         self.threshold = store.manifest["profile"].get("faiss_threshold")
-        self.index = None  # the writer's (and a large reader's) EventIndex, float32 in RAM
+        self.index = None  # the writer's EventIndex, float32 in RAM (readers score the map)
         self.mapped_reprs = torch.zeros(0, g.q_heads, g.head_dim, dtype=dt)  # [E0, H_q, D] a reader's map
         self.new_reprs = GrowBuffer((0, g.q_heads, g.head_dim), 0, torch.float32, torch.device("cpu"))
         lengths = store.events.read().long()

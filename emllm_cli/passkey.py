@@ -106,7 +106,7 @@ def passkey(
     else:
         render.out.print(render.passkey_table(done, ls, ds, methods))
     if interrupted:
-        render.err.print(f"emllm: interrupted after {len(done)} of {total} trials; the results above are partial")
+        render.err.print(f"emllm: interrupted after {len(done)} of {n_trials} trials; the results above are partial")
         raise typer.Exit(130)
 
 
