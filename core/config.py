@@ -40,7 +40,7 @@ class Profile:
     contiguity_ratio: float = 0.3
     neighbours: int = 1
     refine_from_layer: int | None = None  # None: the last third of the layers
-    faiss_threshold: int | None = 20000  # events per layer from which retrieval uses faiss (null: never)
+    faiss_threshold: int | None = 20000  # events per layer from which in-RAM retrieval uses faiss (null: never); stores scan
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
     @property

@@ -8,6 +8,7 @@ on-disk store implements the same methods. `select_events` is the retrieval poli
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -100,9 +101,40 @@ def token_index(starts: Tensor, lengths: Tensor) -> Tensor:
     return base + torch.arange(int(total), device=starts.device)
 
 
+SCORE_BLOCK_BYTES = 4 << 20  # float32 bytes of representative keys scored per matrix-vector product
+
+
+def score_block_rows(dim: int) -> int:
+    """Events per scoring block for vectors of `dim` floats: a power of two, about 4 MiB of float32."""
+    return 1 << max(6, (SCORE_BLOCK_BYTES // (4 * dim)).bit_length() - 1)
+
+
+def scores_in_blocks(n: int, dim: int, block: Callable[[int, int], Tensor], query: Tensor) -> Tensor:
+    """Scores of events 0..n-1, one matrix-vector product per block of `score_block_rows(dim)` events.
+
+    block(start, stop) returns those events' representative keys [stop - start, dim] (any float
+    dtype; scored in float32). Blocks always start at multiples of the block size from event 0, so
+    every source of the same rows (a tensor in RAM, the store's files read a block at a time)
+    gives the same bits: a matrix-vector product may round a row differently depending on how many
+    rows it is given and on their address's alignment (blocks are copied to 64-byte aligned memory
+    when they are not), never otherwise on where they came from. query [dim] -> [n] float32.
+    """
+    q = query.reshape(-1).float()
+    out = torch.empty(n, dtype=torch.float32, device=q.device)
+    step = score_block_rows(dim)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        x = block(start, stop).float()
+        if x.data_ptr() % 64:  # the product also rounds by the data's alignment (measured): same bits need the same
+            x = x.clone()
+        torch.mv(x, q, out=out[start:stop])
+    return out
+
+
 def event_scores(reprs: Tensor, query: Tensor) -> Tensor:
     """Score of each event: sum over query heads of dot(query_h, repr_h). reprs [E, H, D], query [H, D] -> [E]."""
-    return reprs.reshape(reprs.shape[0], -1).float() @ query.reshape(-1).float()
+    flat = reprs.reshape(reprs.shape[0], -1)
+    return scores_in_blocks(flat.shape[0], flat.shape[1], lambda a, b: flat[a:b], query)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .memory import GrowBuffer, Selection, event_scores, select_events, token_index
+from .memory import GrowBuffer, Selection, scores_in_blocks, select_events, token_index
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -119,6 +119,8 @@ class RowFile:
         self.row_bytes = int(np.prod(self.row, dtype=np.int64)) * self.np_dtype.itemsize
         self._map: np.memmap | None = None
         self._fd: int | None = None
+        self._rfd: int | None = None  # a reader's descriptor for read_block
+        self._block: Tensor | None = None  # read_block's buffer, reused
         self.release = True  # give mapped pages back after each read (keys/values)
         if writable:
             if rows:
@@ -183,6 +185,28 @@ class RowFile:
             m._mmap.madvise(mmap.MADV_DONTNEED)
         return out
 
+    def read_block(self, start: int, stop: int) -> Tensor:
+        """Rows start..stop-1 [n, *row], read (pread) into a buffer reused by the next call.
+
+        For scans: the rows are copied from the page cache, never mapped, so scanning a whole file
+        at every step adds nothing to the resident memory of the process but the buffer.
+        """
+        n = stop - start
+        if self._block is None or self._block.shape[0] < n:
+            self._block = torch.empty((n, *self.row), dtype=self.dtype)
+        out = self._block[:n]
+        if self._fd is None and self._rfd is None:
+            self._rfd = os.open(self.path, os.O_RDONLY)
+        fd = self._fd if self._fd is not None else self._rfd
+        raw = memoryview(out.view(torch.uint8).numpy().reshape(-1))
+        pos, end = start * self.row_bytes, stop * self.row_bytes
+        while pos < end:
+            got = os.preadv(fd, [raw[pos - start * self.row_bytes :]], pos)
+            if got == 0:
+                raise StoreError(f"{self.path.parent.name}/{self.path.name} is truncated: the store is damaged; re-ingest the document")
+            pos += got
+        return out
+
     def read(self, start: int = 0, stop: int | None = None) -> Tensor:
         stop = self.rows if stop is None else stop
         if stop <= start:
@@ -191,42 +215,44 @@ class RowFile:
 
     def close(self) -> None:
         self._map = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._block = None
+        for fd in (self._fd, self._rfd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._rfd = None
 
 
 # -- the event memory of one layer, backed by the store --------------------------------------------
 class StoredEvents:
-    """`EventMemory` for one layer whose keys and values live in the store's files.
+    """`EventMemory` for one layer whose keys, values and representative keys live in the store's files.
 
-    Representative keys and event sizes are small and scored at every step: they are kept in RAM
-    (read once on open). Keys/values are read per step for the retrieved events only, through the
-    memory map (the page cache is the warm tier). A read-only store (asking) keeps events closed
-    after opening in RAM instead, so asking never changes the files.
+    Nothing that grows with the store stays resident but the event sizes (16 bytes per event):
+    - retrieval scores every event's representative key exactly at every step, reading
+      `layers/NN.r` a block at a time into one reused buffer (pread, from the page cache once
+      warm), so neither a writer nor a reader holds the keys, whatever the store's size;
+    - keys and values are read per step for the retrieved events only, through the memory map,
+      whose pages are given back after each read (the page cache is the warm tier).
+    A read-only store (asking) keeps events closed after opening in RAM instead, so asking never
+    changes the files. No faiss graph over a store: a scan costs ~0.2 ms per 1k events and layer
+    (benchmarks/retrieval_cost.py) and, unlike the graph, needs no RAM and no upkeep per event.
     """
 
     def __init__(self, store: "Store", layer: int) -> None:
         self.store, self.layer = store, layer
         g = store.geometry
         dt = _BY_NAME[g.dtype][0]
+        self.dim = g.q_heads * g.head_dim
         self.k, self.v, self.r = store.layer_files[layer]
         self.lengths = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         self.starts = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
-        self.threshold = store.manifest["profile"].get("faiss_threshold")
-        self.index = None  # the writer's EventIndex, float32 in RAM (readers score the map)
-        self.mapped_reprs = torch.zeros(0, g.q_heads, g.head_dim, dtype=dt)  # [E0, H_q, D] a reader's map
-        self.new_reprs = GrowBuffer((0, g.q_heads, g.head_dim), 0, torch.float32, torch.device("cpu"))
         lengths = store.events.read().long()
         if lengths.numel():
             self.lengths.append(lengths)
             self.starts.append(torch.cumsum(lengths, 0) - lengths)
-            self.mapped_reprs = self.r.read()  # a map: nothing is read until scored
-        if store.writable:  # the writer adds at every step: one float32 buffer (and graph) in RAM
-            self._build_index()
         self.n_disk = int(lengths.sum())  # event tokens in the files
         self.ram_k = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
         self.ram_v = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
+        self.ram_r = GrowBuffer((0, g.q_heads, g.head_dim), 0, dt, torch.device("cpu"))
 
     def __len__(self) -> int:
         return self.lengths.n
@@ -248,39 +274,31 @@ class StoredEvents:
         else:
             self.ram_k.append(k)
             self.ram_v.append(v)
+            self.ram_r.append(reprs.cpu())  # in the store's dtype, as a writer would have stored it
         self.starts.append(offsets)
         self.lengths.append(lengths)
-        if self.index is not None:
-            self.index.add(reprs.cpu())
+
+    def _repr_block(self, start: int, stop: int) -> Tensor:
+        """Representative keys of events start..stop-1, [n, H_q * D] in the store's dtype."""
+        n_file = self.r.rows
+        if stop <= n_file:
+            x = self.r.read_block(start, stop)
+        elif start >= n_file:
+            x = self.ram_r.view()[start - n_file : stop - n_file]
         else:
-            self.new_reprs.append(reprs.cpu())
-
-    def _build_index(self) -> None:
-        from .search import EventIndex
-
-        g = self.store.geometry
-        self.index = EventIndex(g.q_heads, g.head_dim, threshold=self.threshold)
-        self.index.add(self.mapped_reprs)
-        self.index.add(self.new_reprs.view())
+            x = torch.cat((self.r.read_block(start, n_file), self.ram_r.view()[: stop - n_file]))
+        return x.reshape(stop - start, self.dim)
 
     def repr_keys(self) -> Tensor:
-        """[E, H_q, D] float32 (a reader of a float32 store: the map itself, not a copy)."""
-        if self.index is not None:
-            return self.index.vectors()
-        if self.new_reprs.n == 0:
-            return self.mapped_reprs.float()
-        return torch.cat((self.mapped_reprs.float(), self.new_reprs.view()))
+        """[E, H_q, D] float32, all of them (for inspection and tests: reads the whole file)."""
+        return torch.cat((self.r.read().float(), self.ram_r.view().float()))
 
     def select(self, query: Tensor, budget: int) -> Selection:
-        """As `EventMemory.select`. A reader scores the map directly (the exact path, bit for bit
-        the index's below the faiss threshold) and never builds a graph, even past the threshold:
-        building one takes minutes on a large store, while an answer needs a few hundred exact
-        passes over the mapped representative keys (from the page cache after the first)."""
-        if self.index is not None:
-            return self.index.select(query, self.event_lengths(), budget)
+        """As `EventMemory.select` on the exact path, bit for bit (the same blocks of the same rows)."""
         if len(self) == 0 or budget <= 0:
             return select_events(torch.zeros(0), self.event_lengths(), 0)
-        return select_events(event_scores(self.repr_keys(), query), self.event_lengths(), budget)
+        scores = scores_in_blocks(len(self), self.dim, self._repr_block, query.cpu())
+        return select_events(scores, self.event_lengths(), budget)
 
     def event_lengths(self) -> Tensor:
         return self.lengths.view()

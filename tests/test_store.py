@@ -418,3 +418,56 @@ def test_ctrl_c_stops_cleanly_and_resume_completes(tiny, tmp_path):
     assert r.returncode == 0, r.stderr
     with Store.open(store) as st:
         assert st.manifest["job"]["complete"] and len(ing.pending_tokens(st)) < 16
+
+
+def test_store_scan_equals_the_in_ram_exact_path(tmp_path, monkeypatch):
+    """A store scores representative keys from its files a block at a time (never resident):
+    the selection and its scores are bit for bit the in-RAM exact path's, for a writer, for a
+    reader, and for a reader's own events in RAM, including a block that straddles file and RAM."""
+    from core import memory
+    from core.search import EventIndex
+    from core.store import Geometry, Identity, StoredEvents
+
+    monkeypatch.setattr(memory, "SCORE_BLOCK_BYTES", 64 * 6 * 4)  # 64 events per block: several blocks
+    g = Geometry(layers=1, kv_heads=1, q_heads=3, head_dim=2, vocab=10, dtype="float32")
+    ident = Identity("m", "c", "w", "t")
+    gen = torch.Generator().manual_seed(0)
+    batches = [int(n) for n in torch.randint(1, 60, (9,), generator=gen)]
+    ref = EventIndex(3, 2, threshold=None)
+    all_lengths = [torch.zeros(0, dtype=torch.long)]
+
+    def add(ev: StoredEvents, e: int) -> None:
+        lengths = torch.randint(1, 9, (e,), generator=gen)
+        reprs = torch.randn(e, 3, 2, generator=gen)
+        reprs[: e // 3] = reprs[0]  # ties: broken by event id on every path
+        kv = torch.randn(1, int(lengths.sum()), 2, generator=gen)
+        ev.append(kv, kv, lengths, reprs)
+        if ev.store.writable:  # the engine's sink writes the event table once for all layers
+            ev.store.events.append(lengths.to(torch.int32))
+        ref.add(reprs)
+        all_lengths.append(lengths)
+
+    def check(ev: StoredEvents) -> None:
+        lengths = torch.cat(all_lengths)
+        assert torch.equal(ev.event_lengths(), lengths)
+        for budget in (0, 5, 40, 300, 10_000):
+            q = torch.randn(3, 2, generator=gen)
+            got, want = ev.select(q, budget), ref.select(q, lengths, budget)
+            assert torch.equal(got.ids, want.ids) and torch.equal(got.scores, want.scores), budget
+
+    st = Store.create(tmp_path / "s", ident, {"name": "t"}, g)
+    ev = StoredEvents(st, 0)
+    check(ev)  # empty
+    for e in batches[:6]:
+        add(ev, e)
+        check(ev)
+    assert ev.r._map is None  # scanned by pread: the representative keys were never mapped
+    st.commit({}, {})
+    st.close()
+    with Store.open(tmp_path / "s") as rd:
+        ev = StoredEvents(rd, 0)
+        check(ev)
+        for e in batches[6:]:  # a reader's own events stay in RAM; blocks straddle file and RAM
+            add(ev, e)
+            check(ev)
+    assert sum(batches[:6]) % 64 != 0  # the straddling block exists
