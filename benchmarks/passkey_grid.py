@@ -22,6 +22,7 @@ import torch
 from core import models
 from core.engine import Engine
 from core.passkey import parse_length, run_grid
+from core.scratch import ScratchStores
 
 
 VARIANTS = {
@@ -45,6 +46,8 @@ def main() -> None:
     ap.add_argument("--variant", choices=sorted(VARIANTS), default="profile",
                     help="retrieval ablation (spec §4): similarity only, with the "
                          "contiguity buffer, or fixed blocks of max_block (InfLLM-like)")
+    ap.add_argument("--memory-dir", default=None,
+                    help="keep emllm's memory in a temporary store under this folder (bounded RAM; for 1M tokens)")
     a = ap.parse_args()
     src = models.resolve(a.model)
     model, tok = models.load(src)
@@ -61,8 +64,13 @@ def main() -> None:
         print(f"{a.variant:10} {r.method:8} {r.length:>7} depth {r.depth:.2f} trial {r.trial}: {'OK ' if r.correct else 'BAD'} "
               f"{r.answer!r} (key {r.key}, {r.seconds:.0f} s)", flush=True)
 
-    res = run_grid(model, tok, lambda: Engine(model, profile), lengths, depths, a.trials, a.seed,
-                   baseline=not a.no_baseline, on_result=keep, first_trial=a.first_trial)
+    engines = ScratchStores(model, tok, profile, a.memory_dir, src.name) if a.memory_dir else (lambda: Engine(model, profile))
+    try:
+        res = run_grid(model, tok, engines, lengths, depths, a.trials, a.seed,
+                       baseline=not a.no_baseline, on_result=keep, first_trial=a.first_trial)
+    finally:
+        if a.memory_dir:
+            engines.close()
     acc = defaultdict(list)
     for r in res:
         acc[(r.method, r.length)].append(r.correct)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import typer
 from rich.console import Group
@@ -45,6 +46,7 @@ def passkey(
     baseline: bool = typer.Option(False, "--baseline", help="Also run the plain model, truncated from the left to its context."),
     model: str = ModelOpt,
     profile: str = ProfileOpt,
+    memory_dir: Path = typer.Option(None, "--memory-dir", file_okay=False, help="Keep emllm's memory on disk, in a temporary store under this folder (removed after each trial): RAM stays bounded. Needed from a few hundred thousand tokens (SmolLM2 keeps 46 kB of keys and values per token)."),
     as_json: bool = typer.Option(False, "--json", help="Print all results as one JSON document."),
 ) -> None:
     """Hide a 5-digit key at each depth of a filler haystack and ask for it.
@@ -56,10 +58,13 @@ def passkey(
       emllm passkey --lengths 16k,32k --trials 2 --baseline
 
       emllm passkey -l 4k -d 0.5 -t 1 --json
+
+      emllm passkey -l 1m -d 0.5 -t 1 --memory-dir /var/tmp
     """
     from core import models
     from core.engine import Engine
     from core.passkey import run_grid
+    from core.scratch import ScratchStores
 
     ls, ds = lengths, depths  # parsed by the option callbacks (bad values: usage error, exit 2)
     src = models.resolve(model, profile, log=lambda m: render.err.print(f"[dim]{m}[/dim]"))
@@ -89,11 +94,15 @@ def passkey(
             live.update(Group(render.passkey_table(done, ls, ds, methods), bar))
 
     interrupted = False
+    engines = ScratchStores(mdl, tok, src.profile, memory_dir, src.name) if memory_dir else None
     try:
         with live:
-            run_grid(mdl, tok, lambda: Engine(mdl, src.profile), ls, ds, trials, seed, baseline, on_result)
+            run_grid(mdl, tok, engines or (lambda: Engine(mdl, src.profile)), ls, ds, trials, seed, baseline, on_result)
     except KeyboardInterrupt:
         interrupted = True  # keep what finished: print it below
+    finally:
+        if engines is not None:
+            engines.close()
     doc = {
         "model": src.name, "profile": asdict(src.profile), "lengths": ls, "depths": ds, "trials": trials,
         "seed": seed, "seconds": round(time.perf_counter() - t0, 1), "complete": not interrupted, "results": done,

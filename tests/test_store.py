@@ -471,3 +471,26 @@ def test_store_scan_equals_the_in_ram_exact_path(tmp_path, monkeypatch):
             add(ev, e)
             check(ev)
     assert sum(batches[:6]) % 64 != 0  # the straddling block exists
+
+
+def test_scratch_stores_equal_the_in_ram_engine_and_leave_nothing(tiny, tmp_path):
+    """`passkey --memory-dir`: an engine over a throwaway store computes what the in-RAM engine
+    does (same logits, bit for bit, and the same greedy tokens), and its folder is removed."""
+    from core.passkey import Prompt, run_emllm
+    from core.scratch import ScratchStores
+
+    folder, prof, _, _ = tiny
+    model, tok = _load(folder)
+    profile = load_profile_file(prof)
+    ids = tok(_text(3, 400), add_special_tokens=False)["input_ids"]
+    ram = Engine(model, profile)
+    want = ram.feed(ids)
+    with ScratchStores(model, tok, profile, tmp_path / "mem") as make:
+        eng = make()
+        got = eng.feed(ids)
+        assert eng.n_events > 10 and len(list((tmp_path / "mem").iterdir())) == 1
+        assert torch.equal(got, want)
+        assert eng.generate(6) == ram.generate(6)
+        p = Prompt(ids[:300], ids[300:], "12345", 0)
+        assert run_emllm(make, tok, p) == run_emllm(lambda: Engine(model, profile), tok, p)
+    assert list((tmp_path / "mem").iterdir()) == []
