@@ -27,7 +27,7 @@ def run(*args: str, home: Path, timeout: int = 600) -> subprocess.CompletedProce
     (["passkey", "-m", "nope"], 1, "unknown model 'nope'"),
     (["passkey", "-m", "llama3.1"], 1, "never downloads"),
     (["passkey", "--profile", "nope"], 1, "unknown profile 'nope'"),
-    (["passkey", "--memory-dir", __file__], 2, "is a file"),
+    (["passkey", "--memory-dir", __file__], 2, "Invalid value for '--memory-dir'"),
     (["segment", "README.md", "--out", "/nonexistent/x.json"], 1, "no folder /nonexistent"),
     (["ingest", "README.md", "-m", "nope"], 1, "unknown model 'nope'"),
     (["ingest", "README.md", "--profile", "nope"], 1, "unknown profile 'nope'"),
