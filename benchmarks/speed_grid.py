@@ -1,0 +1,241 @@
+"""Per-chunk prefill time and per-token decode time against how much the model has read, side by
+side: emllm (memory in a store, as `emllm ingest` keeps it), vanilla HF full attention (sdpa, a KV
+cache of every past token) and a sliding window as large as emllm's attention window.
+
+    python -m benchmarks.speed_grid --lengths 4k,16k,64k,256k --out docs/results/speed-smollm2.jsonl --plot docs/results/speed-smollm2.png
+    python -m benchmarks.speed_grid --config llama-3.2-1b --lengths 16k,64k --out docs/results/speed-llama1b.jsonl
+
+How a length is reached: a chunk's cost depends on how much memory it works against, not on what
+the memory holds. So each run reads a real prefix (the initial tokens, a full local window and
+two more chunks, the state of a real stream), and is then brought to L tokens read with random
+keys and values: emllm's store gets events of the prefix's size distribution until its events
+hold L tokens (the files, and the representative keys scanned at every step, are as large as a
+real stream's at L); full attention's cache gets L random positions; the sliding window is full
+from the prefix on. Then, in lockstep (one chunk of each method in turn, so load on the machine
+hits all alike), `--chunks` real chunks are timed, then `--decode` greedy tokens. Lengths are
+visited in increasing order with the same engine, so the whole grid costs one fill to the
+largest L (and full attention's cache only up to --full-max).
+
+`--config llama-3.2-1b` builds that model's shapes with random weights (float32; no download) and
+uses the llama3.1 profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from benchmarks.ingest_speed import Vanilla
+from core import models
+from core.config import load_profile
+from core.passkey import parse_length
+from core.scratch import ScratchStores
+
+LLAMA_3_2_1B = dict(
+    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=64, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
+    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+)
+
+
+class Full:
+    """Vanilla full attention: every past token in the cache."""
+
+    def __init__(self, model) -> None:
+        self.model, self.cache = model, DynamicCache()
+
+    @property
+    def n(self) -> int:
+        return self.cache.get_seq_length()
+
+    def pad_to(self, n: int, cfg) -> None:
+        """Append random keys and values until the cache holds n positions."""
+        m = n - self.n
+        if m <= 0:
+            return
+        h, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dt = next(self.model.parameters()).dtype
+        for i in range(cfg.num_hidden_layers):
+            kv = torch.randn(1, h, m, d, dtype=dt)
+            self.cache.update(kv, kv.clone(), i)
+
+    @torch.no_grad()
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        self.model.set_attn_implementation("sdpa")
+        pos = torch.arange(self.n, self.n + x.numel())[None]
+        return self.model(input_ids=x[None], past_key_values=self.cache, position_ids=pos, use_cache=True).logits[0, -1]
+
+
+def fill_memory(engine, m: int, gen: torch.Generator) -> None:
+    """Append m tokens of random events to every layer, sized like the engine's real events."""
+    if m <= 0:
+        return
+    real = engine.windows[0].events.event_lengths().cpu()
+    lengths = real.repeat(-(-m // int(real.sum())) + 1)
+    lengths = lengths[: int((torch.cumsum(lengths, 0) <= m).sum()) + 1]
+    lengths[-1] -= int(lengths.sum()) - m
+    lengths = lengths[lengths > 0]
+    batch = (torch.cumsum(lengths, 0) - 1) // 65536  # events in batches of ~64k tokens: bounded RAM
+    for w in engine.windows:
+        h_kv, h_q, d = w.n_kv_heads, w.n_q_heads, w.head_dim
+        for b in batch.unique():
+            ls = lengths[batch == b]
+            m = int(ls.sum())
+            k = torch.randn(h_kv, m, d, generator=gen).to(engine.dtype)
+            v = torch.randn(h_kv, m, d, generator=gen).to(engine.dtype)
+            reprs = torch.randn(ls.numel(), h_q, d, generator=gen).to(engine.dtype)
+            w.events.append(k, v, ls, reprs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--config", choices=["llama-3.2-1b"], default=None, help="random weights of these shapes instead")
+    ap.add_argument("--lengths", default="4k,16k,64k,256k")
+    ap.add_argument("--chunks", type=int, default=2, help="timed chunks per method and length")
+    ap.add_argument("--decode", type=int, default=4, help="timed greedy tokens per method and length")
+    ap.add_argument("--full-max", default=None,
+                    help="longest length for full attention (default: as far as its cache fits in half the free RAM)")
+    ap.add_argument("--out", required=True, help="JSON lines, appended")
+    ap.add_argument("--plot", default=None, help="PNG of time per chunk against length (needs matplotlib)")
+    a = ap.parse_args()
+    if a.config:
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_3_2_1B)).eval()
+        tok = AutoTokenizer.from_pretrained(models.resolve("smollm2").path)
+        prof, name = load_profile("llama3.1"), a.config
+        ids_all = lambda n: torch.randint(0, LLAMA_3_2_1B["vocab_size"], (n,), generator=torch.Generator().manual_seed(1))  # noqa: E731
+    else:
+        from benchmarks.corpus import tokens as corpus_tokens
+
+        src = models.resolve(a.model)
+        model, tok = models.load(src)
+        prof, name = src.profile, a.model
+        ids_all = lambda n: torch.tensor(corpus_tokens(tok, "prose", n))  # noqa: E731
+    cfg = model.config
+    lengths = sorted(parse_length(x) for x in a.lengths.split(","))
+    cs, w_size = prof.chunk_size, prof.n_init + prof.n_mem + prof.n_local
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * next(model.parameters()).element_size()
+    if a.full_max is None:
+        avail = int(next(ln for ln in open("/proc/meminfo") if ln.startswith("MemAvailable")).split()[1]) * 1024
+        full_max = avail // 2 // kv_bytes
+    else:
+        full_max = parse_length(a.full_max)
+    prefix = prof.n_init + prof.n_local + 2 * cs
+    need = prefix + len(lengths) * (a.chunks + 1) * cs
+    ids = ids_all(need)
+    gen = torch.Generator().manual_seed(0)
+    tmp = tempfile.TemporaryDirectory(dir=Path.cwd())
+    stores = ScratchStores(model, tok, prof, tmp.name, name)
+    em = stores()
+    win, full = Vanilla(model, w_size), Full(model)
+    runs = {"emllm": em.step, "window": win.step, "full": full.step}
+    for off in range(0, prefix, cs):  # a real prefix for every method
+        for f in runs.values():
+            with torch.no_grad():
+                f(ids[off : off + cs])
+    pos = prefix
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+            "model": name, "profile": prof.name, "window": w_size, "chunk": cs, "kv_bytes_per_token": kv_bytes,
+            "full_max": full_max}
+    with open(a.out, "a") as f:
+        f.write(json.dumps({"run": meta}) + "\n")
+    rows = []
+    synthetic = 0  # random tokens in emllm's memory; tokens read = em.n_tokens + synthetic
+    for n in lengths:
+        fill_memory(em, n - em.n_tokens - synthetic, gen)
+        synthetic = max(synthetic, n - em.n_tokens)
+        active = {"emllm": runs["emllm"], "window": runs["window"]}
+        if n <= full_max:
+            full.pad_to(n, cfg)
+            active["full"] = runs["full"]
+        times: dict[str, list[float]] = {m: [] for m in active}
+        for _ in range(a.chunks):
+            x = ids[pos : pos + cs]
+            pos += cs
+            for m, f in active.items():
+                t = time.perf_counter()
+                with torch.no_grad():
+                    f(x)
+                times[m].append(time.perf_counter() - t)
+        dec: dict[str, list[float]] = {m: [] for m in active}
+        for i in range(a.decode):
+            x = ids[pos + i : pos + i + 1]
+            for m, f in active.items():
+                t = time.perf_counter()
+                with torch.no_grad():
+                    f(x)
+                dec[m].append(time.perf_counter() - t)
+        pos += cs
+        row = {"length": n, "events": em.n_events, "memory_tokens": em.windows[0].events.n_tokens, "full_cache": full.n,
+               **{f"{m}_chunk_s": round(sum(t) / len(t), 3) for m, t in times.items()},
+               **{f"{m}_token_s": round(sum(t) / len(t), 4) for m, t in dec.items()}}
+        rows.append(row)
+        with open(a.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+    stores.close()
+    tmp.cleanup()
+    print(table(rows, meta))
+    if a.plot:
+        plot(rows, meta, a.plot)
+
+
+def table(rows: list[dict], meta: dict) -> str:
+    out = [f"{meta['model']} ({meta['profile']} profile, window {meta['window']}), {meta['machine']}, {meta['date']}",
+           "", "| tokens read | events/layer | emllm s/chunk | window s/chunk | full s/chunk | emllm/window | emllm/full "
+           "| emllm s/token | window s/token | full s/token |", "|" + "---:|" * 10]
+    base = rows[0]["emllm_chunk_s"]
+    for r in rows:
+        full = r.get("full_chunk_s")
+        vs_full = f"{r['emllm_chunk_s'] / full:.2f}" if full else "–"
+        out.append(
+            f"| {r['length']:,} | {r['events']:,} | {r['emllm_chunk_s']} ({r['emllm_chunk_s'] / base:.2f}x) | {r['window_chunk_s']} "
+            f"| {full or '–'} | {r['emllm_chunk_s'] / r['window_chunk_s']:.2f} | {vs_full} | {r['emllm_token_s']} "
+            f"| {r['window_token_s']} | {r.get('full_token_s', '–')} |"
+        )
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], meta: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: pip install matplotlib")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for m, style in (("emllm", "o-"), ("window", "s--"), ("full", "^:")):
+        pts = [(r["length"], r[f"{m}_chunk_s"]) for r in rows if f"{m}_chunk_s" in r]
+        if pts:
+            ax.plot(*zip(*pts), style, label={"emllm": "emllm (store)", "window": f"sliding window ({meta['window']})",
+                                              "full": "full attention"}[m])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks([r["length"] for r in rows], [f"{r['length'] // 1024}k" for r in rows])
+    ax.minorticks_off()
+    ax.set_xlabel("tokens read before the chunk")
+    ax.set_ylabel(f"seconds per chunk of {meta['chunk']}")
+    ax.set_title(f"{meta['model']}: prefill time per chunk", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
