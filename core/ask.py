@@ -24,7 +24,7 @@ from .store import Store, StoreError
 class Session:
     """One question against a store (read-only)."""
 
-    def __init__(self, store: Store, model: Any, tok: Any) -> None:
+    def __init__(self, store: Store, model: Any, tok: Any, kv_cache_mb: int | None = None) -> None:
         job = store.manifest.get("job")
         if job and not job["complete"]:
             raise StoreError(
@@ -34,7 +34,7 @@ class Session:
         if store.tokens.rows == 0 and not pending_tokens(store):
             raise StoreError(f"{store.path} is empty: add a document with `emllm ingest --append`")
         self.store, self.model, self.tok = store, model, tok
-        self.engine: Engine = open_engine(store, model)
+        self.engine: Engine = open_engine(store, model, kv_cache_mb)
 
     def question_ids(self, question: str) -> list[int]:
         """The pending tail of the stream, then the question closing the user turn."""

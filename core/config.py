@@ -41,6 +41,7 @@ class Profile:
     neighbours: int = 1
     refine_from_layer: int | None = None  # None: the last third of the layers
     faiss_threshold: int | None = 20000  # events per layer from which in-RAM retrieval uses faiss (null: never); stores scan
+    kv_cache_mb: int = 128  # RAM for recently read events' keys and values, all layers (stores; 0: none)
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -56,7 +57,7 @@ class Profile:
 
 _INT_MIN = {
     "chunk_size": 1, "n_init": 0, "n_local": 1, "n_mem": 0, "repr_topk": 1,
-    "min_block": 1, "max_block": 1, "neighbours": 0,
+    "min_block": 1, "max_block": 1, "neighbours": 0, "kv_cache_mb": 0,
 }
 
 

@@ -75,10 +75,10 @@ def store_profile(store: Store) -> Profile:
     return profile_from_dict(store.manifest["profile"], store.manifest["profile"]["name"], " (in the store)")
 
 
-def open_engine(store: Store, model: Any) -> Engine:
+def open_engine(store: Store, model: Any, kv_cache_mb: int | None = None) -> Engine:
     """An engine that continues the store's stream: its events are the store's, its state the
-    last committed one."""
-    engine = Engine(model, store_profile(store), memory=lambda i: StoredEvents(store, i))
+    last committed one. kv_cache_mb: RAM for recently read events (None: the profile's)."""
+    engine = Engine(model, store_profile(store), memory=lambda i: StoredEvents(store, i, kv_cache_mb))
     state = store.load_state()
     if state:
         engine.load_state_dict(state, store.tokens.read(), store.surprise.read(), store.flags.read())

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .kvcache import EventCache
 from .memory import GrowBuffer, Selection, scores_in_blocks, select_events, token_index
 
 FORMAT_VERSION = 1
@@ -177,12 +178,15 @@ class RowFile:
         """Rows idx [n] (long, < rows) -> [n, *row], copied out of the map."""
         if idx.numel() == 0:
             return torch.zeros((0, *self.row), dtype=self.dtype)
-        m = self._mapped(int(idx.max()) + 1)
+        hi = int(idx.max()) + 1
+        m = self._mapped(hi)
         out = self._tensor(m[idx.cpu().numpy()])  # fancy indexing copies
         if self.release and isinstance(m, np.memmap):
             # Drop the touched pages from this process (they stay in the page cache): resident
-            # memory then stays bounded however much of the store the chunks attend to.
-            m._mmap.madvise(mmap.MADV_DONTNEED)
+            # memory then stays bounded however much of the store the chunks attend to. Only the
+            # range read: the call's cost grows with the range it walks.
+            lo = int(idx.min()) * self.row_bytes // mmap.PAGESIZE * mmap.PAGESIZE
+            m._mmap.madvise(mmap.MADV_DONTNEED, lo, hi * self.row_bytes - lo)
         return out
 
     def read_block(self, start: int, stop: int) -> Tensor:
@@ -230,14 +234,16 @@ class StoredEvents:
     - retrieval scores every event's representative key exactly at every step, reading
       `layers/NN.r` a block at a time into one reused buffer (pread, from the page cache once
       warm), so neither a writer nor a reader holds the keys, whatever the store's size;
-    - keys and values are read per step for the retrieved events only, through the memory map,
-      whose pages are given back after each read (the page cache is the warm tier).
+    - keys and values are read per step for the retrieved events only: from an `EventCache` of
+      the events read last (fixed size: the profile's `kv_cache_mb`, or `--kv-cache-mb`), else
+      through the memory map, whose pages are given back after each read.
     A read-only store (asking) keeps events closed after opening in RAM instead, so asking never
     changes the files. No faiss graph over a store: a scan costs ~0.2 ms per 1k events and layer
     (benchmarks/retrieval_cost.py) and, unlike the graph, needs no RAM and no upkeep per event.
     """
 
-    def __init__(self, store: "Store", layer: int) -> None:
+    def __init__(self, store: "Store", layer: int, kv_cache_mb: int | None = None) -> None:
+        """kv_cache_mb: RAM of the event cache, all layers together (None: the store's profile's)."""
         self.store, self.layer = store, layer
         g = store.geometry
         dt = _BY_NAME[g.dtype][0]
@@ -253,6 +259,9 @@ class StoredEvents:
         self.ram_k = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
         self.ram_v = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
         self.ram_r = GrowBuffer((0, g.q_heads, g.head_dim), 0, dt, torch.device("cpu"))
+        mb = store.manifest["profile"].get("kv_cache_mb", 128) if kv_cache_mb is None else kv_cache_mb
+        cap = (mb << 20) // (g.layers * 2 * self.k.row_bytes)  # tokens per layer
+        self.cache = EventCache(cap, self.k.row, dt) if cap > 0 else None
 
     def __len__(self) -> int:
         return self.lengths.n
@@ -304,20 +313,52 @@ class StoredEvents:
         return self.lengths.view()
 
     def gather(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values of events `ids`: [H_kv, n, D] each, on the ids' device."""
+        """Keys and values of events `ids`: [H_kv, n, D] each, on the ids' device.
+
+        Cached events are copied from the cache; the others are read (map or RAM) and the ones
+        read from the files are cached."""
         dev = ids.device
         ids = ids.cpu()
-        idx = token_index(self.starts.view()[ids], self.lengths.view()[ids])
+        starts, lengths = self.starts.view()[ids], self.lengths.view()[ids]
+        if self.cache is None:
+            k, v = self._read(token_index(starts, lengths))
+            return k.transpose(0, 1).to(dev), v.transpose(0, 1).to(dev)
+        on_disk = starts + lengths <= self.n_disk  # an event is wholly in the files or wholly in RAM
+        offsets = torch.full_like(ids, -1)
+        offsets[on_disk] = self.cache.lookup(ids[on_disk])
+        hit = offsets >= 0
+        out_at = torch.cumsum(lengths, 0) - lengths  # each event's first row in the result
+        total = int(lengths.sum())
+        k = torch.empty((total, *self.k.row), dtype=self.cache.k.dtype)
+        v = torch.empty_like(k)
+        if bool(hit.any()):  # copied out before inserting overwrites any of them
+            rows = token_index(out_at[hit], lengths[hit])
+            k[rows], v[rows] = self.cache.read(offsets[hit], lengths[hit])
+        need = ~hit
+        if bool(need.any()):
+            k_new, v_new = self._read(token_index(starts[need], lengths[need]))
+            rows = token_index(out_at[need], lengths[need])
+            k[rows], v[rows] = k_new, v_new
+            fresh = need & on_disk
+            if bool(fresh.any()):
+                if bool(fresh[need].all()):
+                    self.cache.insert(ids[fresh], lengths[fresh], k_new, v_new)
+                else:
+                    src = token_index(out_at[fresh], lengths[fresh])
+                    self.cache.insert(ids[fresh], lengths[fresh], k[src], v[src])
+        return k.transpose(0, 1).to(dev), v.transpose(0, 1).to(dev)
+
+    def _read(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        """Token rows idx [n] of the layer's events (files, then a reader's RAM): [n, H_kv, D] each."""
         disk = idx < self.n_disk
         if bool(disk.all()):
-            k, v = self.k.take(idx), self.v.take(idx)
-        else:
-            k = torch.empty((idx.numel(), *self.k.row), dtype=self.ram_k.buf.dtype)
-            v = torch.empty_like(k)
-            k[disk], v[disk] = self.k.take(idx[disk]), self.v.take(idx[disk])
-            ram = idx[~disk] - self.n_disk
-            k[~disk], v[~disk] = self.ram_k.view()[ram], self.ram_v.view()[ram]
-        return k.transpose(0, 1).to(dev), v.transpose(0, 1).to(dev)
+            return self.k.take(idx), self.v.take(idx)
+        k = torch.empty((idx.numel(), *self.k.row), dtype=self.ram_k.buf.dtype)
+        v = torch.empty_like(k)
+        k[disk], v[disk] = self.k.take(idx[disk]), self.v.take(idx[disk])
+        ram = idx[~disk] - self.n_disk
+        k[~disk], v[~disk] = self.ram_k.view()[ram], self.ram_v.view()[ram]
+        return k, v
 
 
 # -- the store --------------------------------------------------------------------------------------

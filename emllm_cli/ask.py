@@ -18,6 +18,7 @@ def ask(
     store: str = typer.Option(None, "--store", "-s", help="Store name or path; default: the most recently written."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Longest answer, in tokens."),
     show_retrieval: bool = typer.Option(False, "--show-retrieval", help="Draw what each layer retrieved, on stderr."),
+    kv_cache_mb: int = typer.Option(None, "--kv-cache-mb", min=0, help="RAM for the keys and values of recently retrieved events, all layers (default: the profile's kv_cache_mb, 128; 0: none). Does not change results."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
 ) -> None:
     """Answer from a stored document. The store is not changed: every question sees the same memory.
@@ -44,7 +45,7 @@ def ask(
         src = models.resolve(name, log=lambda m: render.err.print(f"[dim]{m}[/dim]"))
         mdl, tok = models.load(src)
         st.check_identity(ing.identity_of(name, mdl, tok))
-        session = Session(st, mdl, tok)
+        session = Session(st, mdl, tok, kv_cache_mb)
         trace = None
         if show_retrieval:
             from core.trace import Trace
