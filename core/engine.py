@@ -85,8 +85,10 @@ class Engine:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # Each layer's memory lives on its layer's device (a model split with accelerate's device_map).
+        layer_devices = [_device_of(layer, self.device) for layer in model.model.layers]
         self.windows = [
-            LayerWindow(i, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, self.dtype, self.device,
+            LayerWindow(i, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, self.dtype, layer_devices[i],
                         faiss_threshold=profile.faiss_threshold)
             for i in range(cfg.num_hidden_layers)
         ]
@@ -184,7 +186,6 @@ class Engine:
         if len(pr.segmentation) == 2:  # SM, SC, FM, FC: refine inside the closed stretch
             starts = self._refine(starts)
         lengths = torch.diff(starts)
-        lengths = lengths.to(self.device)
         for w in self.windows:
             w.close_events(lengths, pr.repr_topk)
         self.rem_start += int(lengths.sum())
@@ -200,7 +201,8 @@ class Engine:
         first = pr.refine_from_layer
         if first is None:
             first = len(self.windows) - max(1, len(self.windows) // 3)
-        keys = torch.stack([w.rem_k[:, :n] for w in self.windows[first:]])  # [layers, H_kv, n, D]
+        dev = self.windows[first].rem_k.device  # layers may sit on several devices
+        keys = torch.stack([w.rem_k[:, :n].to(dev) for w in self.windows[first:]])  # [layers, H_kv, n, D]
         a = key_adjacency(keys)
         metric = "modularity" if pr.segmentation.endswith("M") else "conductance"
         # Every event of the stretch is closed, so all of them (the last one, [starts[-2], n),
@@ -256,3 +258,9 @@ class Engine:
 
     def generate(self, max_new_tokens: int, stop_ids: set[int] | None = None) -> list[int]:
         return list(self.generate_iter(max_new_tokens, stop_ids))
+
+
+def _device_of(module: torch.nn.Module, default: torch.device) -> torch.device:
+    """The device of a module's first parameter (where accelerate put it), else `default`."""
+    p = next(module.parameters(), None)
+    return default if p is None else p.device

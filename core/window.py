@@ -79,7 +79,7 @@ class LayerWindow:
         k_loc = torch.cat((self.local_k, k), dim=1)  # [H_kv, L, D]
         v_loc = torch.cat((self.local_v, v), dim=1)
         length = k_loc.shape[1]
-        cos, sin = st.cos[:length], st.sin[:length]
+        cos, sin = st.cos[:length].to(q.device), st.sin[:length].to(q.device)
         q_loc = apply_rotary(q, cos[length - c :], sin[length - c :])
         k_rot = apply_rotary(k_loc, cos, sin)
 
@@ -87,17 +87,19 @@ class LayerWindow:
         has_memory = self.init_k.shape[1] or self.rem_k.shape[1] or len(self.events)
         if has_memory:
             p = st.n_local - 1  # memory sits at one fixed distance from every query
-            q_mem = apply_rotary(q, st.cos[p : p + 1], st.sin[p : p + 1])
+            q_mem = apply_rotary(q, st.cos[p : p + 1].to(q.device), st.sin[p : p + 1].to(q.device))
             parts_k, parts_v = [self.init_k], [self.init_v]
             if len(self.events):
-                ids = self.retrieve(q_mem.mean(1), st.budget).ids
+                ids = self.retrieve(q_mem.mean(1), st.budget).ids.to(self.contiguity.device)
                 if st.contiguity_budget:
                     self.contiguity = update_contiguity(
-                        self.contiguity, ids, self.events.event_lengths(), st.neighbours, st.contiguity_budget
+                        self.contiguity, ids, self.events.event_lengths().to(ids.device), st.neighbours,
+                        st.contiguity_budget,
                     )
                     extra = self.contiguity[~torch.isin(self.contiguity, ids)]
                     ids = torch.sort(torch.cat((ids, extra))).values
-                mk, mv = self.events.gather(ids)
+                mk, mv = self.events.gather(ids)  # a store reads on the host: to this layer's device
+                mk, mv = mk.to(q.device), mv.to(q.device)
                 parts_k.append(mk)
                 parts_v.append(mv)
             parts_k.append(self.rem_k)
@@ -146,6 +148,7 @@ class LayerWindow:
         n = int(lengths.sum())
         if n == 0:
             return
+        lengths = lengths.to(self.rem_k.device)
         keys, values, mass = self.rem_k[:, :n], self.rem_v[:, :n], self.rem_mass[:, :n]
         reprs = representative_keys(keys, mass, lengths, repr_topk)
         self.events.append(keys, values, lengths, reprs)
