@@ -153,7 +153,17 @@ def select_events(scores: Tensor, lengths: Tensor, budget: int) -> Selection:
     if scores.numel() == 0 or budget <= 0:
         empty = torch.empty(0, dtype=torch.long, device=scores.device)
         return Selection(empty, scores[:0])
-    order = torch.sort(scores, descending=True, stable=True).indices
+    n = scores.numel()
+    shortest = int(lengths.min())
+    k = n if shortest <= 0 else min(n, budget // shortest + 1)  # k events hold more than the budget
+    if k < n:
+        # Only the best k can be in the prefix: sort the events scoring at least the k-th best
+        # (ties at that score included, in id order), not all of them. Same order, same prefix.
+        t = torch.topk(scores, k, sorted=False).values.min()
+        cand = torch.nonzero(scores >= t).squeeze(1)
+        order = cand[torch.sort(scores[cand], descending=True, stable=True).indices]
+    else:
+        order = torch.sort(scores, descending=True, stable=True).indices
     fits = torch.cumsum(lengths[order], 0) <= budget
     k = int(fits.sum())  # fits is a prefix: cumsum of positive lengths is increasing
     ids = torch.sort(order[:k]).values

@@ -66,6 +66,19 @@ def test_select_events_matches_brute_force(seed):
         assert int(lengths[sel.ids].sum()) <= budget
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_select_events_sorting_only_the_top_k_matches_brute_force(seed):
+    """Many events, few fit: select_events sorts only those scoring at least the k-th best (ties
+    at that score included); the result must still be the full sort's prefix."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 30, (400,), generator=g).float()  # many ties, also at the cut
+    lengths = torch.randint(8, 129, (400,), generator=g)
+    for budget in (8, 100, 1024, 3000):
+        sel = select_events(scores, lengths, budget)
+        assert sel.ids.tolist() == brute_select(scores.tolist(), lengths.tolist(), budget)
+        assert torch.equal(sel.scores, scores[sel.ids])
+
+
 def test_empty_memory_selects_nothing():
     assert select_events(torch.empty(0), torch.empty(0, dtype=torch.long), 100).ids.numel() == 0
 
