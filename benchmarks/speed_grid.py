@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -137,6 +139,7 @@ def main() -> None:
     ids = ids_all(need)
     gen = torch.Generator().manual_seed(0)
     tmp = tempfile.TemporaryDirectory(dir=Path.cwd())
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: still remove the store (GBs)
     stores = ScratchStores(model, tok, prof, tmp.name, name)
     em = stores()
     win, full = Vanilla(model, w_size), Full(model)
