@@ -56,7 +56,7 @@ class EventCache:
         return self.k[idx], self.v[idx]
 
     def insert(self, ids: Tensor, lengths: Tensor, k: Tensor, v: Tensor) -> None:
-        """Cache events ids [m] (not cached now) whose rows k/v [sum(lengths), *row] were just read.
+        """Cache events ids [m] (distinct, not cached now) whose rows k/v [sum(lengths), *row] were just read.
 
         Events are written in order as one run from the head (or from row 0 when the run would
         pass the end); those beyond `cap` tokens in all are left out.
@@ -78,6 +78,7 @@ class EventCache:
         rows = token_index(offsets, lengths)
         old = torch.unique(self.owner[rows])
         old = old[old >= 0]
+        old = old[self.where[old] >= 0]  # (only cached events own rows; a guard, not a case)
         if old.numel():  # evict whole events that lose any row
             self.owner[token_index(self.where[old], self.size[old])] = -1
             self.where[old] = -1

@@ -156,7 +156,7 @@ def select_events(scores: Tensor, lengths: Tensor, budget: int) -> Selection:
     n = scores.numel()
     shortest = int(lengths.min())
     k = n if shortest <= 0 else min(n, budget // shortest + 1)  # k events hold more than the budget
-    if k < n:
+    if k < n and not bool(torch.isnan(scores).any()):  # (NaN sorts first: leave it to the full sort)
         # Only the best k can be in the prefix: sort the events scoring at least the k-th best
         # (ties at that score included, in id order), not all of them. Same order, same prefix.
         t = torch.topk(scores, k, sorted=False).values.min()

@@ -261,7 +261,9 @@ class StoredEvents:
         self.ram_r = GrowBuffer((0, g.q_heads, g.head_dim), 0, dt, torch.device("cpu"))
         mb = store.manifest["profile"].get("kv_cache_mb", 128) if kv_cache_mb is None else kv_cache_mb
         cap = (mb << 20) // (g.layers * 2 * self.k.row_bytes)  # tokens per layer
-        self.cache = EventCache(cap, self.k.row, dt) if cap > 0 else None
+        # A ring smaller than one step's retrieval would only churn: no cache then.
+        n_mem = store.manifest["profile"].get("n_mem", 0)
+        self.cache = EventCache(cap, self.k.row, dt) if cap > 0 and cap >= n_mem else None
 
     def __len__(self) -> int:
         return self.lengths.n

@@ -77,6 +77,11 @@ def test_select_events_sorting_only_the_top_k_matches_brute_force(seed):
         sel = select_events(scores, lengths, budget)
         assert sel.ids.tolist() == brute_select(scores.tolist(), lengths.tolist(), budget)
         assert torch.equal(sel.scores, scores[sel.ids])
+    nan = scores.clone()
+    nan[7] = float("nan")  # sorts first in torch: both paths must agree with the full sort
+    order = torch.sort(nan, descending=True, stable=True).indices
+    fits = torch.cumsum(lengths[order], 0) <= 1024
+    assert select_events(nan, lengths, 1024).ids.tolist() == sorted(order[: int(fits.sum())].tolist())
 
 
 def test_empty_memory_selects_nothing():
