@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .config import Profile
 from .kvcache import EventCache
 from .memory import GrowBuffer, Selection, scores_in_blocks, select_events, token_index
 
@@ -259,7 +260,7 @@ class StoredEvents:
         self.ram_k = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
         self.ram_v = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
         self.ram_r = GrowBuffer((0, g.q_heads, g.head_dim), 0, dt, torch.device("cpu"))
-        mb = store.manifest["profile"].get("kv_cache_mb", 128) if kv_cache_mb is None else kv_cache_mb
+        mb = store.manifest["profile"].get("kv_cache_mb", Profile.kv_cache_mb) if kv_cache_mb is None else kv_cache_mb
         cap = (mb << 20) // (g.layers * 2 * self.k.row_bytes)  # tokens per layer
         # A ring smaller than one step's retrieval would only churn: no cache then.
         n_mem = store.manifest["profile"].get("n_mem", 0)

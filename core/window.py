@@ -98,8 +98,7 @@ class LayerWindow:
                     )
                     extra = self.contiguity[~torch.isin(self.contiguity, ids)]
                     ids = torch.sort(torch.cat((ids, extra))).values
-                mk, mv = self.events.gather(ids)  # a store reads on the host: to this layer's device
-                mk, mv = mk.to(q.device), mv.to(q.device)
+                mk, mv = self.events.gather(ids)  # on the ids' device: this layer's (a store reads on the host)
                 parts_k.append(mk)
                 parts_v.append(mv)
             parts_k.append(self.rem_k)
