@@ -109,9 +109,16 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=4, help="timed greedy tokens per method and length")
     ap.add_argument("--full-max", default=None,
                     help="longest length for full attention (default: as far as its cache fits in half the free RAM)")
-    ap.add_argument("--out", required=True, help="JSON lines, appended")
+    ap.add_argument("--out", required=True, help="JSON lines, appended (with --replot: the file to read)")
+    ap.add_argument("--replot", action="store_true", help="measure nothing: table and plot of the last run in --out")
     ap.add_argument("--plot", default=None, help="PNG of time per chunk against length (needs matplotlib)")
     a = ap.parse_args()
+    if a.replot:
+        meta, rows = last_run(a.out)
+        print(table(rows, meta))
+        if a.plot:
+            plot(rows, meta, a.plot)
+        return
     if a.config:
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -204,6 +211,20 @@ def main() -> None:
         plot(rows, meta, a.plot)
 
 
+def last_run(path: str) -> tuple[dict, list[dict]]:
+    """The meta line and rows of the last run recorded in a --out file."""
+    meta, rows = None, []
+    for line in open(path):
+        rec = json.loads(line)
+        if "run" in rec:
+            meta, rows = rec["run"], []
+        else:
+            rows.append(rec)
+    if meta is None or not rows:
+        sys.exit(f"{path}: no recorded run")
+    return meta, rows
+
+
 def table(rows: list[dict], meta: dict) -> str:
     out = [f"{meta['model']} ({meta['profile']} profile, window {meta['window']}), {meta['machine']}, {meta['date']}",
            "", "| tokens read | events/layer | emllm s/chunk | window s/chunk | full s/chunk | emllm/window | emllm/full "
@@ -239,6 +260,9 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xticks([r["length"] for r in rows], [f"{r['length'] // 1024}k" for r in rows])
     ax.minorticks_off()
+    ys = [r[k] for r in rows for k in r if k.endswith("_chunk_s")]
+    nice = [x * 10.0**e for e in range(-2, 4) for x in (1, 2, 3, 5)]  # labelled ticks: a log axis over less than a decade has none
+    ax.set_yticks([y for y in nice if min(ys) / 1.3 <= y <= max(ys) * 1.3], [f"{y:g}" for y in nice if min(ys) / 1.3 <= y <= max(ys) * 1.3])
     ax.set_xlabel("tokens read before the chunk")
     ax.set_ylabel(f"seconds per chunk of {meta['chunk']}")
     ax.set_title(f"{meta['model']}: prefill time per chunk", fontsize=10)

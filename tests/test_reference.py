@@ -96,7 +96,7 @@ def test_fast_path_equals_naive_reference(step, contiguity, monkeypatch):
     "h_q,h_kv,c,length,m",
     [(4, 2, 8, 20, 13), (3, 3, 1, 9, 5), (6, 2, 5, 5, 0), (4, 1, 1, 1, 0), (9, 3, 16, 40, 1)],
 )
-@pytest.mark.parametrize("path", ["fused", "materialised"])
+@pytest.mark.parametrize("path", ["hybrid", "materialised"])
 def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, path):
     """Output and per-key attention mass of both attention paths against the softmax over the
     concatenated logits in float64 (chunk, decoding, no memory, no older window, MHA and GQA)."""
@@ -107,8 +107,8 @@ def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, pat
     d, scaling = 8, 8**-0.5
     q, qm = r(h_q, c, d), r(h_q, c, d)
     k, v, km, vm = r(h_kv, length, d), r(h_kv, length, d), r(h_kv, m, d), r(h_kv, m, d)
-    fn = attention._attend_fused if path == "fused" else attention._attend_materialised
-    if path == "fused" and attention._FLASH_CPU is None:
+    fn = attention._attend_hybrid if path == "hybrid" else attention._attend_materialised
+    if path == "hybrid" and attention._FLASH_CPU is None:
         pytest.skip("this torch has no CPU flash kernel")
     out, mass = fn(q, k, v, qm if m else None, km if m else None, vm if m else None, scaling)
     g = h_q // h_kv

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from core.memory import EventMemory, event_scores, representative_keys, select_events, token_index
-from core.surprise import boundary_flags
+import core.surprise as surprise_mod
+from core.surprise import boundary_flags, token_surprise
 
 
 def brute_flags(s: list[float], start: int, tau: int, gamma: float) -> list[bool]:
@@ -22,6 +23,18 @@ def brute_flags(s: list[float], start: int, tau: int, gamma: float) -> list[bool
         std = math.sqrt(sum((x - mean) ** 2 for x in prev) / len(prev))
         out.append(s[t] > mean + gamma * std)
     return out
+
+
+def test_surprise_in_row_blocks_equals_one_call_bit_for_bit(monkeypatch):
+    # Blocks of 3 rows over 10 (a ragged last block), and the row carried over from the last chunk.
+    g = torch.Generator().manual_seed(0)
+    logits, prev = torch.randn(10, 50, generator=g) * 4, torch.randn(50, generator=g)
+    ids = torch.randint(0, 50, (10,), generator=g)
+    monkeypatch.setattr(surprise_mod, "_BLOCK_BYTES", 3 * 50 * 4)
+    got = token_surprise(logits, ids, prev)
+    ce = torch.nn.functional.cross_entropy(torch.cat((prev[None], logits[:-1])), ids, reduction="none")
+    assert torch.equal(got, ce)
+    assert torch.isnan(token_surprise(logits, ids, None)[0])
 
 
 @pytest.mark.parametrize("seed", range(5))
