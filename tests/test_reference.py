@@ -93,11 +93,12 @@ def test_fast_path_equals_naive_reference(step, contiguity, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "h_q,h_kv,c,length,m",
-    [(4, 2, 8, 20, 13), (3, 3, 1, 9, 5), (6, 2, 5, 5, 0), (4, 1, 1, 1, 0), (9, 3, 16, 40, 1)],
+    "h_q,h_kv,c,length,m,mem_scale",
+    [(4, 2, 8, 20, 13, 1), (3, 3, 1, 9, 5, 1), (6, 2, 5, 5, 0, 1), (4, 1, 1, 1, 0, 1), (9, 3, 16, 40, 1, 1),
+     (8, 2, 1, 7, 6, 1), (6, 3, 4, 4, 3, 1), (4, 2, 6, 10, 9, 6)],  # GQA decode with memory, L == c, memory dominant
 )
 @pytest.mark.parametrize("path", ["hybrid", "materialised"])
-def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, path):
+def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, mem_scale, path):
     """Output and per-key attention mass of both attention paths against the softmax over the
     concatenated logits in float64 (chunk, decoding, no memory, no older window, MHA and GQA)."""
     from core import attention
@@ -105,8 +106,8 @@ def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, pat
     gen = torch.Generator().manual_seed(h_q * 100 + c * 10 + length + m)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     d, scaling = 8, 8**-0.5
-    q, qm = r(h_q, c, d), r(h_q, c, d)
-    k, v, km, vm = r(h_kv, length, d), r(h_kv, length, d), r(h_kv, m, d), r(h_kv, m, d)
+    q, qm = r(h_q, c, d), r(h_q, c, d) * mem_scale
+    k, v, km, vm = r(h_kv, length, d), r(h_kv, length, d), r(h_kv, m, d) * mem_scale, r(h_kv, m, d)
     fn = attention._attend_hybrid if path == "hybrid" else attention._attend_materialised
     if path == "hybrid" and attention._FLASH_CPU is None:
         pytest.skip("this torch has no CPU flash kernel")
@@ -123,3 +124,31 @@ def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, pat
             want_mass[h, :seen] += p[m:]
     torch.testing.assert_close(out.double(), want_out, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(mass.double(), want_mass, atol=1e-6, rtol=1e-5)
+
+
+def test_hybrid_attention_keeps_the_mass_in_float32_for_bf16_inputs():
+    """bf16 queries/keys/values: the window's scores and probabilities stay in float32, so the mass
+    (which picks an event's representative tokens) is as exact as the bf16 inputs allow."""
+    from core import attention
+
+    if attention._FLASH_CPU is None:
+        pytest.skip("this torch has no CPU flash kernel")
+    gen = torch.Generator().manual_seed(3)
+    h_q, h_kv, c, length, m, d = 8, 2, 16, 48, 20, 16
+    r = lambda *s: (torch.randn(*s, generator=gen) * 2).to(torch.bfloat16)  # noqa: E731
+    q, qm, k, v, km, vm = r(h_q, c, d), r(h_q, c, d), r(h_kv, length, d), r(h_kv, length, d), r(h_kv, m, d), r(h_kv, m, d)
+    scaling = d**-0.5
+    out, mass = attention._attend_hybrid(q, k, v, qm, km, vm, scaling)
+    g = h_q // h_kv
+    want_mass = torch.zeros(h_q, length, dtype=torch.float64)
+    want_out = torch.zeros(h_q, c, d, dtype=torch.float64)
+    for h in range(h_q):
+        for i in range(c):
+            seen = length - c + i + 1
+            logits = torch.cat((km[h // g].double() @ qm[h, i].double(), k[h // g, :seen].double() @ q[h, i].double())) * scaling
+            p = torch.softmax(logits, 0)
+            want_out[h, i] = p @ torch.cat((vm[h // g], v[h // g, :seen])).double()
+            want_mass[h, :seen] += p[m:]
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), want_out, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(mass.double(), want_mass, atol=1e-4, rtol=1e-4)
