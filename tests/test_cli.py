@@ -141,3 +141,24 @@ def test_segment_stdin_and_metrics_json(tmp_path, smollm2):
     for m, d in doc["methods"].items():
         for k in ("modularity", "conductance", "intra_inter"):
             assert doc["difference_to_random"][m][k] == pytest.approx(d[k] - doc["random"][m][k])
+
+
+def test_passkey_interrupted_prints_what_finished(smollm2, monkeypatch):
+    """Ctrl-C during the grid: the trials that finished are printed (JSON marked incomplete), one
+    line on stderr says so, exit code 130."""
+    from typer.testing import CliRunner
+
+    import core.passkey
+    from emllm_cli.main import app
+
+    def one_then_ctrl_c(model, tok, factory, lengths, depths, trials, seed, baseline, on_result, **kw):
+        on_result(core.passkey.TrialResult(lengths[0], depths[0], 0, "12345", "12345.", True, "emllm", 1.5, lengths[0]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(core.passkey, "run_grid", one_then_ctrl_c)
+    r = CliRunner().invoke(app, ["passkey", "-l", "1k,2k", "-d", "0,1", "-t", "1", "--json"])
+    assert r.exit_code == 130
+    doc = json.loads(r.stdout)
+    assert doc["complete"] is False and len(doc["results"]) == 1 and doc["accuracy"]["emllm"] == {"1024": 1.0, "2048": None}
+    assert r.stderr.strip().splitlines()[-1] == "emllm: interrupted after 1 of 4 trials; the results above are partial"
+    assert "Traceback" not in r.stderr
