@@ -30,8 +30,8 @@ def _nll(logits: Tensor, ids: Tensor) -> Tensor:
     """-log softmax(logits)[ids] per row: [n, V], [n] -> [n] float32.
 
     cross_entropy writes the whole [n, V] log-softmax before picking one entry per row; a few rows
-    at a time, that scratch stays in the CPU's cache (measured: 28 ms instead of 155 for 512 x 49k logits, 2 threads).
-    Rows are independent, so the values are those of one call, bit for bit.
+    at a time, that scratch stays in the CPU's cache (measured: 28 ms instead of 155 for 512 x 49k
+    logits, 2 threads). Rows are independent, so the values are those of one call, bit for bit.
     """
     n, v = logits.shape
     if logits.device.type != "cpu":
@@ -39,7 +39,8 @@ def _nll(logits: Tensor, ids: Tensor) -> Tensor:
     out = torch.empty(n, dtype=torch.float32)
     step = max(1, _BLOCK_BYTES // (4 * v))
     for a in range(0, n, step):
-        out[a : a + step] = torch.nn.functional.cross_entropy(logits[a : a + step].float(), ids[a : a + step], reduction="none")
+        rows = slice(a, a + step)
+        out[rows] = torch.nn.functional.cross_entropy(logits[rows].float(), ids[rows], reduction="none")
     return out
 
 
