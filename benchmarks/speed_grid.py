@@ -262,7 +262,8 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
     ax.minorticks_off()
     ys = [r[k] for r in rows for k in r if k.endswith("_chunk_s")]
     nice = [x * 10.0**e for e in range(-2, 4) for x in (1, 2, 3, 5)]  # labelled ticks: a log axis over less than a decade has none
-    ax.set_yticks([y for y in nice if min(ys) / 1.3 <= y <= max(ys) * 1.3], [f"{y:g}" for y in nice if min(ys) / 1.3 <= y <= max(ys) * 1.3])
+    ticks = [y for y in nice if min(ys) / 1.3 <= y <= max(ys) * 1.3]
+    ax.set_yticks(ticks, [f"{y:g}" for y in ticks])
     ax.set_xlabel("tokens read before the chunk")
     ax.set_ylabel(f"seconds per chunk of {meta['chunk']}")
     ax.set_title(f"{meta['model']}: prefill time per chunk", fontsize=10)

@@ -34,14 +34,14 @@ def attend(
 ) -> tuple[Tensor, Tensor]:
     """Returns (output [H_q, c, D], attention mass each window key received [H_q, L], float32).
 
-    Query i of the chunk sees window keys 0..L-c+i (causal) and all memory keys. On the CPU the
-    memory's part comes from torch's fused flash kernel and is merged by log-sum-exp with the
-    window's materialised probabilities; elsewhere (or without that kernel) all probabilities are
-    materialised. Both are one exact softmax.
+    Query i of the chunk sees window keys 0..L-c+i (causal) and all memory keys: one exact
+    softmax. The window's probabilities are written out (the mass needs them: exponentiated once,
+    they serve the output and the mass); the memory's part comes with its log-sum-exp, from
+    torch's fused flash kernel on the CPU, written out elsewhere (or without that kernel), and the
+    two are merged by log-sum-exp.
     """
-    if q_local.device.type == "cpu" and _FLASH_CPU is not None:
-        return _attend_hybrid(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling)
-    return _attend_materialised(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling)
+    memory = _memory_flash if q_local.device.type == "cpu" and _FLASH_CPU is not None else _memory_materialised
+    return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory)
 
 
 # torch's CPU flash-attention kernel; unlike the public sdpa it also returns the log-sum-exp,
@@ -53,18 +53,35 @@ def attend(
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _attend_hybrid(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling):
-    """The window materialised, the memory through the flash kernel, merged by log-sum-exp.
+def _memory_flash(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+    """The memory's own softmax attention: q [H_kv, g, c, D], k/v [H_kv, M, D] ->
+    (output [H_kv, g*c, D] float32, log-sum-exp [H_kv, g*c])."""
+    h_kv, g, c, d = q.shape
+    o, lse = _FLASH_CPU(q, k[:, None].expand(-1, g, -1, -1), v[:, None].expand(-1, g, -1, -1), is_causal=False, scale=scaling)
+    return o.float().reshape(h_kv, g * c, d), lse.reshape(h_kv, g * c)
 
-    The window's probabilities are needed anyway for the mass: exponentiated once, they serve the
-    output and the mass (running the kernel on the window too would exponentiate them twice).
-    Scores and probabilities stay in float32 whatever the model's dtype, as inside the kernel: the
-    mass decides which tokens represent an event, and bf16 rounding of it was measured ~100x
-    further from the exact value.
+
+def _memory_materialised(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+    """As `_memory_flash`, with the probabilities written out."""
+    h_kv, g, c, d = q.shape
+    s = torch.matmul(q.reshape(h_kv, g * c, d), k.transpose(1, 2)).float()  # [H_kv, g*c, M]
+    s.mul_(scaling)
+    lse = torch.logsumexp(s, -1)
+    s.sub_(lse.unsqueeze(-1)).exp_()
+    return torch.matmul(s.to(v.dtype), v).float(), lse
+
+
+def _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory):
+    """`attend`, with the memory's part computed by `memory` (`_memory_flash` or `_memory_materialised`).
+
+    The window's scores and probabilities stay in float32 whatever the model's dtype: the mass
+    decides which tokens represent an event, and bf16 rounding of it was measured ~100x further
+    from the exact value.
     """
     h_q, c, d = q_local.shape
     h_kv, length, _ = k_local.shape
     g = h_q // h_kv
+    # GQA without repeating keys: the g query heads of one KV head share its key matrix.
     s = torch.bmm(q_local.reshape(h_kv, g * c, d).float(), k_local.float().transpose(1, 2))  # [H_kv, g*c, L]
     s.mul_(scaling)
     causal = torch.ones(c, c, dtype=torch.bool, device=s.device).triu_(1)
@@ -72,13 +89,9 @@ def _attend_hybrid(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling):
     mx = s.amax(-1)  # [H_kv, g*c]; finite: each query sees itself
     mem = None
     if k_mem is not None and k_mem.shape[1]:
-        o_m, lse_m = _FLASH_CPU(
-            q_mem.reshape(h_kv, g, c, d), k_mem[:, None].expand(-1, g, -1, -1), v_mem[:, None].expand(-1, g, -1, -1),
-            is_causal=False, scale=scaling,
-        )
-        lse_m = lse_m.reshape(h_kv, g * c)
+        o_m, lse_m = memory(q_mem.reshape(h_kv, g, c, d), k_mem, v_mem, scaling)
         mx = torch.maximum(mx, lse_m)
-        mem = o_m.float().reshape(h_kv, g * c, d), (lse_m - mx).exp_()  # memory's output, its weight
+        mem = o_m, (lse_m - mx).exp_()  # memory's output, its weight
     s.sub_(mx.unsqueeze(-1)).exp_()
     z = s.sum(-1)  # [H_kv, g*c]
     out = torch.bmm(s, v_local.float())  # [H_kv, g*c, D]
@@ -87,40 +100,9 @@ def _attend_hybrid(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling):
         out += mem[0] * mem[1].unsqueeze(-1)
     inv_z = z.reciprocal_()
     out.mul_(inv_z.unsqueeze(-1))
+    # Attention each window key received, summed over the chunk's queries: [H_kv, g, 1, L].
     mass = torch.matmul(inv_z.view(h_kv, g, 1, c), s.view(h_kv, g, c, length)).reshape(h_q, length)
     return out.to(v_local.dtype).view(h_q, c, d), mass
-
-
-def _attend_materialised(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling):
-    h_q, c, d = q_local.shape
-    h_kv, length, _ = k_local.shape
-    g = h_q // h_kv
-    # GQA without repeating keys: the g query heads of one KV head share its key matrix.
-    # The softmax is one over both parts, merged exactly with a shared max and normaliser
-    # instead of concatenating the logits (which would copy them once more).
-    loc = torch.matmul(q_local.reshape(h_kv, g * c, d), k_local.transpose(1, 2)).float()  # [H_kv, g*c, L]
-    loc.mul_(scaling)
-    causal = torch.ones(c, c, dtype=torch.bool, device=loc.device).triu_(1)
-    loc.view(h_kv, g, c, length)[..., length - c :].masked_fill_(causal, float("-inf"))
-    mx = loc.amax(-1, keepdim=True)  # [H_kv, g*c, 1]; finite: each query sees itself
-    mem = None
-    if k_mem is not None and k_mem.shape[1]:
-        mem = torch.matmul(q_mem.reshape(h_kv, g * c, d), k_mem.transpose(1, 2)).float()  # [H_kv, g*c, M]
-        mem.mul_(scaling)
-        mx = torch.maximum(mx, mem.amax(-1, keepdim=True))
-    loc.sub_(mx).exp_()
-    z = loc.sum(-1, keepdim=True)
-    out = torch.matmul(loc.to(v_local.dtype), v_local).float()
-    if mem is not None:
-        mem.sub_(mx).exp_()
-        z += mem.sum(-1, keepdim=True)
-        out += torch.matmul(mem.to(v_mem.dtype), v_mem).float()
-    inv_z = z.reciprocal_()  # [H_kv, g*c, 1]
-    out.mul_(inv_z)
-    # Attention each window key received, summed over the chunk's queries: [H_kv, g, 1, L].
-    mass = torch.matmul(inv_z.view(h_kv, g, 1, c), loc.view(h_kv, g, c, length)).reshape(h_q, length)
-    out = out.to(v_local.dtype)
-    return out.view(h_q, c, d), mass
 
 
 def emllm_attention(
