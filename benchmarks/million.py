@@ -1,11 +1,16 @@
 """One long stream: the passkey at 1M tokens (or any length), with the memory in a store on disk.
 
-    python -m benchmarks.million --tokens 1m --depth 0.5 --dir /var/tmp --out docs/results/million.jsonl
+    python -m benchmarks.million --tokens 1m --depth 0.5 --store /var/tmp/m1 --out docs/results/million.jsonl
+
+The document goes through `emllm ingest`'s own loop (`run_job`: commits every 4 chunks), into a
+store that is kept (`--store`; a fresh folder), so `emllm ask --store` can be timed on it later.
+The question is then asked as `emllm ask` does: the store reopened read-only, the stream continued
+from its last commit.
 
 Reports what issue 8's scale item asks for: tokens/s at the start and at the end of the stream
-(over the first and the last 5% of chunks), peak RSS (VmHWM of this process), the store's bytes on
-disk, and whether the answer holds the key. Progress (tokens, tok/s, RSS) is printed every
-`--every` chunks, so a run stopped early still tells how far it got and how fast.
+(over the first and the last 5% of chunks, commits included), peak RSS (VmHWM of this process),
+the store's bytes on disk, and whether the answer holds the key. Progress (tokens, tok/s, RSS) is
+printed every `--every` chunks, so a run stopped early still tells how far it got and how fast.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from pathlib import Path
 import torch
 
 from core import models
+from core.ingest import create_store, open_engine, pending_tokens, run_job
 from core.passkey import build_prompt, parse_length, score
-from core.scratch import ScratchStores
+from core.store import Store
 
 
 def vm(key: str) -> int:
@@ -38,7 +44,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1m")
     ap.add_argument("--depth", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dir", default=".", help="folder for the temporary store (needs ~51 kB per token on SmolLM2)")
+    ap.add_argument("--store", required=True, help="new folder for the store (needs ~51 kB per token on SmolLM2)")
     ap.add_argument("--every", type=int, default=100, help="progress line every N chunks")
     ap.add_argument("--out", required=True, help="JSON lines, appended")
     a = ap.parse_args()
@@ -47,36 +53,58 @@ def main() -> None:
     n = parse_length(a.tokens)
     prompt = build_prompt(tok, n, a.depth, random.Random(f"{a.seed}/{n}/{a.depth}/0"))
     cs = src.profile.chunk_size
-    doc = torch.tensor(prompt.document)
     times: list[float] = []
-    t_start = time.perf_counter()
-    with ScratchStores(model, tok, src.profile, a.dir, src.name) as make:
-        eng = make()
-        for off in range(0, doc.numel(), cs):
-            t = time.perf_counter()
-            eng.step(doc[off : off + cs])
-            times.append(time.perf_counter() - t)
-            if len(times) % a.every == 0:
-                recent = times[-a.every :]
-                print(json.dumps({"tokens": off + cs, "tok_s_recent": round(cs * len(recent) / sum(recent), 1),
-                                  "events": eng.n_events, "rss_mib": vm("VmRSS") >> 20, "hwm_mib": vm("VmHWM") >> 20,
-                                  "elapsed_s": round(time.perf_counter() - t_start)}), flush=True)
-        eng.feed(prompt.question)
-        answer = tok.decode(eng.generate(10), skip_special_tokens=True)
-        disk = sum(p.stat().st_size for p in Path(make._dir).rglob("*") if p.is_file())
+    t_start = last = time.perf_counter()
+
+    def progress(p) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if p.done == len(times) * cs + cs:  # one callback per chunk, then one at the end
+            times.append(now - last)
+        last = now
+        if len(times) % a.every == 0 and p.done < p.total:
+            recent = times[-a.every :]
+            print(json.dumps({"tokens": p.done, "tok_s_recent": round(cs * len(recent) / sum(recent), 1),
+                              "events": p.events, "rss_mib": vm("VmRSS") >> 20, "hwm_mib": vm("VmHWM") >> 20,
+                              "elapsed_s": round(now - t_start)}), flush=True)
+
+    path = Path(a.store)
+    with create_store(path, src.name, model, tok, src.profile, chat=False) as st:
+        st.set_job(torch.tensor(prompt.document, dtype=torch.int32), [{
+            "name": f"passkey-{n}-{a.depth}", "sha256": "", "start": 0, "tokens": len(prompt.document), "chars": 0}])
+        run_job(st, open_engine(st, model), progress=progress)
+    t = time.perf_counter()
+    with Store.open(path) as st:  # as `emllm ask`: read-only, from the last commit
+        eng = open_engine(st, model)
+        eng.feed(pending_tokens(st) + prompt.question)  # the tail short of a chunk, then the question
+        out, ttft = [], 0.0
+        for i in eng.generate_iter(10):
+            ttft = ttft or time.perf_counter() - t
+            out.append(i)
+        answer = tok.decode(out, skip_special_tokens=True)
+    disk = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    doc_tokens = len(prompt.document)
     k = max(1, len(times) // 20)
     row = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "model": src.name, "tokens": len(prompt.document) + len(prompt.question), "depth": a.depth,
         "key": prompt.key, "answer": answer.strip(), "correct": score(answer, prompt.key),
         "tok_s_start": round(cs * k / sum(times[:k]), 1), "tok_s_end": round(cs * k / sum(times[-k:]), 1),
-        "tok_s_total": round(doc.numel() / sum(times), 1), "peak_rss_mib": vm("VmHWM") >> 20,
-        "disk_bytes": disk, "disk_bytes_per_token": round(disk / doc.numel(), 1),
+        "tok_s_total": round(cs * len(times) / sum(times), 1), "peak_rss_mib": vm("VmHWM") >> 20,
+        "disk_bytes": disk, "disk_bytes_per_token": round(disk / doc_tokens, 1),
+        "question_to_first_token_s": round(ttft, 2), "commit": _commit(),
         "seconds": round(time.perf_counter() - t_start, 1),
     }
     with open(a.out, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row, indent=1))
+
+
+def _commit() -> str:
+    import subprocess
+
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    return r.stdout.strip()
 
 
 if __name__ == "__main__":
