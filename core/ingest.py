@@ -131,6 +131,7 @@ def run_job(
     """
     job = store.manifest["job"]
     if job is None or job["complete"]:
+        store.commit_sketch()  # a store written before sketches existed gets one here (--resume)
         return
     ids = store.job.read().long()  # [n]
     cs = engine.profile.chunk_size

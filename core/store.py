@@ -7,6 +7,8 @@ A store is a folder:
     events.i32                                one row per event: its length in tokens
     layers/NN.k layers/NN.v                   per layer, one row [H_kv, D] per event token (pre-RoPE)
     layers/NN.r                               per layer, one row [H_q, D] per event (representative key)
+    sketch.safetensors       per layer, the basis of the sketches (once the store has faiss_threshold events)
+    layers/NN.p layers/NN.o                   per layer, each event's sketch [dims]; ids of the outliers
     job-G.i32                the tokens of the current ingest job (so --resume needs no input)
     state-G.safetensors      what continues the stream: windows, remainder, masses, last logits
     lock                     held (flock) by the one writer
@@ -40,8 +42,9 @@ from torch import Tensor
 from .config import Profile
 from .kvcache import EventCache
 from .memory import GrowBuffer, Selection, scores_in_blocks, select_events, token_index
+from . import sketch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added the sketch; version 1 stores are read (and get a sketch when next written)
 MANIFEST = "manifest.json"
 
 # torch dtype <-> (name, numpy dtype of the raw bytes). bfloat16 has no numpy type: stored as u2.
@@ -199,7 +202,13 @@ class RowFile:
         n = stop - start
         if self._block is None or self._block.shape[0] < n:
             self._block = torch.empty((n, *self.row), dtype=self.dtype)
-        out = self._block[:n]
+        return self._pread(self._block[:n], start, stop)
+
+    def read_copy(self, start: int, stop: int) -> Tensor:
+        """Rows start..stop-1 [n, *row] in a new tensor, read (pread): nothing stays mapped."""
+        return self._pread(torch.empty((stop - start, *self.row), dtype=self.dtype), start, stop)
+
+    def _pread(self, out: Tensor, start: int, stop: int) -> Tensor:
         if self._fd is None and self._rfd is None:
             self._rfd = os.open(self.path, os.O_RDONLY)
         fd = self._fd if self._fd is not None else self._rfd
@@ -234,13 +243,13 @@ class StoredEvents:
     Nothing that grows with the store stays resident but the event sizes (16 bytes per event):
     - retrieval scores every event's representative key exactly at every step, reading
       `layers/NN.r` a block at a time into one reused buffer (pread, from the page cache once
-      warm), so neither a writer nor a reader holds the keys, whatever the store's size;
+      warm), so neither a writer nor a reader holds the keys, whatever the store's size; a reader
+      of a store with a sketch scans the sketches instead and scores only the best exactly;
     - keys and values are read per step for the retrieved events only: from an `EventCache` of
       the events read last (fixed size: the profile's `kv_cache_mb`, or `--kv-cache-mb`), else
       through the memory map, whose pages are given back after each read.
     A read-only store (asking) keeps events closed after opening in RAM instead, so asking never
-    changes the files. No faiss graph over a store: a scan costs ~0.2 ms per 1k events and layer
-    (benchmarks/retrieval_cost.py) and, unlike the graph, needs no RAM and no upkeep per event.
+    changes the files. No faiss graph over a store: it would need RAM and upkeep per event.
     """
 
     def __init__(self, store: "Store", layer: int, kv_cache_mb: int | None = None) -> None:
@@ -250,6 +259,13 @@ class StoredEvents:
         dt = _BY_NAME[g.dtype][0]
         self.dim = g.q_heads * g.head_dim
         self.k, self.v, self.r = store.layer_files[layer]
+        # A reader of a store that has a sketch scores the sketches, then only their best events
+        # exactly (core/sketch.py); a writer always scans (its selections are part of the bytes
+        # it writes, so they must not depend on when the sketch was fitted).
+        self.sketch: tuple[RowFile, Tensor, Tensor] | None = None
+        if store.sketch_files is not None and not store.writable:
+            p, o = store.sketch_files[layer]
+            self.sketch = (p, store.sketch_basis(layer)[1], o.read().long())
         self.lengths = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         self.starts = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         lengths = store.events.read().long()
@@ -309,8 +325,28 @@ class StoredEvents:
         """As `EventMemory.select` on the exact path, bit for bit (the same blocks of the same rows)."""
         if len(self) == 0 or budget <= 0:
             return select_events(torch.zeros(0), self.event_lengths(), 0)
+        if self.sketch is not None:
+            return self._select_sketched(query.cpu(), budget)
         scores = scores_in_blocks(len(self), self.dim, self._repr_block, query.cpu())
         return select_events(scores, self.event_lengths(), budget)
+
+    def _select_sketched(self, query: Tensor, budget: int) -> Selection:
+        """Approximate: exact scores for the best-sketched events, the outliers and the events
+        without a sketch (a reader's own), then `select_events` over those (core/sketch.py)."""
+        p, basis, outliers = self.sketch
+        n_s = p.rows
+        lengths = self.event_lengths()
+        u = basis.T @ query.reshape(-1).float()  # [dims]
+        est = scores_in_blocks(n_s, u.numel(), p.read_block, u)  # [n_s], up to q . mean
+        cand = sketch.candidates(est, lengths[:n_s], budget)
+        cand = torch.unique(torch.cat((cand, outliers, torch.arange(n_s, len(self)))))  # sorted
+        disk = cand[cand < self.r.rows]
+        rows = self.r.take(disk).reshape(disk.numel(), self.dim)
+        if disk.numel() < cand.numel():
+            rows = torch.cat((rows, self.ram_r.view()[cand[disk.numel() :] - self.r.rows].reshape(-1, self.dim)))
+        scores = scores_in_blocks(cand.numel(), self.dim, lambda a, b: rows[a:b], query)
+        sel = select_events(scores, lengths[cand], budget)
+        return Selection(cand[sel.ids], sel.scores)
 
     def event_lengths(self) -> Tensor:
         return self.lengths.view()
@@ -417,11 +453,21 @@ class Store:
         ]
         job = manifest.get("job")
         self.job: RowFile | None = f(job["file"], (), torch.int32, job["tokens"]) if job else None
+        sk = manifest.get("sketch")
+        self.sketch_files: list[tuple[RowFile, RowFile]] | None = None
+        if sk:
+            self.sketch_files = [
+                (f(f"layers/{i:02d}.p", (sk["dims"],), torch.float16, rows["events"]),
+                 f(f"layers/{i:02d}.o", (), torch.int32, sk["outliers"][i]))
+                for i in range(self.geometry.layers)
+            ]
+        self._basis: dict[str, Tensor] | None = None
 
     # -- files -------------------------------------------------------------------------------
     def all_files(self) -> list[RowFile]:
         job = [self.job] if self.job is not None else []
-        return [self.tokens, self.surprise, self.flags, self.events, *job] + [x for t in self.layer_files for x in t]
+        sk = [x for t in self.sketch_files for x in t] if self.sketch_files is not None else []
+        return [self.tokens, self.surprise, self.flags, self.events, *job] + [x for t in self.layer_files for x in t] + sk
 
     def close(self) -> None:
         for rf in self.all_files():
@@ -459,6 +505,7 @@ class Store:
             "rows": {"tokens": 0, "events": 0, "event_tokens": 0},
             "state": None,
             "job": None,
+            "sketch": None,
             "documents": [],
             **(extra or {}),
         }
@@ -492,6 +539,8 @@ class Store:
                 rf.check_size()
         if self.manifest["state"] and not (self.path / self.manifest["state"]["file"]).is_file():
             raise StoreError(f"{self.manifest['state']['file']} is missing from the store: the store is damaged")
+        if self.manifest.get("sketch") and not (self.path / self.manifest["sketch"]["file"]).is_file():
+            raise StoreError(f"{self.manifest['sketch']['file']} is missing from the store: the store is damaged")
 
     def check_identity(self, identity: Identity) -> None:
         """Refuse a model or tokenizer other than the store's, naming the difference."""
@@ -513,6 +562,7 @@ class Store:
         from safetensors.torch import save_file
 
         assert self.writable
+        self.update_sketch()
         for rf in self.all_files():
             rf.sync()
         gen = (self.manifest["state"] or {}).get("generation", 0) + 1
@@ -531,6 +581,91 @@ class Store:
         self._write_manifest()
         if old and old["file"] != name:
             (self.path / old["file"]).unlink(missing_ok=True)
+
+    # -- the sketch -----------------------------------------------------------------------------
+    def sketch_threshold(self) -> int | None:
+        """Events per layer from which the store keeps a sketch: the profile's faiss_threshold."""
+        return self.manifest["profile"].get("faiss_threshold")
+
+    def sketch_basis(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(mean [dim], basis [dim, dims]) of a layer's sketch."""
+        if self._basis is None:
+            from safetensors.torch import load_file
+
+            name = self.manifest["sketch"]["file"]
+            try:
+                self._basis = load_file(str(self.path / name))
+            except Exception as e:  # noqa: BLE001 - any parse failure is a damaged file
+                raise StoreError(f"cannot read {name}: {e}; the store is damaged") from None
+        return self._basis[f"{layer}.mean"], self._basis[f"{layer}.basis"]
+
+    def update_sketch(self) -> bool:
+        """Sketch the events appended since the last call (fitting the basis first, once the
+        store holds `sketch_threshold` events). Data only: the next manifest commits it. Returns
+        whether anything was written."""
+        assert self.writable
+        t = self.sketch_threshold()
+        n = self.events.rows
+        if t is None or n < t:
+            return False
+        sk = self.manifest.get("sketch")
+        if sk is None:
+            self._fit_sketch(t)
+            sk = self.manifest["sketch"]
+        assert self.sketch_files is not None
+        wrote = False
+        for i, (p, o) in enumerate(self.sketch_files):
+            if p.rows == n:
+                continue
+            mean, basis = self.sketch_basis(i)
+            r = self.layer_files[i][2]
+            x = r.read_copy(p.rows, n).float().reshape(n - p.rows, -1)
+            coords, resid = sketch.project(x, mean, basis)
+            out = torch.nonzero(resid > self._basis[f"{i}.radius"].double()).squeeze(1) + p.rows
+            p.append(coords)
+            o.append(out.to(torch.int32))
+            sk["outliers"][i] = o.rows
+            wrote = True
+        return wrote
+
+    def _fit_sketch(self, t: int) -> None:
+        """Fit every layer's basis on its first t events; the file is written (atomically) before
+        any manifest names it, and refitting after a crash gives the same bytes."""
+        from safetensors.torch import save_file
+
+        tensors: dict[str, Tensor] = {}
+        for i, (_, _, r) in enumerate(self.layer_files):
+            x = r.read_copy(0, t).float().reshape(t, -1)
+            mean, basis = sketch.fit(x)
+            _, resid = sketch.project(x, mean, basis)
+            tensors.update({f"{i}.mean": mean, f"{i}.basis": basis, f"{i}.radius": resid.max().float().reshape(1)})
+        name = "sketch.safetensors"
+        tmp = self.path / (name + ".tmp")
+        save_file(tensors, str(tmp))
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path / name)
+        _fsync_dir(self.path)
+        self._basis = tensors
+        dims = tensors["0.basis"].shape[1]
+        self.manifest["sketch"] = {"file": name, "dims": dims, "trained_on": t, "outliers": [0] * self.geometry.layers}
+        self.manifest["version"] = FORMAT_VERSION
+        mk = lambda name, row, dtype: RowFile(self.path / name, row, dtype, 0, True)  # noqa: E731
+        self.sketch_files = [
+            (mk(f"layers/{i:02d}.p", (dims,), torch.float16), mk(f"layers/{i:02d}.o", (), torch.int32))
+            for i in range(self.geometry.layers)
+        ]
+
+    def commit_sketch(self) -> bool:
+        """Sketch what is committed but not sketched yet (a store written before sketches existed,
+        or an ingest stopped between), and commit that alone. Returns whether it did anything."""
+        if not self.update_sketch():
+            return False
+        for rf in self.all_files():
+            rf.sync()
+        self.manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self._write_manifest()
+        return True
 
     def set_job(self, tokens: Tensor, documents: list[dict]) -> None:
         """Start an ingest job: its tokens go to a new job file (so --resume needs no input) and the
@@ -571,11 +706,14 @@ class Store:
         for p in [*self.path.glob("state-*.safetensors*"), *self.path.glob("job-*.i32")]:
             if p.name not in (keep, job):
                 p.unlink(missing_ok=True)
+        if not self.manifest.get("sketch"):  # a fit that crashed before its commit: refitted
+            for p in [*self.path.glob("sketch.safetensors*"), *self.path.glob("layers/*.p"), *self.path.glob("layers/*.o")]:
+                p.unlink(missing_ok=True)
         (self.path / (MANIFEST + ".tmp")).unlink(missing_ok=True)
 
     # -- reading -------------------------------------------------------------------------------
     def bytes_on_disk(self) -> dict[str, int]:
-        parts = {"tokens": 0, "events": 0, "keys+values": 0, "representative keys": 0, "state": 0, "job": 0}
+        parts = {"tokens": 0, "events": 0, "keys+values": 0, "representative keys": 0, "sketch": 0, "state": 0, "job": 0}
         for p in self.path.rglob("*"):
             if not p.is_file():
                 continue
@@ -584,6 +722,8 @@ class Store:
                 parts["keys+values"] += n
             elif p.suffix == ".r":
                 parts["representative keys"] += n
+            elif p.suffix in (".p", ".o") or p.name.startswith("sketch."):
+                parts["sketch"] += n
             elif p.name.startswith("state-"):
                 parts["state"] += n
             elif p.name.startswith("job-"):

@@ -1,0 +1,204 @@
+"""The sketch of a large store's representative keys (core/sketch.py, Store.update_sketch):
+fitted once on the first events, the same bytes however the stream was committed, readers that
+select from it find what the exact scan finds, and outliers are never missed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from core import sketch
+from core.memory import event_scores, select_events
+from core.store import FORMAT_VERSION, Geometry, Identity, Store, StoredEvents, _checksum
+
+G = Geometry(layers=2, kv_heads=1, q_heads=3, head_dim=32, vocab=10, dtype="float32")  # 96 dims > the sketch's 64
+IDENT = Identity("m", "c", "w", "t")
+THRESHOLD = 200
+
+
+def _events(n: int, seed: int, clusters: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """n events: lengths [n] and reprs [n, 3, 32] around a shared mean, in a few clusters (keys
+    are shaped like that: one large mean, groups of similar events)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(clusters, 96, generator=g) * 2 + 5
+    pick = torch.randint(0, clusters, (n,), generator=g)
+    reprs = (centres[pick] + 0.3 * torch.randn(n, 96, generator=g)).reshape(n, 3, 32)
+    return torch.randint(1, 9, (n,), generator=g), reprs
+
+
+def _write(path: Path, batches: list[int], commit_every: int, seed: int = 0,
+           outlier: tuple[int, torch.Tensor] | None = None) -> None:
+    """A store of sum(batches) events in both layers (layer i holds (i + 1) x the reprs),
+    committed every `commit_every` batches; `outlier` (id, repr) replaces one event."""
+    lengths, reprs = _events(sum(batches), seed)
+    if outlier is not None:
+        reprs[outlier[0]] = outlier[1].reshape(3, 32)
+    st = Store.create(path, IDENT, {"name": "t", "faiss_threshold": THRESHOLD}, G)
+    evs = [StoredEvents(st, i) for i in range(G.layers)]
+    done = 0
+    for b, n in enumerate(batches):
+        sl = slice(done, done + n)
+        for i, ev in enumerate(evs):
+            kv = torch.full((1, int(lengths[sl].sum()), 32), float(b))
+            ev.append(kv, kv, lengths[sl], reprs[sl] * (i + 1))
+        st.events.append(lengths[sl].to(torch.int32))
+        done += n
+        if (b + 1) % commit_every == 0 or b == len(batches) - 1:
+            st.commit({}, {})
+    st.close()
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name not in ("lock", "manifest.json") and not p.name.startswith("state-")}
+
+
+def test_project_is_row_by_row_and_fit_is_deterministic():
+    _, reprs = _events(300, 1)
+    x = reprs.reshape(300, -1)
+    mean, basis = sketch.fit(x)
+    m2, b2 = sketch.fit(x.clone())
+    assert torch.equal(mean, m2) and torch.equal(basis, b2)
+    assert torch.allclose(basis.T @ basis, torch.eye(basis.shape[1]), atol=1e-5)  # orthonormal
+    coords, resid = sketch.project(x, mean, basis)
+    one = [sketch.project(x[i : i + 1], mean, basis) for i in (0, 17, 299)]
+    assert all(torch.equal(c[0], coords[i]) and torch.equal(r, resid[i : i + 1]) for (c, r), i in zip(one, (0, 17, 299)))
+    # dims >= the data's dimension: the sketch is the data, up to float16
+    full_mean, full = sketch.fit(x, dims=96)
+    c, r = sketch.project(x, full_mean, full)
+    assert float(r.max()) < 0.05 and torch.allclose(c.double() @ full.double().T + full_mean.double(), x.double(), atol=0.05)
+
+
+def test_candidates_are_the_best_estimates_holding_factor_times_the_budget():
+    est = torch.tensor([0.5, 3.0, 2.0, -1.0, 2.5, 1.0])
+    lengths = torch.tensor([4, 3, 5, 2, 2, 6])
+    got = sketch.candidates(est, lengths, budget=3, factor=2)  # 6 tokens: 3 (id 1) + 2 (id 4) + 5 (id 2)
+    assert got.tolist() == [1, 4, 2]
+    assert sketch.candidates(est, lengths, budget=100, factor=2).sort().values.tolist() == list(range(6))
+    assert sketch.candidates(est[:0], lengths[:0], 5).numel() == 0
+
+
+def test_the_sketch_is_the_same_however_the_stream_was_committed(tmp_path):
+    batches = [37, 50, 61, 29, 80, 44, 33]  # the threshold (200) falls inside the 4th batch
+    _write(tmp_path / "a", batches, commit_every=1)
+    _write(tmp_path / "b", batches, commit_every=3)
+    _write(tmp_path / "c", batches, commit_every=len(batches))
+    fa, fb, fc = _files(tmp_path / "a"), _files(tmp_path / "b"), _files(tmp_path / "c")
+    assert "sketch.safetensors" in fa and "layers/01.p" in fa
+    assert fa == fb == fc
+    m = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert m["version"] == FORMAT_VERSION and m["sketch"]["trained_on"] == THRESHOLD
+    assert m["sketch"]["dims"] == sketch.DIMS
+    assert (tmp_path / "a" / "layers/00.p").stat().st_size == sum(batches) * sketch.DIMS * 2
+
+
+def test_no_sketch_below_the_threshold_or_without_one(tmp_path):
+    _write(tmp_path / "s", [60, 70], commit_every=1)
+    with Store.open(tmp_path / "s") as st:
+        assert st.manifest["sketch"] is None and st.sketch_files is None
+    assert not (tmp_path / "s" / "sketch.safetensors").exists()
+
+
+def _exact(st: Store, layer: int, q: torch.Tensor, budget: int):
+    lengths = st.events.read().long()
+    return select_events(event_scores(st.layer_files[layer][2].read().float(), q), lengths, budget)
+
+
+def test_readers_select_from_the_sketch_what_the_scan_selects(tmp_path):
+    _write(tmp_path / "s", [150, 150, 150, 150], commit_every=1)
+    g = torch.Generator().manual_seed(7)
+    same = 0
+    with Store.open(tmp_path / "s") as st:
+        for layer in range(G.layers):
+            ev = StoredEvents(st, layer)
+            assert ev.sketch is not None
+            for _ in range(20):
+                q = torch.randn(3, 32, generator=g)
+                for budget in (8, 40):
+                    got, want = ev.select(q, budget), _exact(st, layer, q, budget)
+                    # Candidates are re-scored exactly: whatever is selected has its exact score
+                    # (to float32 rounding: a product over fewer rows may round differently).
+                    exact = event_scores(st.layer_files[layer][2].read().float()[got.ids], q)
+                    assert torch.allclose(got.scores, exact, rtol=1e-6, atol=1e-5)
+                    same += torch.equal(got.ids, want.ids)
+    assert same >= 0.95 * 2 * 20 * 2  # measured: all 80
+    with Store.open(tmp_path / "s", writable=True) as st:  # a writer always scans
+        assert StoredEvents(st, 0).sketch is None
+
+
+def test_an_outlier_appended_after_the_fit_is_always_found(tmp_path):
+    # An event at the training mean plus a direction the basis cannot see (orthogonal to it).
+    _, reprs = _events(600, 0)
+    mean, basis = sketch.fit(reprs[:THRESHOLD].reshape(THRESHOLD, -1))
+    v = torch.randn(96, generator=torch.Generator().manual_seed(3))
+    v = v - basis @ (basis.T @ v)
+    v = v / v.norm()
+    _write(tmp_path / "s", [150, 150, 150, 150], commit_every=2, outlier=(450, mean + 20 * v))
+    with Store.open(tmp_path / "s") as st:
+        ev = StoredEvents(st, 1)
+        assert 450 in ev.sketch[2].tolist()
+        q = v.reshape(3, 32)  # asks for exactly what the outlier holds beyond the basis
+        budget = int(st.events.read()[450])
+        assert ev.select(q, budget).ids.tolist() == [450]
+        p, basis, _ = ev.sketch
+        ev.sketch = (p, basis, torch.zeros(0, dtype=torch.long))  # the sketch alone misses it
+        assert 450 not in ev.select(q, budget).ids.tolist()
+
+
+def test_a_version_1_store_gets_its_sketch_when_next_written(tmp_path):
+    batches = [100, 100, 100]
+    _write(tmp_path / "new", batches, commit_every=1)
+    # The same store as an older emllm wrote it: no sketch, version 1.
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "new", old)
+    for p in [old / "sketch.safetensors", *old.glob("layers/*.p"), *old.glob("layers/*.o")]:
+        p.unlink()
+    m = json.loads((tmp_path / "new" / "manifest.json").read_text())
+    m.pop("sketch")
+    m["version"] = 1
+    m["checksum"] = _checksum(m)
+    (old / "manifest.json").write_text(json.dumps(m))
+    with Store.open(old) as st:  # readable, scanned
+        assert st.sketch_files is None and StoredEvents(st, 0).sketch is None
+    with Store.open(old, writable=True) as st:
+        assert st.commit_sketch()
+        assert not st.commit_sketch()  # nothing left to do
+    assert _files(old) == _files(tmp_path / "new")
+
+
+def test_a_fit_interrupted_before_its_commit_is_redone_to_the_same_bytes(tmp_path):
+    _write(tmp_path / "ref", [120, 120], commit_every=2)
+    _write(tmp_path / "s", [120], commit_every=1)
+    with Store.open(tmp_path / "s", writable=True) as st:  # a crash after the fit's files, before the manifest
+        ev = [StoredEvents(st, i) for i in range(G.layers)]
+        lengths, reprs = _events(240, 0)
+        for i, e in enumerate(ev):
+            kv = torch.full((1, int(lengths[120:].sum()), 32), 1.0)
+            e.append(kv, kv, lengths[120:], reprs[120:] * (i + 1))
+        st.events.append(lengths[120:].to(torch.int32))
+        for rf in st.all_files():
+            rf.sync()
+        st.update_sketch()
+        assert (tmp_path / "s" / "sketch.safetensors").exists()
+    with Store.open(tmp_path / "s", writable=True) as st:  # the uncommitted fit is dropped on open
+        assert st.manifest["sketch"] is None and not (tmp_path / "s" / "sketch.safetensors").exists()
+    _write(tmp_path / "s2", [120, 120], commit_every=2)
+    assert _files(tmp_path / "s2") == _files(tmp_path / "ref")
+
+
+@pytest.mark.parametrize("what", ["sketch.safetensors", "layers/00.p"])
+def test_a_damaged_sketch_is_refused(tmp_path, what):
+    _write(tmp_path / "s", [150, 150], commit_every=1)
+    p = tmp_path / "s" / what
+    if what.endswith(".p"):
+        p.write_bytes(p.read_bytes()[:100])
+        with pytest.raises(Exception, match="truncated"):
+            Store.open(tmp_path / "s")
+    else:
+        p.unlink()
+        with pytest.raises(Exception, match="missing"):
+            Store.open(tmp_path / "s")
