@@ -64,6 +64,8 @@ def ask(
                     sys.stdout.write(text[len(shown):])
                     sys.stdout.flush()
                     shown = text
+        if first is None:  # the first token chosen was a stop token: that choice is the "first token"
+            first = time.perf_counter() - t0
         answer = tok.decode(out, skip_special_tokens=True)
         if trace is not None:
             from .inspect import retrieval_doc

@@ -96,7 +96,16 @@ def _files(store: Path) -> dict[str, bytes]:
 
 
 def _arrays(store: Path) -> dict[str, bytes]:
-    return {k: v for k, v in _files(store).items() if k.endswith((".i32", ".f32", ".u8", ".k", ".v", ".r")) and not k.startswith("job")}
+    """The arrays, the sketch's included."""
+    return {k: v for k, v in _files(store).items()
+            if k.endswith((".i32", ".f32", ".u8", ".k", ".v", ".r", ".p", ".o")) and not k.startswith("job") or k == "sketch.safetensors"}
+
+
+def _sketching(prof: Path, tmp_path: Path) -> Path:
+    """The tiny profile with a sketch from 40 events on (the stores below reach more)."""
+    out = tmp_path / "tiny-sketch.yaml"
+    out.write_text(prof.read_text() + "faiss_threshold: 40\n")
+    return out
 
 
 def _state(store: Path) -> dict[str, torch.Tensor]:
@@ -171,6 +180,7 @@ def test_asking_leaves_the_store_unchanged(tiny, tmp_path):
 
 def test_append_equals_one_call(tiny, tmp_path):
     folder, prof, _, _ = tiny
+    prof = _sketching(prof, tmp_path)
     a, b = _text(2, 300), _text(3, 250)
     _ingest(tmp_path / "one", folder, prof, [("a", a), ("b", b)])
     _ingest(tmp_path / "two", folder, prof, [("a", a)])
@@ -180,6 +190,7 @@ def test_append_equals_one_call(tiny, tmp_path):
         ing.add_documents(st, tok, [("b", b)])
         ing.run_job(st, engine, 2)
     assert _arrays(tmp_path / "one") == _arrays(tmp_path / "two")
+    assert "layers/01.p" in _arrays(tmp_path / "one")  # fitted during the second document in one, at its append in two
     _same_state(tmp_path / "one", tmp_path / "two")
     m1, m2 = (json.loads((tmp_path / n / "manifest.json").read_text()) for n in ("one", "two"))
     assert m1["documents"] == m2["documents"] and m1["rows"] == m2["rows"]
@@ -200,6 +211,7 @@ def _wait_for_commit(store: Path, proc: subprocess.Popen, at_least: int) -> bool
 @pytest.mark.slow
 def test_kill_9_then_resume_equals_an_uninterrupted_ingest(tiny, tmp_path):
     folder, prof, _, _ = tiny
+    prof = _sketching(prof, tmp_path)
     doc = tmp_path / "doc.txt"
     doc.write_text(_text(4, 3000))
     ref = tmp_path / "ref"
@@ -231,7 +243,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_ingest(tiny, tmp_path):
     assert committed < total
     r = subprocess.run(resume, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert _arrays(store) == _arrays(ref)
+    assert _arrays(store) == _arrays(ref) and "sketch.safetensors" in _arrays(ref)
     _same_state(store, ref)
 
 

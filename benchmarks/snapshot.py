@@ -1,0 +1,65 @@
+"""A read-only snapshot of a store that another process is still writing, with its sketch: to time
+`emllm ask` at an intermediate size (e.g. 512k tokens of a 1M-token ingest) without a second ingest.
+
+    python -m benchmarks.snapshot /var/tmp/m1/store /var/tmp/m1/at512k
+
+The array files are hard-linked (they are append-only: the snapshot's manifest names the rows
+committed when it was taken, and readers never look past them); the manifest and the state file
+it names are taken together (retried if a commit deletes the state file in between), and the
+running job is cut at that commit (marked complete, so it can be asked). The
+snapshot's sketch is then fitted and written by the store's own code (`Store.update_sketch`),
+into new files of the snapshot only. The snapshot is never opened as a writer: a writer truncates
+uncommitted tails, which, through the hard links, would cut the running ingest's files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from core.store import MANIFEST, Store
+
+
+def snapshot(src: Path, dst: Path) -> None:
+    for _ in range(20):
+        manifest = (src / MANIFEST).read_bytes()
+        state = json.loads(manifest)["state"]["file"]
+        dst.mkdir(parents=True)
+        try:
+            os.link(src / state, dst / state)
+        except FileNotFoundError:  # a commit replaced it meanwhile: take the new manifest
+            shutil.rmtree(dst)
+            time.sleep(0.5)
+            continue
+        (dst / MANIFEST).write_bytes(manifest)
+        (dst / "layers").mkdir()
+        for p in src.rglob("*"):
+            rel = p.relative_to(src)
+            if p.is_file() and p.suffix in (".i32", ".f32", ".u8", ".k", ".v", ".r"):
+                os.link(p, dst / rel)
+        return
+    raise SystemExit("the store kept changing: no consistent snapshot")
+
+
+def main() -> None:
+    src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+    snapshot(src, dst)
+    t = time.perf_counter()
+    with Store.open(dst) as st:  # validated as any reader does
+        st.writable = True  # only for the sketch's own new files (see the docstring)
+        st.update_sketch()
+        # The snapshot ends at its last commit: the rest of the running job is not part of it.
+        st.manifest["job"] = {**st.manifest["job"], "tokens": st.manifest["job"]["done"], "complete": True}
+        st._write_manifest()
+        m = st.manifest
+    print(json.dumps({"tokens": m["rows"]["tokens"], "events": m["rows"]["events"], "sketch": m["sketch"] is not None,
+                      "outliers": m["sketch"]["outliers"] if m["sketch"] else None,
+                      "sketch_seconds": round(time.perf_counter() - t, 1)}))
+
+
+if __name__ == "__main__":
+    main()
