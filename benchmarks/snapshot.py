@@ -1,7 +1,7 @@
 """A read-only snapshot of a store that another process is still writing, with its sketch: to time
 `emllm ask` at an intermediate size (e.g. 512k tokens of a 1M-token ingest) without a second ingest.
 
-    python -m benchmarks.snapshot /var/tmp/m1/store /var/tmp/m1/at512k
+    python -m benchmarks.snapshot /var/tmp/m1/store /var/tmp/m1/at512k [--no-sketch]
 
 The array files are hard-linked (they are append-only: the snapshot's manifest names the rows
 committed when it was taken, and readers never look past them); the manifest and the state file
@@ -46,12 +46,14 @@ def snapshot(src: Path, dst: Path) -> None:
 
 
 def main() -> None:
-    src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    src, dst = Path(args[0]), Path(args[1])
     snapshot(src, dst)
     t = time.perf_counter()
     with Store.open(dst) as st:  # validated as any reader does
         st.writable = True  # only for the sketch's own new files (see the docstring)
-        st.update_sketch()
+        if "--no-sketch" not in sys.argv:  # (without: every ask scans the representative keys, as before sketches)
+            st.update_sketch()
         # The snapshot ends at its last commit: the rest of the running job is not part of it.
         st.manifest["job"] = {**st.manifest["job"], "tokens": st.manifest["job"]["done"], "complete": True}
         st._write_manifest()
