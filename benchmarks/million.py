@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--store", required=True, help="new folder for the store (needs ~51 kB per token on SmolLM2)")
     ap.add_argument("--every", type=int, default=100, help="progress line every N chunks")
     ap.add_argument("--out", required=True, help="JSON lines, appended")
+    ap.add_argument("--ask-only", action="store_true", help="only ask the question of a store this script made (same --tokens, --depth, --seed)")
     a = ap.parse_args()
     src = models.resolve(a.model)
     model, tok = models.load(src)
@@ -69,6 +70,20 @@ def main() -> None:
                               "elapsed_s": round(now - t_start)}), flush=True)
 
     path = Path(a.store)
+    if a.ask_only:
+        with Store.open(path) as st:
+            eng = open_engine(st, model)
+            t = time.perf_counter()
+            eng.feed(pending_tokens(st) + prompt.question)
+            answer = tok.decode(eng.generate(10), skip_special_tokens=True)
+            row = {"date": time.strftime("%Y-%m-%d %H:%M"), "ask_only": True, "store": str(path),
+                   "tokens": st.manifest["rows"]["tokens"], "sketch": bool(st.manifest.get("sketch")), "key": prompt.key,
+                   "answer": answer.strip(), "correct": score(answer, prompt.key),
+                   "question_seconds": round(time.perf_counter() - t, 2), "commit": _commit()}
+        print(json.dumps(row))
+        with open(a.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return
     with create_store(path, src.name, model, tok, src.profile, chat=False) as st:
         st.set_job(torch.tensor(prompt.document, dtype=torch.int32), [{
             "name": f"passkey-{n}-{a.depth}", "sha256": "", "start": 0, "tokens": len(prompt.document), "chars": 0}])
