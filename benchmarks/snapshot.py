@@ -58,8 +58,8 @@ def main() -> None:
         st.manifest["job"] = {**st.manifest["job"], "tokens": st.manifest["job"]["done"], "complete": True}
         st._write_manifest()
         m = st.manifest
-    print(json.dumps({"tokens": m["rows"]["tokens"], "events": m["rows"]["events"], "sketch": m["sketch"] is not None,
-                      "outliers": m["sketch"]["outliers"] if m["sketch"] else None,
+    print(json.dumps({"tokens": m["rows"]["tokens"], "events": m["rows"]["events"], "sketch": bool(m.get("sketch")),
+                      "outliers": m["sketch"]["outliers"] if m.get("sketch") else None,
                       "sketch_seconds": round(time.perf_counter() - t, 1)}))
 
 
