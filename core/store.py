@@ -170,6 +170,7 @@ class RowFile:
             if self.rows == 0:
                 return np.zeros((0, *self.row), dtype=self.np_dtype)  # type: ignore[return-value]
             self._map = np.memmap(self.path, dtype=self.np_dtype, mode="r", shape=(self.rows, *self.row))
+            self._map._mmap.madvise(mmap.MADV_RANDOM)  # faults read their page only (see _willneed)
         return self._map
 
     def _tensor(self, a: np.ndarray) -> Tensor:
@@ -184,7 +185,10 @@ class RowFile:
             return torch.zeros((0, *self.row), dtype=self.dtype)
         hi = int(idx.max()) + 1
         m = self._mapped(hi)
-        out = self._tensor(m[idx.cpu().numpy()])  # fancy indexing copies
+        rows = idx.cpu().numpy()
+        if isinstance(m, np.memmap):
+            self._willneed(rows)
+        out = self._tensor(m[rows])  # fancy indexing copies
         if self.release and isinstance(m, np.memmap):
             # Drop the touched pages from this process (they stay in the page cache): resident
             # memory then stays bounded however much of the store the chunks attend to. Only the
@@ -192,6 +196,26 @@ class RowFile:
             lo = int(idx.min()) * self.row_bytes // mmap.PAGESIZE * mmap.PAGESIZE
             m._mmap.madvise(mmap.MADV_DONTNEED, lo, hi * self.row_bytes - lo)
         return out
+
+    def _willneed(self, rows: np.ndarray) -> None:
+        """Ask the kernel to read rows [n] ahead, all at once (POSIX_FADV_WILLNEED per run of
+        consecutive rows), before the map's page faults need them.
+
+        Without it, scattered rows of a file not in the page cache are read one fault at a time,
+        each fault reading ~128 KiB around its page: for a few hundred events per layer, most of
+        a cold `ask` (measured: 4.8 s of 7.1 at 512k tokens). With it, the reads are exactly the
+        rows' pages and go to the disk together. Cheap when the pages are cached."""
+        r = np.unique(rows)
+        cut = np.flatnonzero(np.diff(r) != 1) + 1
+        self._willneed_runs(r[np.r_[0, cut]], r[np.r_[cut - 1, r.size - 1]] + 1)
+
+    def _willneed_runs(self, starts: np.ndarray, stops: np.ndarray) -> None:
+        """POSIX_FADV_WILLNEED for row ranges [starts[i], stops[i])."""
+        if self._fd is None and self._rfd is None:
+            self._rfd = os.open(self.path, os.O_RDONLY)
+        fd = self._fd if self._fd is not None else self._rfd
+        for a, b in zip((starts * self.row_bytes).tolist(), (stops * self.row_bytes).tolist()):  # one call per run
+            os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
 
     def read_block(self, start: int, stop: int) -> Tensor:
         """Rows start..stop-1 [n, *row], read (pread) into a buffer reused by the next call.
@@ -225,7 +249,10 @@ class RowFile:
         stop = self.rows if stop is None else stop
         if stop <= start:
             return torch.zeros((0, *self.row), dtype=self.dtype)
-        return self._tensor(self._mapped(stop)[start:stop])
+        m = self._mapped(stop)
+        if isinstance(m, np.memmap):  # the map reads no further than a fault: ask for the range at once
+            self._willneed_runs(np.array([start]), np.array([stop]))
+        return self._tensor(m[start:stop])
 
     def close(self) -> None:
         self._map = None
