@@ -170,7 +170,8 @@ class RowFile:
             if self.rows == 0:
                 return np.zeros((0, *self.row), dtype=self.np_dtype)  # type: ignore[return-value]
             self._map = np.memmap(self.path, dtype=self.np_dtype, mode="r", shape=(self.rows, *self.row))
-            self._map._mmap.madvise(mmap.MADV_RANDOM)  # faults read their page only (see _willneed)
+            if hasattr(mmap, "MADV_RANDOM"):
+                self._map._mmap.madvise(mmap.MADV_RANDOM)  # faults read their page only (see _willneed)
         return self._map
 
     def _tensor(self, a: np.ndarray) -> Tensor:
@@ -210,7 +211,9 @@ class RowFile:
         self._willneed_runs(r[np.r_[0, cut]], r[np.r_[cut - 1, r.size - 1]] + 1)
 
     def _willneed_runs(self, starts: np.ndarray, stops: np.ndarray) -> None:
-        """POSIX_FADV_WILLNEED for row ranges [starts[i], stops[i])."""
+        """POSIX_FADV_WILLNEED for row ranges [starts[i], stops[i]) (a hint: skipped where the OS has none)."""
+        if not hasattr(os, "posix_fadvise"):
+            return
         if self._fd is None and self._rfd is None:
             self._rfd = os.open(self.path, os.O_RDONLY)
         fd = self._fd if self._fd is not None else self._rfd
