@@ -74,7 +74,7 @@ def main() -> None:
         with Store.open(path) as st:
             eng = open_engine(st, model)
             t = time.perf_counter()
-            eng.feed(pending_tokens(st) + prompt.question)
+            _read_question(eng, pending_tokens(st), prompt.question)
             answer = tok.decode(eng.generate(10), skip_special_tokens=True)
             row = {"date": time.strftime("%Y-%m-%d %H:%M"), "ask_only": True, "store": str(path),
                    "tokens": st.manifest["rows"]["tokens"], "sketch": bool(st.manifest.get("sketch")), "key": prompt.key,
@@ -91,7 +91,7 @@ def main() -> None:
     t = time.perf_counter()
     with Store.open(path) as st:  # as `emllm ask`: read-only, from the last commit
         eng = open_engine(st, model)
-        eng.feed(pending_tokens(st) + prompt.question)  # the tail short of a chunk, then the question
+        _read_question(eng, pending_tokens(st), prompt.question)
         out, ttft = [], 0.0
         for i in eng.generate_iter(10):
             ttft = ttft or time.perf_counter() - t
@@ -113,6 +113,14 @@ def main() -> None:
     with open(a.out, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row, indent=1))
+
+
+def _read_question(eng, tail: list[int], question: list[int]) -> None:
+    """As `emllm ask` (core.ask.Session.read_question): the tail short of a chunk, then the
+    question as a chunk of its own."""
+    if tail:
+        eng.feed(tail)
+    eng.feed(question)
 
 
 def _commit() -> str:
