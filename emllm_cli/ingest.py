@@ -91,7 +91,7 @@ def ingest(
         if docs:
             ing.add_documents(st, tok, docs)
         job = st.manifest["job"]
-        t0, done0 = time.perf_counter(), job["done"]
+        t0, done0, was_complete = time.perf_counter(), job["done"], job["complete"]
         try:
             with render.progress(transient=False) as bar:
                 task = bar.add_task("ingesting", total=job["tokens"], completed=job["done"], rate="")
@@ -111,8 +111,10 @@ def ingest(
         summary = {
             "store": str(path), "model": m["identity"]["model"], "profile": m["profile"]["name"],
             "documents": [d["name"] for d in m["documents"]], "tokens": m["rows"]["tokens"] + len(ing.pending_tokens(st)),
-            "events": m["rows"]["events"], "ingested_tokens": m["job"]["tokens"] - done0,
-            "seconds": round(secs, 2), "tokens_per_second": round((m["job"]["tokens"] - done0) / max(secs, 1e-9), 1),
+            # a complete job's tail short of a chunk waits for the question or the next append:
+            # `--resume` of a complete job ingests nothing (it may only write the sketch)
+            "events": m["rows"]["events"], "ingested_tokens": 0 if was_complete else m["job"]["tokens"] - done0,
+            "seconds": round(secs, 2), "tokens_per_second": round((m["job"]["done"] - done0) / max(secs, 1e-9), 1),
             "bytes": sum(st.bytes_on_disk().values()),
         }
     if as_json:

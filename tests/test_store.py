@@ -427,11 +427,21 @@ def test_ctrl_c_stops_cleanly_and_resume_completes(tiny, tmp_path):
     assert "--resume" in err and "Traceback" not in err
     with Store.open(store) as st:
         assert not st.manifest["job"]["complete"]
+        done0 = st.manifest["job"]["done"]
     r = subprocess.run([*_cmd(), "ingest", "--resume", "--store", str(store), "--json"], capture_output=True, text=True,
                        env=_env(tmp_path))
     assert r.returncode == 0, r.stderr
     with Store.open(store) as st:
         assert st.manifest["job"]["complete"] and len(ing.pending_tokens(st)) < 16
+        done, total = st.manifest["job"]["done"], st.manifest["job"]["tokens"]
+    assert json.loads(r.stdout)["ingested_tokens"] == total - done0 > 0
+    # Resuming a complete job ingests nothing: its tail short of a chunk stays pending.
+    r = subprocess.run([*_cmd(), "ingest", "--resume", "--store", str(store), "--json"], capture_output=True, text=True,
+                       env=_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ingested_tokens"] == 0
+    with Store.open(store) as st:
+        assert st.manifest["job"]["done"] == done
 
 
 def test_store_scan_equals_the_in_ram_exact_path(tmp_path, monkeypatch):
