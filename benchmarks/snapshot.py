@@ -39,7 +39,9 @@ def snapshot(src: Path, dst: Path) -> None:
         (dst / "layers").mkdir()
         for p in src.rglob("*"):
             rel = p.relative_to(src)
-            if p.is_file() and p.suffix in (".i32", ".f32", ".u8", ".k", ".v", ".r"):
+            # array files and a sketch's files are append-only, its basis written once
+            if p.is_file() and (p.suffix in (".i32", ".f32", ".u8", ".k", ".v", ".r", ".p", ".n")
+                                or p.name == "sketch.safetensors"):
                 os.link(p, dst / rel)
         return
     raise SystemExit("the store kept changing: no consistent snapshot")
@@ -52,14 +54,15 @@ def main() -> None:
     t = time.perf_counter()
     with Store.open(dst) as st:  # validated as any reader does
         st.writable = True  # only for the sketch's own new files (see the docstring)
-        if "--no-sketch" not in sys.argv:  # (without: every ask scans the representative keys, as before sketches)
+        if "--no-sketch" not in sys.argv:
             st.update_sketch()
+        else:  # every ask scans the representative keys, as before sketches (its files stay, unnamed)
+            st.manifest.pop("sketch", None)
         # The snapshot ends at its last commit: the rest of the running job is not part of it.
         st.manifest["job"] = {**st.manifest["job"], "tokens": st.manifest["job"]["done"], "complete": True}
         st._write_manifest()
         m = st.manifest
     print(json.dumps({"tokens": m["rows"]["tokens"], "events": m["rows"]["events"], "sketch": bool(m.get("sketch")),
-                      "outliers": m["sketch"]["outliers"] if m.get("sketch") else None,
                       "sketch_seconds": round(time.perf_counter() - t, 1)}))
 
 

@@ -8,7 +8,7 @@ A store is a folder:
     layers/NN.k layers/NN.v                   per layer, one row [H_kv, D] per event token (pre-RoPE)
     layers/NN.r                               per layer, one row [H_q, D] per event (representative key)
     sketch.safetensors       per layer, the basis of the sketches (once the store has faiss_threshold events)
-    layers/NN.p layers/NN.o                   per layer, each event's sketch [dims]; ids of the outliers
+    layers/NN.p layers/NN.n                   per layer, each event's sketch [dims] and its norms [3]
     job-G.i32                the tokens of the current ingest job (so --resume needs no input)
     state-G.safetensors      what continues the stream: windows, remainder, masses, last logits
     lock                     held (flock) by the one writer
@@ -44,7 +44,9 @@ from .kvcache import EventCache
 from .memory import GrowBuffer, Selection, scores_in_blocks, select_events, token_index
 from . import sketch
 
-FORMAT_VERSION = 2  # 2 added the sketch; version 1 stores are read (and get a sketch when next written)
+# 2 added the sketch, 3 replaced its outlier lists by per-event norms (exact bounds). Older stores
+# are read (scanned: a version-2 sketch is not used) and get a version-3 sketch when next written.
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 
 # torch dtype <-> (name, numpy dtype of the raw bytes). bfloat16 has no numpy type: stored as u2.
@@ -292,10 +294,10 @@ class StoredEvents:
         # A reader of a store that has a sketch scores the sketches, then only their best events
         # exactly (core/sketch.py); a writer always scans (its selections are part of the bytes
         # it writes, so they must not depend on when the sketch was fitted).
-        self.sketch: tuple[RowFile, Tensor, Tensor] | None = None
+        self.sketch: tuple[RowFile, RowFile, Tensor, Tensor] | None = None  # coords, norms, mean, basis
         if store.sketch_files is not None and not store.writable:
-            p, o = store.sketch_files[layer]
-            self.sketch = (p, store.sketch_basis(layer)[1], o.read().long())
+            p, nrm = store.sketch_files[layer]
+            self.sketch = (p, nrm, *store.sketch_basis(layer))
         self.lengths = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         self.starts = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         lengths = store.events.read().long()
@@ -361,22 +363,38 @@ class StoredEvents:
         return select_events(scores, self.event_lengths(), budget)
 
     def _select_sketched(self, query: Tensor, budget: int) -> Selection:
-        """Approximate: exact scores for the best-sketched events, the outliers and the events
-        without a sketch (a reader's own), then `select_events` over those (core/sketch.py)."""
-        p, basis, outliers = self.sketch
+        """The scan's selection, reading a few events' keys: exact scores for the best-sketched
+        events and the events without a sketch (a reader's own), then for every other event whose
+        bound reaches the score where that selection stops, then `select_events` over all of
+        those (core/sketch.py)."""
+        p, nrm, mean, basis = self.sketch
         n_s = p.rows
         lengths = self.event_lengths()
-        u = basis.T @ query.reshape(-1).float()  # [dims]
-        est = scores_in_blocks(n_s, u.numel(), p.read_block, u)  # [n_s], up to q . mean
+        q = query.reshape(-1).float()  # [dim]
+        u = basis.T @ q  # [dims]
+        est = scores_in_blocks(n_s, u.numel(), p.read_block, u) + float(q @ mean)  # [n_s]
         cand = sketch.candidates(est, lengths[:n_s], budget)
-        cand = torch.unique(torch.cat((cand, outliers, torch.arange(n_s, len(self)))))  # sorted
-        disk = cand[cand < self.r.rows]
-        rows = self.r.take(disk).reshape(disk.numel(), self.dim)
-        if disk.numel() < cand.numel():
-            rows = torch.cat((rows, self.ram_r.view()[cand[disk.numel() :] - self.r.rows].reshape(-1, self.dim)))
-        scores = scores_in_blocks(cand.numel(), self.dim, lambda a, b: rows[a:b], query)
+        cand = torch.unique(torch.cat((cand, torch.arange(n_s, len(self)))))  # sorted
+        scores = self._exact_scores(cand, query)
+        sigma = sketch.stopper(scores, lengths[cand], budget)
+        reach = sketch.upper_bound(est, nrm.read_copy(0, n_s), q, mean, basis) >= sigma  # [n_s]
+        reach[cand[cand < n_s]] = False
+        more = torch.nonzero(reach).squeeze(1)
+        if more.numel():
+            cand = torch.cat((cand, more))
+            scores = torch.cat((scores, self._exact_scores(more, query)))
+            order = torch.argsort(cand)
+            cand, scores = cand[order], scores[order]
         sel = select_events(scores, lengths[cand], budget)
         return Selection(cand[sel.ids], sel.scores)
+
+    def _exact_scores(self, ids: Tensor, query: Tensor) -> Tensor:
+        """Scores of events ids [m] (increasing; files, then a reader's RAM) -> [m]."""
+        disk = ids[ids < self.r.rows]
+        rows = self.r.take(disk).reshape(disk.numel(), self.dim)
+        if disk.numel() < ids.numel():
+            rows = torch.cat((rows, self.ram_r.view()[ids[disk.numel() :] - self.r.rows].reshape(-1, self.dim)))
+        return scores_in_blocks(ids.numel(), self.dim, lambda a, b: rows[a:b], query)
 
     def event_lengths(self) -> Tensor:
         return self.lengths.view()
@@ -483,12 +501,12 @@ class Store:
         ]
         job = manifest.get("job")
         self.job: RowFile | None = f(job["file"], (), torch.int32, job["tokens"]) if job else None
-        sk = manifest.get("sketch")
+        sk = manifest.get("sketch") if manifest["version"] >= 3 else None  # older sketches: unused
         self.sketch_files: list[tuple[RowFile, RowFile]] | None = None
         if sk:
             self.sketch_files = [
                 (f(f"layers/{i:02d}.p", (sk["dims"],), torch.float16, rows["events"]),
-                 f(f"layers/{i:02d}.o", (), torch.int32, sk["outliers"][i]))
+                 f(f"layers/{i:02d}.n", (3,), torch.float32, rows["events"]))
                 for i in range(self.geometry.layers)
             ]
         self._basis: dict[str, Tensor] | None = None
@@ -560,6 +578,7 @@ class Store:
                 os.close(lock_fd)
             raise
         if writable:
+            st._drop_old_sketch()
             st._drop_stale_states()
         return st
 
@@ -644,17 +663,15 @@ class Store:
             sk = self.manifest["sketch"]
         assert self.sketch_files is not None
         wrote = False
-        for i, (p, o) in enumerate(self.sketch_files):
+        for i, (p, nrm) in enumerate(self.sketch_files):
             if p.rows == n:
                 continue
             mean, basis = self.sketch_basis(i)
             r = self.layer_files[i][2]
             x = r.read_copy(p.rows, n).float().reshape(n - p.rows, -1)
-            coords, resid = sketch.project(x, mean, basis)
-            out = torch.nonzero(resid > self._basis[f"{i}.radius"].double()).squeeze(1) + p.rows
+            coords, norms = sketch.project(x, mean, basis)
             p.append(coords)
-            o.append(out.to(torch.int32))
-            sk["outliers"][i] = o.rows
+            nrm.append(norms)
             wrote = True
         return wrote
 
@@ -667,8 +684,7 @@ class Store:
         for i, (_, _, r) in enumerate(self.layer_files):
             x = r.read_copy(0, t).float().reshape(t, -1)
             mean, basis = sketch.fit(x)
-            _, resid = sketch.project(x, mean, basis)
-            tensors.update({f"{i}.mean": mean, f"{i}.basis": basis, f"{i}.radius": resid.max().float().reshape(1)})
+            tensors.update({f"{i}.mean": mean, f"{i}.basis": basis})
         name = "sketch.safetensors"
         tmp = self.path / (name + ".tmp")
         save_file(tensors, str(tmp))
@@ -678,11 +694,11 @@ class Store:
         _fsync_dir(self.path)
         self._basis = tensors
         dims = tensors["0.basis"].shape[1]
-        self.manifest["sketch"] = {"file": name, "dims": dims, "trained_on": t, "outliers": [0] * self.geometry.layers}
+        self.manifest["sketch"] = {"file": name, "dims": dims, "trained_on": t}
         self.manifest["version"] = FORMAT_VERSION
         mk = lambda name, row, dtype: RowFile(self.path / name, row, dtype, 0, True)  # noqa: E731
         self.sketch_files = [
-            (mk(f"layers/{i:02d}.p", (dims,), torch.float16), mk(f"layers/{i:02d}.o", (), torch.int32))
+            (mk(f"layers/{i:02d}.p", (dims,), torch.float16), mk(f"layers/{i:02d}.n", (3,), torch.float32))
             for i in range(self.geometry.layers)
         ]
 
@@ -730,6 +746,13 @@ class Store:
         self.manifest["checksum"] = _checksum(self.manifest)
         _write_atomic(self.path / MANIFEST, (json.dumps(self.manifest, indent=1) + "\n").encode())
 
+    def _drop_old_sketch(self) -> None:
+        """A version-2 sketch (outlier lists) is not used: the manifest stops naming it first,
+        then its files go (by _drop_stale_states), and the next commit fits a version-3 one."""
+        if self.manifest["version"] < 3 and self.manifest.get("sketch"):
+            self.manifest["sketch"] = None
+            self._write_manifest()
+
     def _drop_stale_states(self) -> None:
         keep = (self.manifest["state"] or {}).get("file")
         job = (self.manifest.get("job") or {}).get("file")
@@ -737,7 +760,8 @@ class Store:
             if p.name not in (keep, job):
                 p.unlink(missing_ok=True)
         if not self.manifest.get("sketch"):  # a fit that crashed before its commit: refitted
-            for p in [*self.path.glob("sketch.safetensors*"), *self.path.glob("layers/*.p"), *self.path.glob("layers/*.o")]:
+            for p in [*self.path.glob("sketch.safetensors*"), *self.path.glob("layers/*.p"),
+                      *self.path.glob("layers/*.o"), *self.path.glob("layers/*.n")]:
                 p.unlink(missing_ok=True)
         (self.path / (MANIFEST + ".tmp")).unlink(missing_ok=True)
 
@@ -752,7 +776,7 @@ class Store:
                 parts["keys+values"] += n
             elif p.suffix == ".r":
                 parts["representative keys"] += n
-            elif p.suffix in (".p", ".o") or p.name.startswith("sketch."):
+            elif p.suffix in (".p", ".o", ".n") or p.name.startswith("sketch."):
                 parts["sketch"] += n
             elif p.name.startswith("state-"):
                 parts["state"] += n
