@@ -40,7 +40,7 @@ class Profile:
     contiguity_ratio: float = 0.3
     neighbours: int = 1
     refine_from_layer: int | None = None  # None: the last third of the layers
-    faiss_threshold: int | None = 20000  # events per layer from which retrieval is approximate (null: never): in RAM a faiss graph, in a store a sketch (readers)
+    faiss_threshold: int | None = 20000  # events per layer from which retrieval is approximate (null: never): in RAM a faiss graph; a store keeps a sketch from there (its readers' selections stay exact)
     kv_cache_mb: int = 128  # RAM for recently read events' keys and values, all layers (stores; 0: none)
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
