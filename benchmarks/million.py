@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from core import models
-from core.ingest import create_store, open_engine, pending_tokens, run_job
+from core.ask import Session
+from core.ingest import create_store, open_engine, run_job
 from core.passkey import build_prompt, parse_length, score
 from core.store import Store
 
@@ -72,9 +73,9 @@ def main() -> None:
     path = Path(a.store)
     if a.ask_only:
         with Store.open(path) as st:
-            eng = open_engine(st, model)
+            eng = (session := Session(st, model, tok)).engine
             t = time.perf_counter()
-            _read_question(eng, pending_tokens(st), prompt.question)
+            session.read_question_ids(prompt.question)
             answer = tok.decode(eng.generate(10), skip_special_tokens=True)
             row = {"date": time.strftime("%Y-%m-%d %H:%M"), "ask_only": True, "store": str(path),
                    "tokens": st.manifest["rows"]["tokens"], "sketch": bool(st.manifest.get("sketch")), "key": prompt.key,
@@ -90,8 +91,8 @@ def main() -> None:
         run_job(st, open_engine(st, model), progress=progress)
     t = time.perf_counter()
     with Store.open(path) as st:  # as `emllm ask`: read-only, from the last commit
-        eng = open_engine(st, model)
-        _read_question(eng, pending_tokens(st), prompt.question)
+        eng = (session := Session(st, model, tok)).engine
+        session.read_question_ids(prompt.question)  # the tail short of a chunk, then the question
         out, ttft = [], 0.0
         for i in eng.generate_iter(10):
             ttft = ttft or time.perf_counter() - t
@@ -113,14 +114,6 @@ def main() -> None:
     with open(a.out, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row, indent=1))
-
-
-def _read_question(eng, tail: list[int], question: list[int]) -> None:
-    """As `emllm ask` (core.ask.Session.read_question): the tail short of a chunk, then the
-    question as a chunk of its own."""
-    if tail:
-        eng.feed(tail)
-    eng.feed(question)
 
 
 def _commit() -> str:

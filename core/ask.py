@@ -50,10 +50,14 @@ class Session:
         document retrieves for the document. Measured: the passkey at 1M tokens was missed with
         the 499-token tail and the question in one chunk, and found with the tail fed first.
         """
+        return self.read_question_ids(self.question_ids(question))
+
+    def read_question_ids(self, ids: list[int]) -> Tensor:
+        """As `read_question`, for a question already tokenized (benchmarks with their own form)."""
         tail = pending_tokens(self.store)
         if tail:
             self.engine.feed(tail)
-        return self.engine.feed(self.question_ids(question))
+        return self.engine.feed(ids)
 
     def answer(self, question: str, max_new_tokens: int = 256) -> Iterator[int]:
         """Greedy answer, token by token, each token retrieving from the memory."""

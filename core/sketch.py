@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .memory import select_events
+
 DIMS = 64
 FACTOR = 8
 
@@ -83,12 +85,9 @@ def upper_bound(est: Tensor, norms: Tensor, query: Tensor, mean: Tensor, basis: 
 def stopper(scores: Tensor, lengths: Tensor, budget: int) -> float:
     """The score of the first event, best first, that no longer fits in `budget` tokens
     (select_events stops there); -inf when everything fits."""
-    if scores.numel() == 0:
-        return float("-inf")
-    order = torch.sort(scores, descending=True, stable=True).indices
-    fits = torch.cumsum(lengths[order], 0) <= budget
-    k = int(fits.sum())
-    return float(scores[order[k]]) if k < scores.numel() else float("-inf")
+    rest = torch.ones(scores.numel(), dtype=torch.bool)
+    rest[select_events(scores, lengths, budget).ids] = False  # the selection is a prefix of the ranking
+    return float(scores[rest].max()) if bool(rest.any()) else float("-inf")
 
 
 def candidates(est: Tensor, lengths: Tensor, budget: int, factor: int = FACTOR) -> Tensor:

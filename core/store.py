@@ -276,7 +276,8 @@ class StoredEvents:
     - retrieval scores every event's representative key exactly at every step, reading
       `layers/NN.r` a block at a time into one reused buffer (pread, from the page cache once
       warm), so neither a writer nor a reader holds the keys, whatever the store's size; a reader
-      of a store with a sketch scans the sketches instead and scores only the best exactly;
+      of a store with a sketch scans the sketches instead and scores exactly only the events
+      that can be selected (the same selection);
     - keys and values are read per step for the retrieved events only: from an `EventCache` of
       the events read last (fixed size: the profile's `kv_cache_mb`, or `--kv-cache-mb`), else
       through the memory map, whose pages are given back after each read.
@@ -291,8 +292,8 @@ class StoredEvents:
         dt = _BY_NAME[g.dtype][0]
         self.dim = g.q_heads * g.head_dim
         self.k, self.v, self.r = store.layer_files[layer]
-        # A reader of a store that has a sketch scores the sketches, then only their best events
-        # exactly (core/sketch.py); a writer always scans (its selections are part of the bytes
+        # A reader of a store that has a sketch scores the sketches, then exactly only the events
+        # that can be selected (core/sketch.py); a writer always scans (its selections are part of the bytes
         # it writes, so they must not depend on when the sketch was fitted).
         self.sketch: tuple[RowFile, RowFile, Tensor, Tensor] | None = None  # coords, norms, mean, basis
         if store.sketch_files is not None and not store.writable:
