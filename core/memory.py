@@ -110,24 +110,22 @@ def score_block_rows(dim: int) -> int:
 
 
 def scores_in_blocks(n: int, dim: int, block: Callable[[int, int], Tensor], query: Tensor) -> Tensor:
-    """Scores of events 0..n-1, one matrix-vector product per block of `score_block_rows(dim)` events.
+    """Scores of events 0..n-1, a block of `score_block_rows(dim)` events at a time.
 
     block(start, stop) returns those events' representative keys [stop - start, dim] (any float
-    dtype; scored in float32). Blocks always start at multiples of the block size from event 0, so
-    every source of the same rows (a tensor in RAM, the store's files read a block at a time)
-    gives the same bits: a matrix-vector product may round a row differently depending on how many
-    rows it is given and on their address's alignment (blocks are copied to 64-byte aligned memory
-    when they are not), never otherwise on where they came from. query [dim] -> [n] float32.
+    dtype; scored in float32). Each score is a product then a sum along the row, so its bits
+    depend on that row alone: scoring any subset of the events, from any source, in any block,
+    at any address, gives the same bits as the scan (a matrix-vector product does not: BLAS
+    rounds a row differently with the number of rows it is given and their alignment; measured,
+    most scores of a random subset differ in the last bit). Readers of a sketched store rely on
+    it to select exactly what the scan selects. query [dim] -> [n] float32.
     """
     q = query.reshape(-1).float()
     out = torch.empty(n, dtype=torch.float32, device=q.device)
     step = score_block_rows(dim)
     for start in range(0, n, step):
         stop = min(n, start + step)
-        x = block(start, stop).float()
-        if x.data_ptr() % 64:  # the product also rounds by the data's alignment (measured): same bits need the same
-            x = x.clone()
-        torch.mv(x, q, out=out[start:stop])
+        torch.sum(block(start, stop).float() * q, 1, out=out[start:stop])
     return out
 
 

@@ -13,9 +13,8 @@ What is exact and what is approximate
   candidates are then re-scored exactly (float32, the same formula) and `select_events` runs over
   them alone. k is chosen so that k events hold more tokens than the budget, so when the graph
   returns the true top-k (perfect recall) the result is the exact path's: same ids, same order
-  rule (score descending, ties to the lower id), same prefix rule. The scores agree to float32
-  rounding only: a subset's matrix-vector product may round differently from the full one, so
-  two events whose scores differ by about an ulp may swap. When recall is imperfect, a missed
+  rule (score descending, ties to the lower id), same prefix rule, same score bits (a score
+  depends on its row alone, `scores_in_blocks`). When recall is imperfect, a missed
   event is replaced by the next-best candidate: the result is still a prefix of an exactly
   scored ranking, of the candidates instead of all events.
 

@@ -8,31 +8,36 @@ Pure math; the store keeps the arrays (store.py).
   instead of 2,304 for SmolLM2's 9 x 64 floats), and three norms (12 bytes): its residual outside
   the basis, its residual inside it (the float16 rounding), and its own length.
 - A query q scores every sketch: est = q . mean + (B^T q) . coords. The exact score differs by
-  q . residual, at most |q_perp| |r_out| + |B^T q| |r_in| (q_perp: q outside the basis), plus
-  float32 rounding: an upper bound for every event from its sketch alone.
-- The best-estimated events until they hold `factor` x the token budget are scored exactly;
-  `select_events` on them stops at some event that does not fit (the stopper). An event whose
-  upper bound is below the stopper's score can be neither selected nor an earlier stopper, so
-  only the others are scored exactly too, and the selection is the scan's, exactly.
+  q . residual, at most |q_perp| |r_out| + |B^T q| |r_in|, plus the float32 rounding of both
+  products (bounded for any order of summation): an upper bound for every event from its sketch
+  alone (`upper_bound`).
+- The best-estimated events until they hold the token budget are scored exactly; `select_events`
+  on them stops at some event that does not fit (the stopper). An event whose upper bound is
+  below the stopper's score can be neither selected nor an earlier stopper; the others are scored
+  too, highest bound first, and the stopper rises as they come in (`exact_selection`). The
+  selection is the scan's, bit for bit: a score's bits depend on its row alone
+  (`memory.scores_in_blocks`), so the few rows scored here round as they do in the scan.
 
 The bound replaces an earlier guard (a list of outliers: events whose residual exceeded every
 training event's) that grew to half the events in the deep layers of a 1M-token passkey store
 (the filler after the needle drifted off the basis fitted before it) and made a cold question
-slower than the scan. Measured there, the bound left 4-30 events to score in most layers and up
-to 30k in a few (near-identical filler events within the bound of the stopper), against 42k
-outliers; and the factor-8 candidates alone missed up to 8 of a layer's selected events, which
-the bound brings back.
+slower than the scan. On that store's first 512k tokens, one question scores 17.6k of 30 x 41.7k
+events exactly (most in 7 layers where thousands of copies of the filler tie within the bound);
+with the first version of this bound (twice the rounding slack, 8x the budget in candidates),
+31k-41k.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
-from .memory import select_events
+from .memory import Selection, scores_in_blocks, select_events
 
 DIMS = 64
-FACTOR = 8
+FACTOR = 1
 
 
 def fit(x: Tensor, dims: int = DIMS) -> tuple[Tensor, Tensor]:
@@ -64,22 +69,44 @@ def project(x: Tensor, mean: Tensor, basis: Tensor) -> tuple[Tensor, Tensor]:
     return coords, torch.where(up.double() < norms, torch.nextafter(up, torch.tensor(float("inf"))), up)
 
 
-def slack(dim: int) -> float:
-    """Relative float32 rounding of a dot product over `dim` terms (dim * 2^-24), doubled: it
-    covers the exact score and the estimate it is compared with."""
-    return 2 * dim * 2.0**-24
+def gamma(n: int) -> float:
+    """The relative error bound of a float32 dot product over n terms, in any order of summation:
+    |fl(x . y) - x . y| <= gamma(n) * sum |x_i y_i| (Higham, Accuracy and Stability, 3.1)."""
+    nu = n * 2.0**-24
+    return nu / (1 - nu)
+
+
+def estimate(n: int, block: Callable[[int, int], Tensor], query: Tensor, mean: Tensor, basis: Tensor) -> Tensor:
+    """Estimated scores of events 0..n-1 from their coordinates [n] float64: q . mean + (B^T q) . coords.
+
+    block(start, stop) -> coords [stop - start, dims] (float16). B^T q and q . mean in float64;
+    only the product over the coordinates is float32 (its rounding is in `upper_bound`)."""
+    q = query.reshape(-1).double()
+    u = (basis.double().T @ q).float()  # [dims]
+    return scores_in_blocks(n, u.numel(), block, u).double() + float(q @ mean.double())
 
 
 def upper_bound(est: Tensor, norms: Tensor, query: Tensor, mean: Tensor, basis: Tensor) -> Tensor:
-    """The most each event's exact score can be, from its sketch alone.
+    """The most each event's score, as the scan computes it (float32), can be, from its sketch alone.
 
-    est [n] = q . mean + (B^T q) . coords (float32); norms [n, 3] as `project`; query [dim]."""
-    q = query.double()
-    u = basis.double().T @ q
-    q_perp = float((q - basis.double() @ u).norm())
-    qn, mn = float(q.norm()), float(mean.double().norm())
-    r_out, r_in, length = norms.unbind(1)
-    return est + q_perp * r_out + float(u.norm()) * r_in + slack(q.numel()) * qn * (length + mn)
+    est [n] from `estimate`; norms [n, 3] as `project`; query [dim] -> [n] float64.
+    exact = q . mean + u . coords + q . r, with r = B r_i + r_o (r_i = B^T r, |r_i| = r_in,
+    |r_o| = r_out): q . r = u . r_i + (q - B u) . r_o + u . (B^T r_o), and B^T r_o = (I - B^T B) r_i
+    is not quite 0 (a float32 basis is orthonormal to rounding). So exact <= est + |q_perp| r_out
+    + |u| r_in (1 + |I - B^T B|) + the rounding of the estimate's float32 product (u rounded to
+    float32: one more ulp; |coords| <= |x| + |mean| + r_in) + the rounding of the scan's own
+    float32 product over dim terms (gamma(dim) |q| |x|) + float64 crumbs."""
+    q = query.reshape(-1).double()
+    b = basis.double()
+    u = b.T @ q
+    q_perp = float((q - b @ u).norm())
+    off = float(torch.linalg.matrix_norm(torch.eye(b.shape[1], dtype=torch.float64) - b.T @ b))  # Frobenius >= 2-norm
+    qn, un, mn = float(q.norm()), float(u.norm()), float(mean.double().norm())
+    r_out, r_in, length = norms.double().unbind(1)
+    coords = length + mn + r_in
+    rounding = gamma(q.numel()) * qn * length + (gamma(b.shape[1]) + 2.0**-23) * un * coords
+    crumbs = 2.0**-40 * (est.abs() + qn * (length + mn))
+    return est + q_perp * r_out + un * (1 + off) * r_in + rounding + crumbs
 
 
 def stopper(scores: Tensor, lengths: Tensor, budget: int) -> float:
@@ -104,4 +131,36 @@ def candidates(est: Tensor, lengths: Tensor, budget: int, factor: int = FACTOR) 
     return top[:m]
 
 
-__all__ = ["fit", "project", "candidates", "upper_bound", "stopper", "slack", "DIMS", "FACTOR"]
+def exact_selection(est: Tensor, ub: Tensor, lengths: Tensor, budget: int,
+                    score: Callable[[Tensor], Tensor], unsketched: Tensor, factor: int | None = None) -> Selection:
+    """`select_events` over every event, scoring exactly only the events that can change it.
+
+    est, ub [n_s]: the sketched events' estimates and bounds; lengths [E] (E >= n_s: events
+    n_s.. have no sketch and are always scored); score(ids [m] increasing) -> exact scores [m];
+    unsketched: ids n_s..E-1. The best-estimated events until they hold factor x budget tokens
+    are scored first; then, while a sketched event's bound reaches the stopper of what is scored,
+    the ones with the highest bounds are scored (a batch that doubles), and the stopper, which
+    only rises as events are added, is recomputed. Whatever is left out has a bound below the
+    final stopper: it is neither selected nor a stopper in the full ranking either."""
+    n_s = est.numel()
+    ids = torch.unique(torch.cat((candidates(est, lengths[:n_s], budget, FACTOR if factor is None else factor), unsketched)))
+    scores = score(ids)
+    open_ = torch.ones(n_s, dtype=torch.bool)
+    open_[ids[ids < n_s]] = False
+    batch = max(64, ids.numel())
+    while True:
+        reach = torch.nonzero(open_ & (ub >= stopper(scores, lengths[ids], budget))).squeeze(1)
+        if reach.numel() == 0:
+            break
+        if reach.numel() > batch:
+            reach = reach[torch.topk(ub[reach], batch).indices].sort().values
+            batch *= 2
+        open_[reach] = False
+        ids, scores = torch.cat((ids, reach)), torch.cat((scores, score(reach)))
+    order = torch.argsort(ids)  # ties break by id, as in the scan
+    ids, scores = ids[order], scores[order]
+    sel = select_events(scores, lengths[ids], budget)
+    return Selection(ids[sel.ids], sel.scores)
+
+
+__all__ = ["fit", "project", "estimate", "upper_bound", "candidates", "stopper", "exact_selection", "gamma", "DIMS", "FACTOR"]

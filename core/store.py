@@ -355,7 +355,7 @@ class StoredEvents:
         return torch.cat((self.r.read().float(), self.ram_r.view().float()))
 
     def select(self, query: Tensor, budget: int) -> Selection:
-        """As `EventMemory.select` on the exact path, bit for bit (the same blocks of the same rows)."""
+        """As `EventMemory.select` on the exact path, bit for bit (a score depends on its row alone)."""
         if len(self) == 0 or budget <= 0:
             return select_events(torch.zeros(0), self.event_lengths(), 0)
         if self.sketch is not None:
@@ -366,28 +366,13 @@ class StoredEvents:
     def _select_sketched(self, query: Tensor, budget: int) -> Selection:
         """The scan's selection, reading a few events' keys: exact scores for the best-sketched
         events and the events without a sketch (a reader's own), then for every other event whose
-        bound reaches the score where that selection stops, then `select_events` over all of
-        those (core/sketch.py)."""
+        bound reaches the score where the selection stops (`sketch.exact_selection`)."""
         p, nrm, mean, basis = self.sketch
         n_s = p.rows
-        lengths = self.event_lengths()
-        q = query.reshape(-1).float()  # [dim]
-        u = basis.T @ q  # [dims]
-        est = scores_in_blocks(n_s, u.numel(), p.read_block, u) + float(q @ mean)  # [n_s]
-        cand = sketch.candidates(est, lengths[:n_s], budget)
-        cand = torch.unique(torch.cat((cand, torch.arange(n_s, len(self)))))  # sorted
-        scores = self._exact_scores(cand, query)
-        sigma = sketch.stopper(scores, lengths[cand], budget)
-        reach = sketch.upper_bound(est, nrm.read_copy(0, n_s), q, mean, basis) >= sigma  # [n_s]
-        reach[cand[cand < n_s]] = False
-        more = torch.nonzero(reach).squeeze(1)
-        if more.numel():
-            cand = torch.cat((cand, more))
-            scores = torch.cat((scores, self._exact_scores(more, query)))
-            order = torch.argsort(cand)
-            cand, scores = cand[order], scores[order]
-        sel = select_events(scores, lengths[cand], budget)
-        return Selection(cand[sel.ids], sel.scores)
+        est = sketch.estimate(n_s, p.read_block, query, mean, basis)  # [n_s]
+        ub = sketch.upper_bound(est, nrm.read_copy(0, n_s), query, mean, basis)
+        return sketch.exact_selection(est, ub, self.event_lengths(), budget,
+                                      lambda ids: self._exact_scores(ids, query), torch.arange(n_s, len(self)))
 
     def _exact_scores(self, ids: Tensor, query: Tensor) -> Tensor:
         """Scores of events ids [m] (increasing; files, then a reader's RAM) -> [m]."""

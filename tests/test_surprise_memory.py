@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from core.memory import EventMemory, event_scores, representative_keys, select_events, token_index
+from core.memory import EventMemory, event_scores, representative_keys, scores_in_blocks, select_events, token_index
 import core.surprise as surprise_mod
 from core.surprise import boundary_flags, token_surprise
 
@@ -129,6 +129,23 @@ def test_event_memory_gather_and_scores():
     assert token_index(torch.tensor([5, 0]), torch.tensor([2, 3])).tolist() == [5, 6, 0, 1, 2]
     q = torch.randn(2, 3)
     torch.testing.assert_close(event_scores(mem.repr_keys(), q), torch.einsum("ehd,hd->e", mem.repr_keys(), q))
+
+
+@pytest.mark.parametrize("dim,dtype", [(96, torch.float32), (576, torch.float16), (2048, torch.bfloat16)])
+def test_a_score_has_the_same_bits_whatever_rows_it_is_scored_with(dim, dtype):
+    # Readers of a sketched store score a few events exactly and must match the scan bit for bit
+    # (ties among near-identical events are broken by those bits); torch.mv fails this.
+    g = torch.Generator().manual_seed(dim)
+    x = (torch.randn(3000, dim, generator=g) * 2 + 1).to(dtype)
+    q = torch.randn(dim, generator=g)
+    full = scores_in_blocks(3000, dim, lambda a, b: x[a:b], q)
+    torch.testing.assert_close(full, (x.double() @ q.double()).float(), rtol=1e-5, atol=1e-4)
+    for m in (1, 7, 300, 2999):
+        ids = torch.randperm(3000, generator=g)[:m].sort().values
+        for off in (0, 1, 5):  # the rows at other addresses, not 64-byte aligned
+            buf = torch.empty(m * dim + 8, dtype=dtype)[off : off + m * dim].view(m, dim)
+            buf.copy_(x[ids])
+            assert torch.equal(scores_in_blocks(m, dim, lambda a, b: buf[a:b], q), full[ids])
 
 
 def brute_contiguity(queue, selected, lengths, n, budget):
