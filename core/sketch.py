@@ -34,10 +34,11 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .memory import Selection, scores_in_blocks, select_events
+from .memory import Selection, select_events
 
 DIMS = 64
 FACTOR = 1
+EST_BLOCK_ROWS = 1 << 14  # coordinates per matrix-vector product (2 MiB of float16 at 64 dims)
 
 
 def fit(x: Tensor, dims: int = DIMS) -> tuple[Tensor, Tensor]:
@@ -80,10 +81,16 @@ def estimate(n: int, block: Callable[[int, int], Tensor], query: Tensor, mean: T
     """Estimated scores of events 0..n-1 from their coordinates [n] float64: q . mean + (B^T q) . coords.
 
     block(start, stop) -> coords [stop - start, dims] (float16). B^T q and q . mean in float64;
-    only the product over the coordinates is float32 (its rounding is in `upper_bound`)."""
+    only the product over the coordinates is float32, a matrix-vector product (its rounding,
+    whatever the order of summation, is in `upper_bound`; the estimate's bits need not match
+    anything, unlike exact scores)."""
     q = query.reshape(-1).double()
     u = (basis.double().T @ q).float()  # [dims]
-    return scores_in_blocks(n, u.numel(), block, u).double() + float(q @ mean.double())
+    out = torch.empty(n, dtype=torch.float32)
+    for start in range(0, n, EST_BLOCK_ROWS):
+        stop = min(n, start + EST_BLOCK_ROWS)
+        torch.mv(block(start, stop).float(), u, out=out[start:stop])
+    return out.double() + float(q @ mean.double())
 
 
 def upper_bound(est: Tensor, norms: Tensor, query: Tensor, mean: Tensor, basis: Tensor) -> Tensor:

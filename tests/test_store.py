@@ -518,3 +518,22 @@ def test_scratch_stores_equal_the_in_ram_engine_and_leave_nothing(tiny, tmp_path
         p = Prompt(ids[:300], ids[300:], "12345", 0)
         assert run_emllm(make, tok, p) == run_emllm(lambda: Engine(model, profile), tok, p)
     assert list((tmp_path / "mem").iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rowfile_take_reads_any_rows_in_any_order(tmp_path, dtype):
+    from core.store import RowFile
+
+    x = torch.randn(5000, 3, 8).to(dtype)
+    w = RowFile(tmp_path / "x", (3, 8), dtype, 0, writable=True)
+    w.append(x)
+    w.sync()
+    r = RowFile(tmp_path / "x", (3, 8), dtype, 5000, writable=False)
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.arange(5000), torch.tensor([4999]), torch.tensor([7, 7, 3, 4999, 0, 3]),
+             torch.arange(0, 5000, 97), torch.arange(0, 5000, 2), torch.randint(0, 5000, (800,), generator=g),
+             torch.randperm(5000, generator=g)[:1500].sort().values]  # gaps below, at and above READ_GAP
+    for idx in cases:
+        assert torch.equal(r.take(idx), x[idx])
+    r.close()
+    w.close()
