@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .memory import Selection, select_events
+from .memory import Selection, gamma, score_error, select_events, work_buffer
 
 DIMS = 64
 FACTOR = 1
@@ -70,13 +70,6 @@ def project(x: Tensor, mean: Tensor, basis: Tensor) -> tuple[Tensor, Tensor]:
     return coords, torch.where(up.double() < norms, torch.nextafter(up, torch.tensor(float("inf"))), up)
 
 
-def gamma(n: int) -> float:
-    """The relative error bound of a float32 dot product over n terms, in any order of summation:
-    |fl(x . y) - x . y| <= gamma(n) * sum |x_i y_i| (Higham, Accuracy and Stability, 3.1)."""
-    nu = n * 2.0**-24
-    return nu / (1 - nu)
-
-
 def estimate(n: int, block: Callable[[int, int], Tensor], query: Tensor, mean: Tensor, basis: Tensor) -> Tensor:
     """Estimated scores of events 0..n-1 from their coordinates [n] float64: q . mean + (B^T q) . coords.
 
@@ -89,7 +82,9 @@ def estimate(n: int, block: Callable[[int, int], Tensor], query: Tensor, mean: T
     out = torch.empty(n, dtype=torch.float32)
     for start in range(0, n, EST_BLOCK_ROWS):
         stop = min(n, start + EST_BLOCK_ROWS)
-        torch.mv(block(start, stop).float(), u, out=out[start:stop])
+        w = work_buffer(stop - start, u.numel(), out.device)
+        w.copy_(block(start, stop))
+        torch.mv(w, u, out=out[start:stop])
     return out.double() + float(q @ mean.double())
 
 
@@ -102,7 +97,7 @@ def upper_bound(est: Tensor, norms: Tensor, query: Tensor, mean: Tensor, basis: 
     is not quite 0 (a float32 basis is orthonormal to rounding). So exact <= est + |q_perp| r_out
     + |u| r_in (1 + |I - B^T B|) + the rounding of the estimate's float32 product (u rounded to
     float32: one more ulp; |coords| <= |x| + |mean| + r_in) + the rounding of the scan's own
-    float32 product over dim terms (gamma(dim) |q| |x|) + float64 crumbs."""
+    float32 score (`memory.score_error(dim)` |q| |x|) + float64 crumbs."""
     q = query.reshape(-1).double()
     b = basis.double()
     u = b.T @ q
@@ -111,7 +106,7 @@ def upper_bound(est: Tensor, norms: Tensor, query: Tensor, mean: Tensor, basis: 
     qn, un, mn = float(q.norm()), float(u.norm()), float(mean.double().norm())
     r_out, r_in, length = norms.double().unbind(1)
     coords = length + mn + r_in
-    rounding = gamma(q.numel()) * qn * length + (gamma(b.shape[1]) + 2.0**-23) * un * coords
+    rounding = score_error(q.numel()) * qn * length + (gamma(b.shape[1]) + 2.0**-23) * un * coords
     crumbs = 2.0**-40 * (est.abs() + qn * (length + mn))
     return est + q_perp * r_out + un * (1 + off) * r_in + rounding + crumbs
 
@@ -170,4 +165,4 @@ def exact_selection(est: Tensor, ub: Tensor, lengths: Tensor, budget: int,
     return Selection(ids[sel.ids], sel.scores)
 
 
-__all__ = ["fit", "project", "estimate", "upper_bound", "candidates", "stopper", "exact_selection", "gamma", "DIMS", "FACTOR"]
+__all__ = ["fit", "project", "estimate", "upper_bound", "candidates", "stopper", "exact_selection", "DIMS", "FACTOR"]

@@ -49,6 +49,7 @@ from . import sketch
 FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 READ_GAP = 4 << 10  # bytes: scattered rows closer than this are read in one call
+_BLOCKS: dict[tuple[torch.dtype, tuple[int, ...]], Tensor] = {}  # read_block's buffers, one per row shape
 
 # torch dtype <-> (name, numpy dtype of the raw bytes). bfloat16 has no numpy type: stored as u2.
 _DTYPES = {
@@ -129,7 +130,6 @@ class RowFile:
         self._map: np.memmap | None = None
         self._fd: int | None = None
         self._rfd: int | None = None  # a reader's descriptor for read_block
-        self._block: Tensor | None = None  # read_block's buffer, reused
         if writable:
             if rows:
                 self.check_size()  # never extend a truncated file with zeros
@@ -225,15 +225,18 @@ class RowFile:
             os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
 
     def read_block(self, start: int, stop: int) -> Tensor:
-        """Rows start..stop-1 [n, *row], read (pread) into a buffer reused by the next call.
+        """Rows start..stop-1 [n, *row], read (pread) into a buffer that the next call, of any
+        file with rows of this shape, reuses (one per shape: fresh memory costs page faults).
 
         For scans: the rows are copied from the page cache, never mapped, so scanning a whole file
         at every step adds nothing to the resident memory of the process but the buffer.
         """
         n = stop - start
-        if self._block is None or self._block.shape[0] < n:
-            self._block = torch.empty((n, *self.row), dtype=self.dtype)
-        return self._pread(self._block[:n], start, stop)
+        key = (self.dtype, self.row)
+        buf = _BLOCKS.get(key)
+        if buf is None or buf.shape[0] < n:
+            buf = _BLOCKS[key] = torch.empty((n, *self.row), dtype=self.dtype)
+        return self._pread(buf[:n], start, stop)
 
     def read_copy(self, start: int, stop: int) -> Tensor:
         """Rows start..stop-1 [n, *row] in a new tensor, read (pread): nothing stays mapped."""
@@ -266,7 +269,6 @@ class RowFile:
 
     def close(self) -> None:
         self._map = None
-        self._block = None
         for fd in (self._fd, self._rfd):
             if fd is not None:
                 os.close(fd)

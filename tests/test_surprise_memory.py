@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from core.memory import EventMemory, event_scores, representative_keys, scores_in_blocks, select_events, token_index
+from core.memory import (EventMemory, event_scores, gamma, representative_keys, score_error, score_groups, scores_in_blocks,
+                         select_events, token_index)
 import core.surprise as surprise_mod
 from core.surprise import boundary_flags, token_surprise
 
@@ -146,6 +147,19 @@ def test_a_score_has_the_same_bits_whatever_rows_it_is_scored_with(dim, dtype):
             buf = torch.empty(m * dim + 8, dtype=dtype)[off : off + m * dim].view(m, dim)
             buf.copy_(x[ids])
             assert torch.equal(scores_in_blocks(m, dim, lambda a, b: buf[a:b], q), full[ids])
+
+
+@pytest.mark.parametrize("dim", [7, 96, 576, 2048])
+def test_scores_stay_within_their_rounding_bound(dim):
+    # score_error is what the sketch's bound trusts; cancelling sums make the rounding show.
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(2000, dim, generator=g) * torch.logspace(-3, 3, dim)[torch.randperm(dim, generator=g)]
+    q = torch.randn(dim, generator=g)
+    got = scores_in_blocks(2000, dim, lambda a, b: x[a:b], q).double()
+    exact = x.double() @ q.double()
+    worst = ((got - exact).abs() / ((x.double() * q.double()).abs().sum(1))).max()
+    assert 0 < float(worst) <= score_error(dim)
+    assert score_groups(576) == 24 and score_error(576) == gamma(47) and score_error(7) == gamma(7)
 
 
 def brute_contiguity(queue, selected, lengths, n, budget):
