@@ -416,7 +416,7 @@ def _env(home: Path) -> dict:
 def test_ctrl_c_stops_cleanly_and_resume_completes(tiny, tmp_path):
     folder, prof, _, _ = tiny
     doc = tmp_path / "doc.txt"
-    doc.write_text(_text(10, 3000))
+    doc.write_text(_text(10, 8000))  # long enough that the interrupt lands mid-job on a loaded machine (3000 once finished first)
     store = tmp_path / "s"
     p = subprocess.Popen([*_cmd(), "ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", str(store),
                           "--commit-every", "1"], env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
