@@ -82,8 +82,9 @@ class Engine:
         attention.register()
         model.set_attn_implementation(attention.NAME)
         self.rotary = Rotary(model.model.rotary_emb)
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        self.dtype = next(model.parameters()).dtype
+        # Where the token ids go: the input embedding's device (accelerate moves them on from there).
+        self.device = _device_of(model.get_input_embeddings(), torch.device("cpu"))
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # Each layer's memory lives on its layer's device (a model split with accelerate's device_map).
         layer_devices = [_device_of(layer, self.device) for layer in model.model.layers]
@@ -261,6 +262,14 @@ class Engine:
 
 
 def _device_of(module: torch.nn.Module, default: torch.device) -> torch.device:
-    """The device of a module's first parameter (where accelerate put it), else `default`."""
-    p = next(module.parameters(), None)
+    """Where a module computes: the execution device of the hook accelerate's dispatch put on it
+    (an offloaded module's weights wait on the meta device and are brought to that device for each
+    forward), else the device of its first parameter not on meta, else `default`."""
+    for m in module.modules():
+        hook = getattr(m, "_hf_hook", None)
+        for h in getattr(hook, "hooks", (hook,)):  # a SequentialHook holds several
+            dev = getattr(h, "execution_device", None)
+            if dev is not None:
+                return torch.device(dev)
+    p = next((p for p in module.parameters() if p.device.type != "meta"), None)
     return default if p is None else p.device

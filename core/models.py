@@ -142,8 +142,13 @@ def resolve(model: str | None = None, profile: str | None = None, log: Callable[
     return ModelSource(name, path, prof)
 
 
-def load(source: ModelSource, dtype: str = "auto", device: str | None = None):
-    """(model, tokenizer) from a resolved source; float32 on CPU, bfloat16 on CUDA by default."""
+def load(source: ModelSource, dtype: str = "auto", device: str | None = None,
+         device_map: str | dict | None = None, offload_folder: str | Path | None = None):
+    """(model, tokenizer) from a resolved source; float32 on CPU, bfloat16 on CUDA by default.
+
+    device_map: accelerate's, instead of one device ("auto", or {module name: device, "cpu" or
+    "disk"}): the model is split as it loads, and the engine keeps each layer's memory on the device
+    where that layer computes. offload_folder: where "disk" modules' weights go."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -152,7 +157,11 @@ def load(source: ModelSource, dtype: str = "auto", device: str | None = None):
         dt = torch.bfloat16 if dev.startswith("cuda") else torch.float32
     else:
         dt = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dt, local_files_only=True).to(dev)
+    if device_map is not None:
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dt, local_files_only=True,
+                                                     device_map=device_map, offload_folder=offload_folder)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dt, local_files_only=True).to(dev)
     model.eval()
     tok = AutoTokenizer.from_pretrained(source.path, local_files_only=True)
     return model, tok
