@@ -142,8 +142,8 @@ def gamma(n: int) -> float:
 
 def score_error(dim: int) -> float:
     """e with |score - q . x| <= e * sum |q_i x_i| <= e |q| |x| for every score `scores_in_blocks`
-    computes: groups of g products summed (gamma(g)), then dim / g group sums summed, each level
-    in any order: gamma(g + dim / g - 1)."""
+    computes: dim / g sums of g products each (gamma(g)), then those sums summed, each level in
+    any order: gamma(g + dim / g - 1)."""
     g = score_groups(dim)
     return gamma(g + dim // g - 1)
 
@@ -152,9 +152,11 @@ def scores_in_blocks(n: int, dim: int, block: Callable[[int, int], Tensor], quer
     """Scores of events 0..n-1, a block of `score_block_rows(dim)` events at a time.
 
     block(start, stop) returns those events' representative keys [stop - start, dim] (float16,
-    bfloat16 or float32; scored in float32). Each score is a product, then a sum of each group of
-    `score_groups(dim)` terms, then a sum of the groups, along the row only, so its bits depend on
-    that row alone: scoring any subset of the events, from any source, in any block, at any
+    bfloat16 or float32; scored in float32). Each score is a product, then dim / g sums of
+    g = `score_groups(dim)` terms each (terms j, j + dim / g, j + 2 dim / g, ...: the sums run down
+    contiguous lanes, 1.4x faster than summing contiguous groups; measured at 41.7k x 576 events,
+    1 thread: 18 ms against 25, torch.mv 11 ms), then a sum of those, along the row only, so its
+    bits depend on that row alone: scoring any subset of the events, from any source, in any block, at any
     address, gives the same bits as the scan (a matrix-vector product does not: BLAS rounds a row
     differently with the number of rows it is given and their alignment; measured, most scores of
     a random subset differ in the last bit). Readers of a sketched store rely on it to select
@@ -172,7 +174,7 @@ def scores_in_blocks(n: int, dim: int, block: Callable[[int, int], Tensor], quer
         torch.mul(block(start, stop), q, out=w)  # (a half row is widened exactly, as .float() would)
         if g > 1:
             w2 = work_buffer(m, dim // g, q.device, slot=1)
-            torch.sum(w.view(m, dim // g, g), 2, out=w2)
+            torch.sum(w.view(m, g, dim // g), 1, out=w2)  # [m, dim / g] lanes, each a sum of g strided terms
             w = w2
         torch.sum(w, 1, out=out[start:stop])
     return out
