@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from . import attention
 from .config import Profile
 from .memory import EventMemory, GrowBuffer, Selection
+from .models import device_of, input_device
 from .rope import Rotary
 from .segment import enforce_block_sizes, key_adjacency, refine, surprise_starts
 from .surprise import boundary_flags, token_surprise
@@ -84,10 +85,10 @@ class Engine:
         self.rotary = Rotary(model.model.rotary_emb)
         self.dtype = next(model.parameters()).dtype
         # Where the token ids go: the input embedding's device (accelerate moves them on from there).
-        self.device = _device_of(model.get_input_embeddings(), torch.device("cpu"))
+        self.device = input_device(model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # Each layer's memory lives on its layer's device (a model split with accelerate's device_map).
-        layer_devices = [_device_of(layer, self.device) for layer in model.model.layers]
+        layer_devices = [device_of(layer, self.device) for layer in model.model.layers]
         self.windows = [
             LayerWindow(i, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, self.dtype, layer_devices[i],
                         faiss_threshold=profile.faiss_threshold)
@@ -259,17 +260,3 @@ class Engine:
 
     def generate(self, max_new_tokens: int, stop_ids: set[int] | None = None) -> list[int]:
         return list(self.generate_iter(max_new_tokens, stop_ids))
-
-
-def _device_of(module: torch.nn.Module, default: torch.device) -> torch.device:
-    """Where a module computes: the execution device of the hook accelerate's dispatch put on it
-    (an offloaded module's weights wait on the meta device and are brought to that device for each
-    forward), else the device of its first parameter not on meta, else `default`."""
-    for m in module.modules():
-        hook = getattr(m, "_hf_hook", None)
-        for h in getattr(hook, "hooks", (hook,)):  # a SequentialHook holds several
-            dev = getattr(h, "execution_device", None)
-            if dev is not None:
-                return torch.device(dev)
-    p = next((p for p in module.parameters() if p.device.type != "meta"), None)
-    return default if p is None else p.device

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .config import Profile, ProfileError, builtin_profile_names, load_profile
 from .home import models_dir
@@ -167,6 +167,29 @@ def load(source: ModelSource, dtype: str = "auto", device: str | None = None,
     return model, tok
 
 
+def device_of(module: Any, default: Any) -> Any:
+    """Where a module computes: the execution device of the hook accelerate's dispatch put on it
+    (an offloaded module's weights wait on the meta device and are brought to that device for each
+    forward), else the device of its first parameter not on meta, else `default`."""
+    import torch
+
+    for m in module.modules():
+        hook = getattr(m, "_hf_hook", None)
+        for h in getattr(hook, "hooks", (hook,)):  # a SequentialHook holds several
+            dev = getattr(h, "execution_device", None)
+            if dev is not None:
+                return torch.device(dev)
+    p = next((p for p in module.parameters() if p.device.type != "meta"), None)
+    return default if p is None else p.device
+
+
+def input_device(model: Any) -> Any:
+    """Where token ids go: the input embedding's device (accelerate's hooks move them on from there)."""
+    import torch
+
+    return device_of(model.get_input_embeddings(), torch.device("cpu"))
+
+
 def stop_token_ids(tok, model) -> list[int]:
     """Token ids that end an answer: the tokenizer's EOS and the generation config's."""
     ids = {tok.eos_token_id}
@@ -184,4 +207,4 @@ def config_hash(model) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-__all__ = ["resolve", "load", "stop_token_ids", "ModelSource", "ModelNotFoundError", "ProfileError", "config_hash", "DEFAULT_MODEL"]
+__all__ = ["resolve", "load", "stop_token_ids", "ModelSource", "ModelNotFoundError", "ProfileError", "config_hash", "DEFAULT_MODEL", "device_of", "input_device"]

