@@ -661,10 +661,11 @@ class Store:
                 continue
             mean, basis = self.sketch_basis(i)
             r = self.layer_files[i][2]
-            x = r.read_copy(p.rows, n).float().reshape(n - p.rows, -1)
-            coords, norms = sketch.project(x, mean, basis)
-            p.append(coords)
-            nrm.append(norms)
+            for a in range(p.rows, n, sketch.FIT_BLOCK_ROWS):  # a block at a time: the first call sketches 20k events
+                b = min(n, a + sketch.FIT_BLOCK_ROWS)
+                coords, norms = sketch.project(r.read_copy(a, b).float().reshape(b - a, -1), mean, basis)
+                p.append(coords)
+                nrm.append(norms)
             wrote = True
         return wrote
 
@@ -675,8 +676,7 @@ class Store:
 
         tensors: dict[str, Tensor] = {}
         for i, (_, _, r) in enumerate(self.layer_files):
-            x = r.read_copy(0, t).float().reshape(t, -1)
-            mean, basis = sketch.fit(x)
+            mean, basis = sketch.fit_blocks(t, lambda a, b, r=r: r.read_copy(a, b).float().reshape(b - a, -1))
             tensors.update({f"{i}.mean": mean, f"{i}.basis": basis})
         name = "sketch.safetensors"
         tmp = self.path / (name + ".tmp")

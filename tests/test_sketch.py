@@ -58,6 +58,22 @@ def _files(path: Path) -> dict[str, bytes]:
             if p.is_file() and p.name not in ("lock", "manifest.json") and not p.name.startswith("state-")}
 
 
+def test_fit_in_blocks_finds_the_principal_directions(monkeypatch):
+    # fit reads its sample a block at a time (two passes); the result is the sample's top principal
+    # subspace, as a float64 SVD of the whole sample gives it, whatever the block size
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(300, 8, generator=g) * torch.linspace(8, 1, 8)) @ torch.randn(8, 96, generator=g)
+    x = x + 0.01 * torch.randn(300, 96, generator=g) + 3
+    xd = x.double()
+    _, _, vt = torch.linalg.svd(xd - xd.mean(0), full_matrices=False)
+    want = vt[:8].T @ vt[:8]  # projector on the top 8 directions
+    for rows in (7, 64, 4096):
+        monkeypatch.setattr(sketch, "FIT_BLOCK_ROWS", rows)
+        mean, basis = sketch.fit(x, dims=8)
+        torch.testing.assert_close(mean.double(), xd.mean(0), atol=1e-5, rtol=0)
+        torch.testing.assert_close(basis.double() @ basis.double().T, want, atol=1e-5, rtol=0)
+
+
 def test_project_is_row_by_row_and_fit_is_deterministic():
     _, reprs = _events(300, 1)
     x = reprs.reshape(300, -1)

@@ -179,7 +179,12 @@ def test_asking_leaves_the_store_unchanged(tiny, tmp_path):
     assert _files(store) == before
 
 
-def test_append_equals_one_call(tiny, tmp_path):
+@pytest.mark.parametrize("fit_block", [None, 16])
+def test_append_equals_one_call(tiny, tmp_path, monkeypatch, fit_block):
+    from core import sketch
+
+    if fit_block:  # the sketch fitted and projected in blocks of 16 events: bytes that do not depend on the blocks
+        monkeypatch.setattr(sketch, "FIT_BLOCK_ROWS", fit_block)
     folder, prof, _, _ = tiny
     prof = _sketching(prof, tmp_path)
     a, b = _text(2, 300), _text(3, 250)
