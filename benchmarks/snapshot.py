@@ -41,7 +41,7 @@ def snapshot(src: Path, dst: Path) -> None:
             rel = p.relative_to(src)
             # array files and a sketch's files are append-only, its basis written once
             if p.is_file() and (p.suffix in (".i32", ".f32", ".u8", ".k", ".v", ".r", ".p", ".n")
-                                or p.name == "sketch.safetensors"):
+                                or p.name.startswith("sketch") and p.name.endswith(".safetensors")):
                 os.link(p, dst / rel)
         return
     raise SystemExit("the store kept changing: no consistent snapshot")

@@ -33,7 +33,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -44,9 +44,10 @@ from .kvcache import EventCache
 from .memory import GrowBuffer, Selection, scores_in_blocks, select_events, token_index
 from . import sketch
 
-# 2 added the sketch, 3 replaced its outlier lists by per-event norms (exact bounds). Older stores
-# are read (scanned: a version-2 sketch is not used) and get a version-3 sketch when next written.
-FORMAT_VERSION = 3
+# 2 added the sketch, 3 replaced its outlier lists by per-event norms (exact bounds), 4 refits it
+# as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
+# a version-2 sketch is not used); a version-3 sketch is a version-4 one fitted once.
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 READ_GAP = 4 << 10  # bytes: scattered rows closer than this are read in one call
 _BLOCKS: dict[tuple[torch.dtype, tuple[int, ...]], Tensor] = {}  # read_block's buffers, one per row shape
@@ -498,11 +499,11 @@ class Store:
         self.sketch_files: list[tuple[RowFile, RowFile]] | None = None
         if sk:
             self.sketch_files = [
-                (f(f"layers/{i:02d}.p", (sk["dims"],), torch.float16, rows["events"]),
-                 f(f"layers/{i:02d}.n", (3,), torch.float32, rows["events"]))
-                for i in range(self.geometry.layers)
+                (f(p, (sk["dims"],), torch.float16, rows["events"]), f(n, (3,), torch.float32, rows["events"]))
+                for p, n in self._sketch_layer_names(sk["trained_on"])
             ]
         self._basis: dict[str, Tensor] | None = None
+        self._retired: list[Path] = []  # files of a replaced sketch: deleted once no manifest names them
 
     # -- files -------------------------------------------------------------------------------
     def all_files(self) -> list[RowFile]:
@@ -562,18 +563,46 @@ class Store:
         if not is_store(path):
             raise StoreError(f"{path} is not an emllm store (no {MANIFEST}); give a store made by `emllm ingest`")
         lock_fd = _lock(path) if writable else None
-        try:
-            manifest = read_manifest(path)
-            st = cls(path, manifest, writable, lock_fd)
-            st._check_files()
-        except BaseException:
-            if lock_fd is not None:
-                os.close(lock_fd)
-            raise
+        for attempt in range(3):
+            st = None
+            try:
+                manifest = read_manifest(path)
+                st = cls(path, manifest, writable, lock_fd)
+                st._check_files()
+                if not writable:
+                    st._hold_sketch()
+                break
+            except StoreError:
+                # A reader may read a manifest just before a commit replaces it and deletes what it
+                # named (a state or sketch file): it reads the new one. Otherwise the store is damaged.
+                if st is not None and not writable:
+                    st.close()
+                if writable or attempt == 2 or read_manifest(path) == manifest:
+                    if lock_fd is not None:
+                        os.close(lock_fd)
+                    raise
+            except BaseException:
+                if lock_fd is not None:
+                    os.close(lock_fd)
+                raise
         if writable:
             st._drop_old_sketch()
             st._drop_stale_states()
         return st
+
+    def _hold_sketch(self) -> None:
+        """A reader opens its sketch's files (and loads its basis) at once: a writer that refits
+        the sketch deletes the old files once its manifest names the new ones, and open files
+        outlive that."""
+        if self.sketch_files is None:
+            return
+        try:
+            for p, nrm in self.sketch_files:
+                p._reader_fd()
+                nrm._reader_fd()
+        except FileNotFoundError as e:
+            raise StoreError(f"{Path(e.filename).name} is missing from the store: the store is damaged") from None
+        self.sketch_basis(0)
 
     def _check_files(self) -> None:
         for rf in self.all_files():
@@ -621,6 +650,7 @@ class Store:
         }
         self.manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self._write_manifest()
+        self._retire()
         if old and old["file"] != name:
             (self.path / old["file"]).unlink(missing_ok=True)
 
@@ -641,19 +671,40 @@ class Store:
                 raise StoreError(f"cannot read {name}: {e}; the store is damaged") from None
         return self._basis[f"{layer}.mean"], self._basis[f"{layer}.basis"]
 
-    def update_sketch(self) -> bool:
-        """Sketch the events appended since the last call (fitting the basis first, once the
-        store holds `sketch_threshold` events). Data only: the next manifest commits it. Returns
-        whether anything was written."""
-        assert self.writable
+    def _sketch_names(self, trained_on: int) -> str:
+        """The basis file of a sketch fitted on `trained_on` events. The first fit (on exactly
+        the threshold) keeps version 3's names; a refit's files carry its size, so a reader still
+        reading the previous sketch keeps its files until the manifest stops naming them."""
+        return "sketch.safetensors" if trained_on == self.sketch_threshold() else f"sketch-{trained_on}.safetensors"
+
+    def _sketch_layer_names(self, trained_on: int) -> list[tuple[str, str]]:
+        """Each layer's (coordinates, norms) files of a sketch fitted on `trained_on` events."""
+        tag = "" if trained_on == self.sketch_threshold() else f".{trained_on}"
+        return [(f"layers/{i:02d}{tag}.p", f"layers/{i:02d}{tag}.n") for i in range(self.geometry.layers)]
+
+    def sketch_target(self, n: int) -> int | None:
+        """The events the sketch of a store of n events is fitted on: the threshold t, doubled while
+        the store holds twice as many (t, 2t, 4t, ...), so the basis follows a stream that drifts
+        (measured on a 512k passkey store: a basis fitted on the first 20,000 events left 10k-11k
+        of 41.7k events within reach of the selection in 7 layers, one fitted on all of them
+        23-747), at a cost that doubles only when the store does."""
         t = self.sketch_threshold()
-        n = self.events.rows
         if t is None or n < t:
+            return None
+        return t << ((n // t).bit_length() - 1)
+
+    def update_sketch(self) -> bool:
+        """Sketch the events appended since the last call, fitting the basis first (again) when the
+        store has reached `sketch_target`'s next size. Data only: the next manifest commits it, and
+        `_retire` deletes a replaced sketch's files after that. Returns whether anything was written."""
+        assert self.writable
+        n = self.events.rows
+        target = self.sketch_target(n)
+        if target is None:
             return False
         sk = self.manifest.get("sketch")
-        if sk is None:
-            self._fit_sketch(t)
-            sk = self.manifest["sketch"]
+        if sk is None or sk["trained_on"] < target:
+            self._fit_sketch(target)
         assert self.sketch_files is not None
         wrote = False
         for i, (p, nrm) in enumerate(self.sketch_files):
@@ -661,7 +712,7 @@ class Store:
                 continue
             mean, basis = self.sketch_basis(i)
             r = self.layer_files[i][2]
-            for a in range(p.rows, n, sketch.FIT_BLOCK_ROWS):  # a block at a time: the first call sketches 20k events
+            for a in range(p.rows, n, sketch.FIT_BLOCK_ROWS):  # a block at a time: a (re)fit sketches every event
                 b = min(n, a + sketch.FIT_BLOCK_ROWS)
                 coords, norms = sketch.project(r.read_copy(a, b).float().reshape(b - a, -1), mean, basis)
                 p.append(coords)
@@ -670,30 +721,53 @@ class Store:
         return wrote
 
     def _fit_sketch(self, t: int) -> None:
-        """Fit every layer's basis on its first t events; the file is written (atomically) before
-        any manifest names it, and refitting after a crash gives the same bytes."""
+        """Fit every layer's basis on the first t events (all of them at the first fit; at a
+        refit, `threshold` of them drawn at random with a seed fixed by t, so a fit always costs
+        the same and fitting again after a crash gives the same bytes; a stride would alias with a
+        periodic stream: every 2nd event of the 512k passkey store gave a basis 5x worse than
+        all of them). The file is written (atomically) before any manifest names it. A replaced
+        sketch's files are retired, not yet deleted."""
         from safetensors.torch import save_file
+
+        m = min(t, self.sketch_threshold() or t)
+        idx = torch.arange(t) if m == t else torch.randperm(t, generator=torch.Generator().manual_seed(t))[:m].sort().values
+
+        def sample(r: RowFile) -> Callable[[int, int], Tensor]:
+            return lambda a, b: r.take(idx[a:b]).float().reshape(b - a, -1)
 
         tensors: dict[str, Tensor] = {}
         for i, (_, _, r) in enumerate(self.layer_files):
-            mean, basis = sketch.fit_blocks(t, lambda a, b, r=r: r.read_copy(a, b).float().reshape(b - a, -1))
+            mean, basis = sketch.fit_blocks(m, sample(r))
             tensors.update({f"{i}.mean": mean, f"{i}.basis": basis})
-        name = "sketch.safetensors"
+        name = self._sketch_names(t)
         tmp = self.path / (name + ".tmp")
         save_file(tensors, str(tmp))
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, self.path / name)
         _fsync_dir(self.path)
+        old = self.manifest.get("sketch")
+        if old is not None and self.sketch_files is not None:
+            for p, nrm in self.sketch_files:
+                p.close()
+                nrm.close()
+                self._retired += [p.path, nrm.path]
+            self._retired.append(self.path / old["file"])
         self._basis = tensors
         dims = tensors["0.basis"].shape[1]
         self.manifest["sketch"] = {"file": name, "dims": dims, "trained_on": t}
         self.manifest["version"] = FORMAT_VERSION
         mk = lambda name, row, dtype: RowFile(self.path / name, row, dtype, 0, True)  # noqa: E731
         self.sketch_files = [
-            (mk(f"layers/{i:02d}.p", (dims,), torch.float16), mk(f"layers/{i:02d}.n", (3,), torch.float32))
-            for i in range(self.geometry.layers)
+            (mk(p, (dims,), torch.float16), mk(n, (3,), torch.float32)) for p, n in self._sketch_layer_names(t)
         ]
+
+    def _retire(self) -> None:
+        """Delete a replaced sketch's files, now that the manifest names the new one (a reader
+        that opened the old one keeps its open files)."""
+        for p in self._retired:
+            p.unlink(missing_ok=True)
+        self._retired = []
 
     def commit_sketch(self) -> bool:
         """Sketch what is committed but not sketched yet (a store written before sketches existed,
@@ -704,6 +778,7 @@ class Store:
             rf.sync()
         self.manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self._write_manifest()
+        self._retire()
         return True
 
     def set_job(self, tokens: Tensor, documents: list[dict]) -> None:
@@ -752,9 +827,13 @@ class Store:
         for p in [*self.path.glob("state-*.safetensors*"), *self.path.glob("job-*.i32")]:
             if p.name not in (keep, job):
                 p.unlink(missing_ok=True)
-        if not self.manifest.get("sketch"):  # a fit that crashed before its commit: refitted
-            for p in [*self.path.glob("sketch.safetensors*"), *self.path.glob("layers/*.p"),
-                      *self.path.glob("layers/*.o"), *self.path.glob("layers/*.n")]:
+        # Sketch files the manifest does not name: a fit that crashed before its commit (refitted
+        # to the same bytes), or a replaced sketch whose deletion a crash cut short.
+        sk = self.manifest.get("sketch")
+        keep = {sk["file"], *(x for t in self._sketch_layer_names(sk["trained_on"]) for x in t)} if sk else set()
+        for p in [*self.path.glob("sketch*.safetensors*"), *self.path.glob("layers/*.p"),
+                  *self.path.glob("layers/*.o"), *self.path.glob("layers/*.n")]:
+            if str(p.relative_to(self.path)) not in keep:
                 p.unlink(missing_ok=True)
         (self.path / (MANIFEST + ".tmp")).unlink(missing_ok=True)
 

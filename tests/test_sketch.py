@@ -213,20 +213,108 @@ def test_readers_select_from_the_sketch_exactly_what_the_scan_selects(tmp_path, 
 
 def test_an_event_off_the_basis_appended_after_the_fit_is_found(tmp_path, monkeypatch):
     # An event at the training mean plus a direction the basis cannot see (orthogonal to it).
-    _, reprs = _events(600, 0)
+    _, reprs = _events(390, 0)  # the events _write makes
     mean, basis = sketch.fit(reprs[:THRESHOLD].reshape(THRESHOLD, -1))
     v = torch.randn(96, generator=torch.Generator().manual_seed(3))
     v = v - basis @ (basis.T @ v)
     v = v / v.norm()
-    _write(tmp_path / "s", [150, 150, 150, 150], commit_every=2, outlier=(450, mean + 20 * v))
+    # 390 events: fitted once, on the first 200 (a refit comes at 400)
+    _write(tmp_path / "s", [150, 150, 90], commit_every=2, outlier=(320, mean + 20 * v))
     with Store.open(tmp_path / "s") as st:
+        assert st.manifest["sketch"]["trained_on"] == THRESHOLD
         ev = StoredEvents(st, 1)
         q = v.reshape(3, 32)  # asks for exactly what the event holds beyond the basis
-        budget = int(st.events.read()[450])
-        assert ev.select(q, budget).ids.tolist() == [450]
+        budget = int(st.events.read()[320])
+        assert ev.select(q, budget).ids.tolist() == [320]
         # its sketch alone ranks it with the rest: without the bound it is missed
         monkeypatch.setattr(sketch, "upper_bound", lambda est, *a: est)
-        assert 450 not in ev.select(q, budget).ids.tolist()
+        assert 320 not in ev.select(q, budget).ids.tolist()
+
+
+def _drifting(monkeypatch) -> torch.Tensor:
+    """Make _events drift: from event THRESHOLD on, a direction v (returned) that the first
+    THRESHOLD events lack, with a random weight (a stream whose keys move on after the fit)."""
+    plain = _events
+
+    def events(n: int, seed: int, clusters: int = 12):
+        lengths, reprs = plain(n, seed, clusters)
+        g = torch.Generator().manual_seed(seed + 1)
+        w = torch.zeros(n)
+        w[THRESHOLD:] = 4 * torch.randn(max(0, n - THRESHOLD), generator=g)
+        return lengths, reprs + (w[:, None] * v).reshape(n, 3, 32)
+
+    _, first = plain(600, 0)  # the events of a 600-event _write (they depend on n)
+    _, basis = sketch.fit(first[:THRESHOLD].reshape(THRESHOLD, -1))
+    v = torch.randn(96, generator=torch.Generator().manual_seed(5))
+    v = v - basis @ (basis.T @ v)
+    v = v / v.norm()
+    monkeypatch.setattr(sys.modules[__name__], "_events", events)
+    return v
+
+
+def test_the_sketch_is_refitted_as_the_store_doubles(tmp_path, monkeypatch):
+    v = _drifting(monkeypatch)
+    _write(tmp_path / "s", [150, 150, 150, 150], commit_every=1)  # 600 events: fitted at 200, refitted at 400
+    with Store.open(tmp_path / "s") as st:
+        assert st.manifest["sketch"] == {"file": "sketch-400.safetensors", "dims": 64, "trained_on": 400}
+        names = {str(p.relative_to(tmp_path / "s")) for p in (tmp_path / "s").rglob("*")}
+        assert {"layers/00.400.p", "layers/01.400.n", "sketch-400.safetensors"} <= names
+        assert not names & {"sketch.safetensors", "layers/00.p", "layers/01.n"}  # the first sketch's files are gone
+        for layer in range(G.layers):
+            x = st.layer_files[layer][2].read().float().reshape(600, -1)
+            # the refit's basis holds the drift: events past the first fit sit in it
+            _, basis = st.sketch_basis(layer)
+            assert float((basis.T @ v).norm()) > 0.99
+            assert float((sketch.fit(x[:THRESHOLD])[1].T @ v).norm()) < 0.05  # the first basis did not
+            ev = StoredEvents(st, layer)
+            g = torch.Generator().manual_seed(layer)
+            for q in [v.reshape(3, 32), *torch.randn(10, 3, 32, generator=g)]:  # still the scan's selection
+                for budget in (8, 40):
+                    got, want = ev.select(q, budget), _exact(st, layer, q, budget)
+                    assert got.ids.tolist() == want.ids.tolist() and torch.equal(got.scores, want.scores)
+
+
+def test_a_refit_cut_short_before_its_commit_leaves_the_first_sketch(tmp_path, monkeypatch):
+    _drifting(monkeypatch)
+    _write(tmp_path / "a", [150, 150, 150, 150], commit_every=1)
+    _write(tmp_path / "b", [150, 150, 90], commit_every=1)  # 390 events: the first sketch only
+    lengths, reprs = _events(600, 0)
+    with Store.open(tmp_path / "b", writable=True) as st:  # 210 more events, refitted, never committed
+        evs = [StoredEvents(st, i) for i in range(G.layers)]
+        sl = slice(390, 600)
+        for i, ev in enumerate(evs):
+            kv = torch.full((1, int(lengths[sl].sum()), 32), 3.0)
+            ev.append(kv, kv, lengths[sl], reprs[sl] * (i + 1))
+        st.events.append(lengths[sl].to(torch.int32))
+        assert st.update_sketch() and st.manifest["sketch"]["trained_on"] == 400
+    with Store.open(tmp_path / "b") as st:  # a reader sees the last commit: 390 events, the first sketch
+        assert st.manifest["rows"]["events"] == 390 and st.manifest["sketch"]["trained_on"] == THRESHOLD
+        q = torch.randn(3, 32, generator=torch.Generator().manual_seed(9))
+        assert StoredEvents(st, 1).select(q, 40).ids.tolist() == _exact(st, 1, q, 40).ids.tolist()
+    with Store.open(tmp_path / "b", writable=True):  # a writer drops what no manifest names
+        pass
+    assert not list((tmp_path / "b").glob("sketch-*")) and not list((tmp_path / "b" / "layers").glob("*.400.*"))
+
+
+def test_a_reader_keeps_its_sketch_while_a_writer_refits(tmp_path, monkeypatch):
+    _drifting(monkeypatch)
+    _write(tmp_path / "s", [150, 150, 90], commit_every=1)
+    lengths, reprs = _events(600, 0)
+    q = torch.randn(3, 32, generator=torch.Generator().manual_seed(2))
+    with Store.open(tmp_path / "s") as reader:
+        want = _exact(reader, 1, q, 40)
+        with Store.open(tmp_path / "s", writable=True) as st:  # 210 more events, refitted and committed
+            sl = slice(390, 600)
+            for i in range(G.layers):
+                kv = torch.full((1, int(lengths[sl].sum()), 32), 3.0)
+                StoredEvents(st, i).append(kv, kv, lengths[sl], reprs[sl] * (i + 1))
+            st.events.append(lengths[sl].to(torch.int32))
+            st.commit({}, {})
+        assert not (tmp_path / "s" / "layers" / "01.p").exists()  # the first sketch's files are gone...
+        got = StoredEvents(reader, 1).select(q, 40)  # ...but the reader opened them: still its commit's answer
+        assert got.ids.tolist() == want.ids.tolist() and torch.equal(got.scores, want.scores)
+    with Store.open(tmp_path / "s") as st:
+        assert st.manifest["sketch"]["trained_on"] == 400 and st.manifest["rows"]["events"] == 600
 
 
 def test_a_version_1_store_gets_its_sketch_when_next_written(tmp_path):
