@@ -7,8 +7,9 @@ A store is a folder:
     events.i32                                one row per event: its length in tokens
     layers/NN.k layers/NN.v                   per layer, one row [H_kv, D] per event token (pre-RoPE)
     layers/NN.r                               per layer, one row [H_q, D] per event (representative key)
-    sketch.safetensors       per layer, the basis of the sketches (once the store has faiss_threshold events)
-    layers/NN.p layers/NN.n                   per layer, each event's sketch [dims] and its norms [3]
+    sketch{-F}.safetensors   per layer, the basis of the sketches (once the store has faiss_threshold events;
+                             F: the events it was fitted on, refitted as the store doubles)
+    layers/NN{.F}.p layers/NN{.F}.n           per layer, each event's sketch [dims] and its norms [3]
     job-G.i32                the tokens of the current ingest job (so --resume needs no input)
     state-G.safetensors      what continues the stream: windows, remainder, masses, last logits
     lock                     held (flock) by the one writer
@@ -816,7 +817,7 @@ class Store:
 
     def _drop_old_sketch(self) -> None:
         """A version-2 sketch (outlier lists) is not used: the manifest stops naming it first,
-        then its files go (by _drop_stale_states), and the next commit fits a version-3 one."""
+        then its files go (by _drop_stale_states), and the next commit fits a current one."""
         if self.manifest["version"] < 3 and self.manifest.get("sketch"):
             self.manifest["sketch"] = None
             self._write_manifest()
