@@ -849,7 +849,7 @@ class Store:
                 parts["keys+values"] += n
             elif p.suffix == ".r":
                 parts["representative keys"] += n
-            elif p.suffix in (".p", ".o", ".n") or p.name.startswith("sketch."):
+            elif p.suffix in (".p", ".o", ".n") or p.name.startswith("sketch"):
                 parts["sketch"] += n
             elif p.name.startswith("state-"):
                 parts["state"] += n
