@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="JSON lines, appended")
     ap.add_argument("--ask-only", action="store_true", help="only ask the question of a store this script made (same --tokens, --depth, --seed)")
     a = ap.parse_args()
+    commit = _commit()  # the code this run loads (HEAD may move during an hour-long run)
     src = models.resolve(a.model)
     model, tok = models.load(src)
     n = parse_length(a.tokens)
@@ -80,7 +81,7 @@ def main() -> None:
             row = {"date": time.strftime("%Y-%m-%d %H:%M"), "ask_only": True, "store": str(path),
                    "tokens": st.manifest["rows"]["tokens"], "sketch": bool(st.manifest.get("sketch")), "key": prompt.key,
                    "answer": answer.strip(), "correct": score(answer, prompt.key),
-                   "question_seconds": round(time.perf_counter() - t, 2), "commit": _commit()}
+                   "question_seconds": round(time.perf_counter() - t, 2), "commit": commit}
         print(json.dumps(row))
         with open(a.out, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -108,7 +109,7 @@ def main() -> None:
         "tok_s_start": round(cs * k / sum(times[:k]), 1), "tok_s_end": round(cs * k / sum(times[-k:]), 1),
         "tok_s_total": round(cs * len(times) / sum(times), 1), "peak_rss_mib": vm("VmHWM") >> 20,
         "disk_bytes": disk, "disk_bytes_per_token": round(disk / doc_tokens, 1),
-        "question_to_first_token_s": round(ttft, 2), "commit": _commit(),
+        "question_to_first_token_s": round(ttft, 2), "commit": commit,
         "seconds": round(time.perf_counter() - t_start, 1),
     }
     with open(a.out, "a") as f:
