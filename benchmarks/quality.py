@@ -6,7 +6,8 @@ the left to its context and a retrieval-augmented baseline (core/rag.py).
 For every task × length × sample one prompt (seeded by seed/task/length/sample; the needle depth
 spread evenly over the samples: (i + 0.5) / samples) is answered by every method; one JSON line per
 answer is appended to --out as it finishes, then a markdown table of the mean score (RULER
-string_match_all, in %) per task × length × method is printed.
+string_match_all, in %) per task × length × method is printed (`--table FILE`: the table of every
+answer in a results file, all runs together).
 """
 
 from __future__ import annotations
@@ -43,11 +44,14 @@ def table(rows: list[dict], methods: list[str]) -> str:
             v = acc.get((t, n, m))
             vals.append(f"{100 * sum(v) / len(v):.0f} ({len(v)})" if v else "–")
         out.append(f"| {t} | {n} | " + " | ".join(vals) + " |")
-    means = []
-    for m in methods:
-        v = [s for (t, n, mm), ss in acc.items() if mm == m for s in ss]
-        means.append(f"{100 * sum(v) / len(v):.0f}" if v else "–")
-    out.append("| **mean** | | " + " | ".join(means) + " |")
+    # The mean only over prompts every method answered: cells with more samples for some methods
+    # (a run stopped midway) would otherwise weigh differently per method.
+    by_prompt: dict[tuple, dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        by_prompt[(r["task"], r["length"], r["sample"], r["depth"])][r["method"]] = r["score"]
+    full = [d for d in by_prompt.values() if all(m in d for m in methods)]
+    means = [f"{100 * sum(d[m] for d in full) / len(full):.0f}" if full else "–" for m in methods]
+    out.append(f"| **mean over the {len(full)} prompts all answered** | | " + " | ".join(means) + " |")
     return "\n".join(out)
 
 
@@ -64,8 +68,15 @@ def main() -> None:
     ap.add_argument("--rag-k", type=int, default=None, help="RAG chunks kept (default: as many as fit)")
     ap.add_argument("--rag-budget", type=int, default=None,
                     help="RAG prompt tokens (default: the model's context); e.g. n_local + n_mem to match emllm's attention")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="JSON lines, appended (required unless --table)")
+    ap.add_argument("--table", metavar="FILE", help="only print the table of every answer in a results file")
     a = ap.parse_args()
+    if a.table:
+        rows = [r for r in map(json.loads, open(a.table)) if "task" in r]
+        print(table(rows, [m for m in METHODS if any(r["method"] == m for r in rows)]))
+        return
+    if not a.out:
+        ap.error("--out is required")
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     for t in tasks:
