@@ -505,6 +505,7 @@ class Store:
             ]
         self._basis: dict[str, Tensor] | None = None
         self._retired: list[Path] = []  # files of a replaced sketch: deleted once no manifest names them
+        self._state_fd: int | None = None  # a reader's open state file (a commit may delete it meanwhile)
 
     # -- files -------------------------------------------------------------------------------
     def all_files(self) -> list[RowFile]:
@@ -515,6 +516,9 @@ class Store:
     def close(self) -> None:
         for rf in self.all_files():
             rf.close()
+        if self._state_fd is not None:
+            os.close(self._state_fd)
+            self._state_fd = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -571,7 +575,7 @@ class Store:
                 st = cls(path, manifest, writable, lock_fd)
                 st._check_files()
                 if not writable:
-                    st._hold_sketch()
+                    st._hold_files()
                 break
             except StoreError:
                 # A reader may read a manifest just before a commit replaces it and deletes what it
@@ -591,19 +595,20 @@ class Store:
             st._drop_stale_states()
         return st
 
-    def _hold_sketch(self) -> None:
-        """A reader opens its sketch's files (and loads its basis) at once: a writer that refits
-        the sketch deletes the old files once its manifest names the new ones, and open files
-        outlive that."""
-        if self.sketch_files is None:
-            return
+    def _hold_files(self) -> None:
+        """A reader opens the files its manifest names and a commit may delete (the state file;
+        the sketch's files, and loads its basis) at once: a writer deletes them once its next
+        manifest names others, and open files outlive that."""
         try:
-            for p, nrm in self.sketch_files:
+            if self.manifest["state"]:
+                self._state_fd = os.open(self.path / self.manifest["state"]["file"], os.O_RDONLY)
+            for p, nrm in self.sketch_files or []:
                 p._reader_fd()
                 nrm._reader_fd()
         except FileNotFoundError as e:
             raise StoreError(f"{Path(e.filename).name} is missing from the store: the store is damaged") from None
-        self.sketch_basis(0)
+        if self.sketch_files is not None:
+            self.sketch_basis(0)
 
     def _check_files(self) -> None:
         for rf in self.all_files():
@@ -806,8 +811,11 @@ class Store:
 
         if not self.manifest["state"]:
             return {}
+        path = str(self.path / self.manifest["state"]["file"])
+        if self._state_fd is not None and os.path.exists(f"/proc/self/fd/{self._state_fd}"):
+            path = f"/proc/self/fd/{self._state_fd}"  # the file opened with the manifest, deleted or not
         try:
-            return load_file(str(self.path / self.manifest["state"]["file"]))
+            return load_file(path)
         except Exception as e:  # noqa: BLE001 - any parse failure is a damaged file
             raise StoreError(f"cannot read {self.manifest['state']['file']}: {e}; the store is damaged") from None
 

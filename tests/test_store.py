@@ -205,6 +205,26 @@ def test_append_equals_one_call(tiny, tmp_path, monkeypatch, fit_block):
     assert m1["documents"] == m2["documents"] and m1["rows"] == m2["rows"]
 
 
+def test_a_reader_keeps_its_commit_while_a_writer_commits(tiny, tmp_path):
+    # A commit deletes the state file the previous manifest named; a reader opened before it
+    # still loads that state (it opened the file with the manifest).
+    folder, prof, _, _ = tiny
+    store = tmp_path / "s"
+    _ingest(store, folder, prof, [("a", _text(11, 200))])
+    model, tok = _load(folder)
+    want = _state(store)
+    with Store.open(store) as reader:
+        with Store.open(store, writable=True) as st:
+            engine = ing.open_engine(st, model)
+            ing.add_documents(st, tok, [("b", _text(12, 200))])
+            ing.run_job(st, engine, 2)
+        assert not (store / reader.manifest["state"]["file"]).exists()
+        got = reader.load_state()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        session = Session(reader, model, tok)  # and it can still be asked, at its commit
+        assert session.engine.n_tokens == reader.manifest["rows"]["tokens"]
+
+
 def _wait_for_commit(store: Path, proc: subprocess.Popen, at_least: int) -> bool:
     """Until the store has committed `at_least` tokens; False if the process ended first."""
     while proc.poll() is None:
