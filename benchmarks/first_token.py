@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import git_commit
+
 EMLLM = str(Path(sys.executable).parent / "emllm")
 
 
@@ -67,9 +69,7 @@ def main() -> None:
         rows.append({"store": s, "tokens": m["rows"]["tokens"], "events": m["rows"]["events"],
                      "sketch": bool(m.get("sketch")), "first_token_s": times[s], "median_s": med,
                      "ratio": round(med / base, 3)})
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": git_commit(), "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
               "cold": a.cold, "question": a.question, "rows": rows}
     print(json.dumps(result, indent=1))
     if a.out:

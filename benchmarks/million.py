@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import git_commit
 from core import models
 from core.ask import Session
 from core.ingest import create_store, open_engine, run_job
@@ -50,7 +51,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="JSON lines, appended")
     ap.add_argument("--ask-only", action="store_true", help="only ask the question of a store this script made (same --tokens, --depth, --seed)")
     a = ap.parse_args()
-    commit = _commit()  # the code this run loads (HEAD may move during an hour-long run)
+    commit = git_commit()  # the code this run loads (HEAD may move during an hour-long run)
     src = models.resolve(a.model)
     model, tok = models.load(src)
     n = parse_length(a.tokens)
@@ -115,13 +116,6 @@ def main() -> None:
     with open(a.out, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row, indent=1))
-
-
-def _commit() -> str:
-    import subprocess
-
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
-    return r.stdout.strip()
 
 
 if __name__ == "__main__":

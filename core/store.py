@@ -501,7 +501,7 @@ class Store:
         if sk:
             self.sketch_files = [
                 (f(p, (sk["dims"],), torch.float16, rows["events"]), f(n, (3,), torch.float32, rows["events"]))
-                for p, n in self._sketch_layer_names(sk["trained_on"])
+                for p, n in self._sketch_names(sk["trained_on"])[1]
             ]
         self._basis: dict[str, Tensor] | None = None
         self._retired: list[Path] = []  # files of a replaced sketch: deleted once no manifest names them
@@ -677,16 +677,14 @@ class Store:
                 raise StoreError(f"cannot read {name}: {e}; the store is damaged") from None
         return self._basis[f"{layer}.mean"], self._basis[f"{layer}.basis"]
 
-    def _sketch_names(self, trained_on: int) -> str:
-        """The basis file of a sketch fitted on `trained_on` events. The first fit (on exactly
-        the threshold) keeps version 3's names; a refit's files carry its size, so a reader still
-        reading the previous sketch keeps its files until the manifest stops naming them."""
-        return "sketch.safetensors" if trained_on == self.sketch_threshold() else f"sketch-{trained_on}.safetensors"
-
-    def _sketch_layer_names(self, trained_on: int) -> list[tuple[str, str]]:
-        """Each layer's (coordinates, norms) files of a sketch fitted on `trained_on` events."""
-        tag = "" if trained_on == self.sketch_threshold() else f".{trained_on}"
-        return [(f"layers/{i:02d}{tag}.p", f"layers/{i:02d}{tag}.n") for i in range(self.geometry.layers)]
+    def _sketch_names(self, trained_on: int) -> tuple[str, list[tuple[str, str]]]:
+        """The basis file and each layer's (coordinates, norms) files of a sketch fitted on
+        `trained_on` events. The first fit (on exactly the threshold) keeps version 3's names; a
+        refit's files carry its size, so a reader still reading the previous sketch keeps its files
+        until the manifest stops naming them."""
+        first = trained_on == self.sketch_threshold()
+        basis, tag = ("sketch.safetensors", "") if first else (f"sketch-{trained_on}.safetensors", f".{trained_on}")
+        return basis, [(f"layers/{i:02d}{tag}.p", f"layers/{i:02d}{tag}.n") for i in range(self.geometry.layers)]
 
     def sketch_target(self, n: int) -> int | None:
         """The events the sketch of a store of n events is fitted on: the threshold t, doubled while
@@ -745,7 +743,7 @@ class Store:
         for i, (_, _, r) in enumerate(self.layer_files):
             mean, basis = sketch.fit_blocks(m, sample(r))
             tensors.update({f"{i}.mean": mean, f"{i}.basis": basis})
-        name = self._sketch_names(t)
+        name, layer_names = self._sketch_names(t)
         tmp = self.path / (name + ".tmp")
         save_file(tensors, str(tmp))
         with open(tmp, "rb") as fh:
@@ -765,7 +763,7 @@ class Store:
         self.manifest["version"] = FORMAT_VERSION
         mk = lambda name, row, dtype: RowFile(self.path / name, row, dtype, 0, True)  # noqa: E731
         self.sketch_files = [
-            (mk(p, (dims,), torch.float16), mk(n, (3,), torch.float32)) for p, n in self._sketch_layer_names(t)
+            (mk(p, (dims,), torch.float16), mk(n, (3,), torch.float32)) for p, n in layer_names
         ]
 
     def _retire(self) -> None:
@@ -839,7 +837,7 @@ class Store:
         # Sketch files the manifest does not name: a fit that crashed before its commit (refitted
         # to the same bytes), or a replaced sketch whose deletion a crash cut short.
         sk = self.manifest.get("sketch")
-        keep = {sk["file"], *(x for t in self._sketch_layer_names(sk["trained_on"]) for x in t)} if sk else set()
+        keep = {sk["file"], *(x for t in self._sketch_names(sk["trained_on"])[1] for x in t)} if sk else set()
         for p in [*self.path.glob("sketch*.safetensors*"), *self.path.glob("layers/*.p"),
                   *self.path.glob("layers/*.o"), *self.path.glob("layers/*.n")]:
             if str(p.relative_to(self.path)) not in keep:
