@@ -1,6 +1,7 @@
 """Passkey grid on the embedded SmolLM2: emllm against the plain model truncated to its context.
 
     python benchmarks/passkey_grid.py --lengths 16k,32k --trials 2 --out docs/results/passkey.jsonl
+    python benchmarks/passkey_grid.py --lengths 128k --trials 1 --no-baseline --memory-dir /var/tmp --out docs/results/passkey-smollm2.jsonl
     python benchmarks/passkey_grid.py --variant contiguity --lengths 32k,64k --depths 0.5 --trials 1 --no-baseline --out docs/results/passkey-variants.jsonl
 
 Writes one JSON line per trial as it finishes (a long run keeps what it measured), then prints
@@ -22,7 +23,7 @@ import torch
 from core import models
 from core.engine import Engine
 from core.passkey import parse_length, run_grid
-from core.scratch import ScratchStores
+from core.scratch import ScratchStores, TrunkStores
 
 
 VARIANTS = {
@@ -48,6 +49,9 @@ def main() -> None:
                          "contiguity buffer, or fixed blocks of max_block (InfLLM-like)")
     ap.add_argument("--memory-dir", default=None,
                     help="keep emllm's memory in a temporary store under this folder (bounded RAM; for 1M tokens)")
+    ap.add_argument("--no-share", action="store_true",
+                    help="with --memory-dir: every trial reads its whole haystack (the default reads the filler "
+                         "before the needles once for the grid, same results; trial times then exclude it)")
     a = ap.parse_args()
     src = models.resolve(a.model)
     model, tok = models.load(src)
@@ -64,7 +68,10 @@ def main() -> None:
         print(f"{a.variant:10} {r.method:8} {r.length:>7} depth {r.depth:.2f} trial {r.trial}: {'OK ' if r.correct else 'BAD'} "
               f"{r.answer!r} (key {r.key}, {r.seconds:.0f} s)", flush=True)
 
-    engines = ScratchStores(model, tok, profile, a.memory_dir, src.name) if a.memory_dir else (lambda: Engine(model, profile))
+    if a.memory_dir:  # the filler before the needles read once for the grid, unless --no-share
+        engines = (ScratchStores if a.no_share else TrunkStores)(model, tok, profile, a.memory_dir, src.name)
+    else:
+        engines = lambda: Engine(model, profile)  # noqa: E731
     try:
         res = run_grid(model, tok, engines, lengths, depths, a.trials, a.seed,
                        baseline=not a.no_baseline, on_result=keep, first_trial=a.first_trial)

@@ -43,6 +43,9 @@ class TrialResult:
     method: str  # "emllm" or "baseline"
     seconds: float
     tokens: int
+    # Of the document, read by a trunk shared with other trials (core/scratch.TrunkStores): in the
+    # seconds of the first trial that needed them only.
+    trunk_tokens: int = 0
 
 
 def parse_length(text: str) -> int:
@@ -88,8 +91,11 @@ def score(answer: str, key: str) -> bool:
 
 def run_emllm(engine_factory: Callable[[], "object"], tok, prompt: Prompt, max_new_tokens: int = 10,
               progress: Callable | None = None) -> str:
-    eng = engine_factory()
-    eng.feed(prompt.document, progress=progress)
+    # A factory that shares prefixes (core/scratch.TrunkStores) hands over an engine that has
+    # read the haystack before the needle already; the same for every key and depth.
+    after = getattr(engine_factory, "engine_after", None)
+    eng, k = after(prompt.document[: prompt.needle_at]) if after else (engine_factory(), 0)
+    eng.feed(prompt.document[k:], progress=progress)
     eng.feed(prompt.question)
     out = eng.generate(max_new_tokens, stop_ids=set(_stop_ids(tok, eng.model)))
     return tok.decode(out, skip_special_tokens=True)
@@ -119,24 +125,29 @@ def run_grid(
     progress: Callable | None = None, first_trial: int = 0,
 ) -> list[TrialResult]:
     """Every (length, depth, trial) cell; the key and prompt depend only on (seed, length, depth, trial),
-    so a grid can be extended later with `first_trial` without repeating a prompt."""
+    so a grid can be extended later with `first_trial` without repeating a prompt.
+
+    With a factory that shares prefixes, cells run in the order of their needle's position (all
+    haystacks begin with the same filler), so the filler before the needles is read once."""
     results = []
     methods = ["emllm"] + (["baseline"] if baseline else [])
-    for length in lengths:
-        for depth in depths:
-            for t in range(first_trial, first_trial + trials):
-                prompt = build_prompt(tok, length, depth, random.Random(f"{seed}/{length}/{depth}/{t}"))
-                for method in methods:
-                    t0 = time.perf_counter()
-                    if method == "emllm":
-                        answer = run_emllm(engine_factory, tok, prompt, progress=progress)
-                    else:
-                        answer = run_baseline(model, tok, prompt)
-                    r = TrialResult(length, depth, t, prompt.key, answer.strip(), score(answer, prompt.key), method,
-                                    round(time.perf_counter() - t0, 2), len(prompt.document) + len(prompt.question))
-                    results.append(r)
-                    if on_result:
-                        on_result(r)
+    cells = [(length, depth, t, build_prompt(tok, length, depth, random.Random(f"{seed}/{length}/{depth}/{t}")))
+             for length in lengths for depth in depths for t in range(first_trial, first_trial + trials)]
+    if hasattr(engine_factory, "engine_after"):
+        cells.sort(key=lambda c: c[3].needle_at)
+    for length, depth, t, prompt in cells:
+        for method in methods:
+            t0, shared = time.perf_counter(), getattr(engine_factory, "shared_tokens", 0)
+            if method == "emllm":
+                answer = run_emllm(engine_factory, tok, prompt, progress=progress)
+            else:
+                answer = run_baseline(model, tok, prompt)
+            r = TrialResult(length, depth, t, prompt.key, answer.strip(), score(answer, prompt.key), method,
+                            round(time.perf_counter() - t0, 2), len(prompt.document) + len(prompt.question),
+                            getattr(engine_factory, "shared_tokens", 0) - shared)
+            results.append(r)
+            if on_result:
+                on_result(r)
     return results
 
 

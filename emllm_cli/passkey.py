@@ -46,7 +46,7 @@ def passkey(
     baseline: bool = typer.Option(False, "--baseline", help="Also run the plain model, truncated from the left to its context."),
     model: str = ModelOpt,
     profile: str = ProfileOpt,
-    memory_dir: Path = typer.Option(None, "--memory-dir", file_okay=False, help="Keep emllm's memory on disk, in a temporary store under this folder (removed after each trial): RAM stays bounded. Needed from a few hundred thousand tokens (SmolLM2 keeps 46 kB of keys and values per token)."),
+    memory_dir: Path = typer.Option(None, "--memory-dir", file_okay=False, help="Keep emllm's memory on disk, in temporary stores under this folder (removed at the end): RAM stays bounded. Needed from a few hundred thousand tokens (SmolLM2 keeps 46 kB of keys and values per token). The filler before the needles, the same in every haystack, is then read once for the whole grid (trials run in the order of their needle's position; same results), at the cost of up to two stores' size on disk."),
     as_json: bool = typer.Option(False, "--json", help="Print all results as one JSON document."),
 ) -> None:
     """Hide a 5-digit key at each depth of a filler haystack and ask for it.
@@ -64,7 +64,7 @@ def passkey(
     from core import models
     from core.engine import Engine
     from core.passkey import run_grid
-    from core.scratch import ScratchStores
+    from core.scratch import TrunkStores
 
     ls, ds = lengths, depths  # parsed by the option callbacks (bad values: usage error, exit 2)
     src = models.resolve(model, profile, log=lambda m: render.err.print(f"[dim]{m}[/dim]"))
@@ -94,7 +94,8 @@ def passkey(
             live.update(Group(render.passkey_table(done, ls, ds, methods), bar))
 
     interrupted = False
-    engines = ScratchStores(mdl, tok, src.profile, memory_dir, src.name) if memory_dir else None
+    engines = TrunkStores(mdl, tok, src.profile, memory_dir, src.name,
+                          log=lambda m: render.err.print(f"[dim]{m}[/dim]")) if memory_dir else None
     try:
         with live:
             run_grid(mdl, tok, engines or (lambda: Engine(mdl, src.profile)), ls, ds, trials, seed, baseline, on_result)

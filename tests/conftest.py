@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3C
 
 from core.config import load_profile
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# OMP_NUM_THREADS=1 beside a benchmark: two threads on a core already busy run ~30x slower.
+torch.set_num_threads(max(1, min(int(os.environ.get("OMP_NUM_THREADS", 2)), os.cpu_count() or 1)))
 
 COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

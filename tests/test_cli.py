@@ -143,6 +143,20 @@ def test_segment_stdin_and_metrics_json(tmp_path, smollm2):
             assert doc["difference_to_random"][m][k] == pytest.approx(d[k] - doc["random"][m][k])
 
 
+def test_passkey_memory_dir_reads_the_shared_filler_once(tmp_path, smollm2):
+    """--memory-dir: trials run on stores under the folder, in the order of their needle, the second
+    continuing the filler the first read (tests/test_store.py: same logits as reading it all); the
+    folder is left empty."""
+    mem = tmp_path / "mem"
+    r = run("passkey", "-l", "1536", "-d", "1,0.5", "-t", "1", "--memory-dir", str(mem), "--json", home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)["results"]
+    assert [x["depth"] for x in res] == [0.5, 1.0] and all(x["correct"] for x in res), res
+    # chunks of 512: the first trial's trunk is its filler's whole chunks, the second shares them and more
+    assert 0 < res[0]["trunk_tokens"] < res[1]["trunk_tokens"] and res[1]["trunk_tokens"] % 512 == 0
+    assert list(mem.iterdir()) == []
+
+
 def test_passkey_interrupted_prints_what_finished(smollm2, monkeypatch):
     """Ctrl-C during the grid: the trials that finished are printed (JSON marked incomplete), one
     line on stderr says so, exit code 130."""

@@ -550,6 +550,46 @@ def test_scratch_stores_equal_the_in_ram_engine_and_leave_nothing(tiny, tmp_path
     assert list((tmp_path / "mem").iterdir()) == []
 
 
+def test_trunk_stores_share_the_prefix_and_equal_separate_engines(tiny, tmp_path, monkeypatch):
+    """`passkey --memory-dir` reads the filler a grid's haystacks share once: each engine continues
+    a copy of the trunk, and its logits and greedy tokens are those of an engine that read the whole
+    prompt itself, bit for bit; a prefix that does not continue the trunk starts a new one; without
+    the disk for a copy an engine reads its prefix itself; nothing is left behind."""
+    import shutil as sh
+
+    from core.passkey import build_prompt, run_grid
+    from core.scratch import TrunkStores
+
+    folder, prof, _, _ = tiny
+    model, tok = _load(folder)
+    profile = load_profile_file(prof)
+    prompts = sorted((build_prompt(tok, n, d, random.Random(f"{n}/{d}")) for n in (300, 520) for d in (0.3, 0.7, 1.0)),
+                     key=lambda p: p.needle_at)
+    other = tok(_text(5, 200), add_special_tokens=False)["input_ids"]
+    cs = profile.chunk_size
+    with TrunkStores(model, tok, profile, tmp_path / "mem") as make:
+        for prefix, doc, q in [(p.document[: p.needle_at], p.document, p.question) for p in prompts] + [(other, other, other[:9])]:
+            eng, k = make.engine_after(prefix)
+            assert k == len(prefix) // cs * cs and k > 0
+            ram = Engine(model, profile)
+            assert torch.equal(eng.feed(doc[k:]), ram.feed(doc))
+            assert torch.equal(eng.feed(q), ram.feed(q))
+            assert eng.generate(4) == ram.generate(4)
+            assert make._trunk_engine.n_tokens == k  # the trunk read up to here, once
+        assert len(list((tmp_path / "mem").iterdir())) == 2  # the trunk and the engine's copy
+        # Read once: the longest prefix's whole chunks, then the other stream's.
+        assert make.shared_tokens == sum(p.needle_at // cs * cs for p in prompts) + len(other) // cs * cs
+        p = prompts[-1]
+        monkeypatch.setattr(sh, "disk_usage", lambda _p: sh._ntuple_diskusage(1 << 40, 1 << 40, 0))
+        eng, k = make.engine_after(p.document[: p.needle_at])
+        assert k == 0 and torch.equal(eng.feed(p.document), Engine(model, profile).feed(p.document))
+        monkeypatch.undo()
+        grid = lambda f: [(r.length, r.depth, r.answer) for r in  # noqa: E731
+                          sorted(run_grid(model, tok, f, [300, 520], [0.0, 0.5, 1.0], 1, 0), key=lambda r: (r.length, r.depth))]
+        assert grid(make) == grid(lambda: Engine(model, profile))
+    assert list((tmp_path / "mem").iterdir()) == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_rowfile_take_reads_any_rows_in_any_order(tmp_path, dtype):
     from core.store import RowFile
