@@ -91,6 +91,8 @@ class TrunkStores(ScratchStores):
         prefix = torch.as_tensor(prefix, dtype=torch.long).flatten()
         cs = self.profile.chunk_size
         k = prefix.numel() // cs * cs
+        if k == 0:
+            return self(), 0
         have = self._trunk_ids.numel()
         if self._trunk is None or have > k or not torch.equal(prefix[:have], self._trunk_ids):
             self._new_trunk()
@@ -99,8 +101,6 @@ class TrunkStores(ScratchStores):
             self._trunk.set_job(prefix[have:k].to(torch.int32), [])
             run_job(self._trunk, self._trunk_engine, commit_every=1 << 30)  # one commit, at k
             self._trunk_ids = prefix[:k].clone()
-        if k == 0:
-            return self(), 0
         need = sum(f.stat().st_size for f in self._trunk_dir.rglob("*") if f.is_file())
         if shutil.disk_usage(self.root).free < 2 * need:  # the copy and what the engine adds to it
             self.log(f"not enough free disk under {self.root} to copy the shared prefix ({need >> 20} MiB): reading it again")
