@@ -449,7 +449,10 @@ def test_ctrl_c_stops_cleanly_and_resume_completes(tiny, tmp_path):
     doc.write_text(_text(10, 8000))  # long enough that the interrupt lands mid-job on a loaded machine (3000 once finished first)
     store = tmp_path / "s"
     p = subprocess.Popen([*_cmd(), "ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", str(store),
-                          "--commit-every", "1"], env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--commit-every", "1"], env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         # a job started in the background by a shell inherits SIGINT ignored (as CI may be):
+                         # the child gets Ctrl-C as from a terminal
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert _wait_for_commit(store, p, 1), "finished before the interrupt"
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
