@@ -27,7 +27,7 @@ import torch
 from .config import Profile
 from .engine import Engine
 from .ingest import create_store, open_engine, run_job
-from .store import Store, StoredEvents
+from .store import Store
 
 
 class ScratchStores:
@@ -42,10 +42,13 @@ class ScratchStores:
 
     def __call__(self) -> Engine:
         self.close_engine()
-        self._dir = Path(tempfile.mkdtemp(prefix="emllm-scratch-", dir=self.root))
-        self._store = create_store(self._dir / "store", self.name, self.model, self.tok, self.profile, chat=False)
-        store = self._store
-        return Engine(self.model, self.profile, memory=lambda i: StoredEvents(store, i))
+        self._dir, self._store = self._new_store("scratch")
+        return open_engine(self._store, self.model)
+
+    def _new_store(self, kind: str) -> tuple[Path, Store]:
+        """A new empty store in a new folder under root: (folder, store at folder/store)."""
+        folder = Path(tempfile.mkdtemp(prefix=f"emllm-{kind}-", dir=self.root))
+        return folder, create_store(folder / "store", self.name, self.model, self.tok, self.profile, chat=False)
 
     def close_engine(self) -> None:
         """Remove the current engine's store (the engine must not be used after)."""
@@ -113,8 +116,8 @@ class TrunkStores(ScratchStores):
 
     def _new_trunk(self) -> None:
         self._close_trunk()
-        self._trunk_dir = Path(tempfile.mkdtemp(prefix="emllm-trunk-", dir=self.root)) / "store"
-        self._trunk = create_store(self._trunk_dir, self.name, self.model, self.tok, self.profile, chat=False)
+        folder, self._trunk = self._new_store("trunk")
+        self._trunk_dir = folder / "store"
         self._trunk_engine = open_engine(self._trunk, self.model)
         self._trunk_ids = torch.zeros(0, dtype=torch.long)
 
