@@ -8,7 +8,7 @@ import random
 import re
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 
@@ -46,6 +46,8 @@ class TrialResult:
     # Of the document, read by a trunk shared with other trials (core/scratch.TrunkStores): in the
     # seconds of the first trial that needed them only.
     trunk_tokens: int = 0
+    # Of the document, read by an earlier process whose store this trial continued (resumed grid).
+    resumed_tokens: int = 0
 
 
 def parse_length(text: str) -> int:
@@ -90,12 +92,14 @@ def score(answer: str, key: str) -> bool:
 
 
 def run_emllm(engine_factory: Callable[[], "object"], tok, prompt: Prompt, max_new_tokens: int = 10,
-              progress: Callable | None = None) -> str:
-    # A factory that shares prefixes (core/scratch.TrunkStores) hands over an engine that has
-    # read the haystack before the needle already; the same for every key and depth.
-    after = getattr(engine_factory, "engine_after", None)
-    eng, k = after(prompt.document[: prompt.needle_at]) if after else (engine_factory(), 0)
-    eng.feed(prompt.document[k:], progress=progress)
+              progress: Callable | None = None, last: bool = False) -> str:
+    # A factory that shares prefixes (core/scratch.TrunkStores) hands over an engine that has read
+    # the document's whole chunks, the haystack before the needle (the same for every key and
+    # depth) from its trunk; `last`: no later prompt will need that trunk.
+    make = getattr(engine_factory, "engine_for", None)
+    eng, k = make(prompt.document, prompt.needle_at, last=last, progress=progress) if make else (engine_factory(), 0)
+    if k < len(prompt.document):
+        eng.feed(prompt.document[k:], progress=progress)
     eng.feed(prompt.question)
     out = eng.generate(max_new_tokens, stop_ids=set(_stop_ids(tok, eng.model)))
     return tok.decode(out, skip_special_tokens=True)
@@ -122,10 +126,11 @@ def _stop_ids(tok, model) -> list[int]:
 def run_grid(
     model, tok, engine_factory, lengths: list[int], depths: list[float], trials: int, seed: int,
     baseline: bool = False, on_result: Callable[[TrialResult], None] | None = None,
-    progress: Callable | None = None, first_trial: int = 0,
+    progress: Callable | None = None, first_trial: int = 0, skip: Collection[tuple[int, float, int, str]] = (),
 ) -> list[TrialResult]:
     """Every (length, depth, trial) cell; the key and prompt depend only on (seed, length, depth, trial),
-    so a grid can be extended later with `first_trial` without repeating a prompt.
+    so a grid can be extended later with `first_trial` without repeating a prompt, or resumed
+    with `skip`: the (length, depth, trial, method) cells answered already.
 
     With a factory that shares prefixes, cells run in the order of their needle's position (all
     haystacks begin with the same filler), so the filler before the needles is read once."""
@@ -133,21 +138,23 @@ def run_grid(
     methods = ["emllm"] + (["baseline"] if baseline else [])
     cells = [(length, depth, t, build_prompt(tok, length, depth, random.Random(f"{seed}/{length}/{depth}/{t}")))
              for length in lengths for depth in depths for t in range(first_trial, first_trial + trials)]
-    if hasattr(engine_factory, "engine_after"):
+    if hasattr(engine_factory, "engine_for"):
         cells.sort(key=lambda c: c[3].needle_at)
-    for length, depth, t, prompt in cells:
-        for method in methods:
-            t0, shared = time.perf_counter(), getattr(engine_factory, "shared_tokens", 0)
-            if method == "emllm":
-                answer = run_emllm(engine_factory, tok, prompt, progress=progress)
-            else:
-                answer = run_baseline(model, tok, prompt)
-            r = TrialResult(length, depth, t, prompt.key, answer.strip(), score(answer, prompt.key), method,
-                            round(time.perf_counter() - t0, 2), len(prompt.document) + len(prompt.question),
-                            getattr(engine_factory, "shared_tokens", 0) - shared)
-            results.append(r)
-            if on_result:
-                on_result(r)
+    todo = [(c, m) for c in cells for m in methods if (c[0], c[1], c[2], m) not in skip]
+    last_emllm = max((i for i, (_, m) in enumerate(todo) if m == "emllm"), default=-1)
+    counts = lambda: (getattr(engine_factory, "shared_tokens", 0), getattr(engine_factory, "resumed_tokens", 0))  # noqa: E731
+    for i, ((length, depth, t, prompt), method) in enumerate(todo):
+        t0, (shared, resumed) = time.perf_counter(), counts()
+        if method == "emllm":
+            answer = run_emllm(engine_factory, tok, prompt, progress=progress, last=i == last_emllm)
+        else:
+            answer = run_baseline(model, tok, prompt)
+        r = TrialResult(length, depth, t, prompt.key, answer.strip(), score(answer, prompt.key), method,
+                        round(time.perf_counter() - t0, 2), len(prompt.document) + len(prompt.question),
+                        counts()[0] - shared, counts()[1] - resumed)
+        results.append(r)
+        if on_result:
+            on_result(r)
     return results
 
 

@@ -17,6 +17,8 @@ of an engine that read the whole stream, so the results are the same, bit for bi
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,9 +27,9 @@ from typing import Any, Callable
 import torch
 
 from .config import Profile
-from .engine import Engine
-from .ingest import create_store, open_engine, run_job
-from .store import Store
+from .engine import ChunkReport, Engine
+from .ingest import _profile_dict, create_store, identity_of, open_engine, pending_tokens, run_job
+from .store import Store, StoreError, StoreLockedError
 
 
 class ScratchStores:
@@ -72,66 +74,172 @@ class ScratchStores:
 class TrunkStores(ScratchStores):
     """Scratch engines that skip a prefix they share with the ones before (one alive at a time).
 
-    `engine_after(prefix)` returns an engine that has read prefix[:k] and k: the trunk store
-    reads the prefix up to its last whole chunk (if it began with what the trunk holds; else the
-    trunk starts over), commits, and the engine runs on a copy of it. Calls with ever longer
-    prefixes of one stream read each token of it once. Without the disk for a copy, the engine
-    reads the prefix itself (k = 0).
+    `engine_for(document, shared)` returns an engine that has read the document's whole chunks:
+    the first `shared` tokens' whole chunks come from the trunk store, which reads them (if they
+    continue what it holds; else it starts over) and commits; the engine runs on a copy of it (or,
+    for the `last` engine, on the trunk itself) and reads the rest of the whole chunks as a store
+    job. Calls with ever longer shared prefixes of one stream read each token of it once. Without
+    the disk for a copy, the engine reads the whole document itself.
+
+    With `keep`, the trunk and the engine's store have fixed names under root, are committed every
+    `commit_every` chunks and stay there when the process ends without `close` (killed, or an
+    exception inside `with`): a later `TrunkStores(keep=True)` on the same root and model carries
+    on from their last commit, with the same chunk borders and state, so the same results.
     """
 
     def __init__(self, model: Any, tok: Any, profile: Profile, root: Path | str, name: str = "scratch",
-                 log: Callable[[str], None] | None = None) -> None:
-        super().__init__(model, tok, profile, root, name)
+                 log: Callable[[str], None] | None = None, keep: bool = False, commit_every: int = 64) -> None:
+        # Retrieval by a store's writer is an exact scan whatever its sketch (core/store.StoredEvents),
+        # and nobody reads these stores but their writer: no sketch to fit and refit.
+        super().__init__(model, tok, profile.replace(faiss_threshold=None), root, name)
         self.log = log or (lambda _m: None)
-        self._trunk_dir: Path | None = None
+        self.keep = keep
+        self.commit_every = commit_every if keep else 1 << 30  # a throwaway store commits once, at the end
+        self._base = self.root if keep else Path(tempfile.mkdtemp(prefix="emllm-grid-", dir=self.root))
         self._trunk: Store | None = None
         self._trunk_engine: Engine | None = None
         self._trunk_ids = torch.zeros(0, dtype=torch.long)  # [k] what the trunk has read
-        self.shared_tokens = 0  # tokens engines were given without reading them (for reports)
+        self.shared_tokens = 0  # tokens engines were given from the trunk without reading them (for reports)
+        self.resumed_tokens = 0  # tokens engines were given from an earlier process's store (keep)
 
-    def engine_after(self, prefix: list[int] | torch.Tensor) -> tuple[Engine, int]:
+    @property
+    def _trunk_dir(self) -> Path:
+        return self._base / "trunk"
+
+    def engine_for(self, document: list[int] | torch.Tensor, shared: int, last: bool = False,
+                   progress: Callable[[ChunkReport], None] | None = None) -> tuple[Engine, int]:
+        """(engine, n): the engine has read document[:n], n = the document's whole chunks."""
         self.close_engine()
-        prefix = torch.as_tensor(prefix, dtype=torch.long).flatten()
+        doc = torch.as_tensor(document, dtype=torch.long).flatten()
         cs = self.profile.chunk_size
-        k = prefix.numel() // cs * cs
-        if k == 0:
-            return self(), 0
+        n = doc.numel() // cs * cs
+        k = min(shared, n) // cs * cs
+        branch = self._base / f"branch-{hashlib.sha256(doc[:n].to(torch.int32).numpy().tobytes()).hexdigest()[:16]}"
+        self._dir = branch
+        self._store = self._reopen(branch / "store", doc[:n]) if self.keep else None
+        if self._store is not None:
+            self.resumed_tokens += self._store.tokens.rows
+        else:
+            shutil.rmtree(branch, ignore_errors=True)
+            if k > 0:
+                self._grow_trunk(doc[:k])
+            self._branch_from_trunk(branch, k, last)
+        engine = open_engine(self._store, self.model)
+        report = (lambda p: progress(ChunkReport(p.done, p.total, p.events))) if progress else None
+        job = self._store.manifest["job"]
+        if job and not job["complete"]:  # what an earlier process queued and did not finish
+            run_job(self._store, engine, commit_every=self.commit_every, progress=report)
+        if (done := self._store.tokens.rows) < n:
+            self._store.set_job(doc[done:n].to(torch.int32), [])
+            run_job(self._store, engine, commit_every=self.commit_every, progress=report)
+        return engine, n
+
+    def _branch_from_trunk(self, branch: Path, k: int, last: bool) -> None:
+        """The engine's store at branch/store: the trunk moved there (last), a copy of it, or new."""
+        if k > 0 and last:
+            self._close_trunk(remove=False)
+            self._trunk_dir.rename(branch)
+            self.shared_tokens += k
+        elif k > 0 and shutil.disk_usage(self.root).free >= 2 * (need := _size(self._trunk_dir)):
+            tmp = branch.with_name(branch.name + ".tmp")  # a copy cut short is never taken for a branch
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(self._trunk_dir / "store", tmp / "store")
+            tmp.rename(branch)
+            self.shared_tokens += k
+        else:
+            if k > 0:
+                self.log(f"not enough free disk under {self.root} to copy the shared prefix ({need >> 20} MiB): reading it again")
+            branch.mkdir(parents=True)
+            self._store = create_store(branch / "store", self.name, self.model, self.tok, self.profile, chat=False)
+            return
+        self._store = Store.open(branch / "store", writable=True)
+
+    def _reopen(self, path: Path, ids: torch.Tensor) -> Store | None:
+        """The store at path, writable, if an earlier process left one of this model and profile
+        that has read (or queued) a prefix of ids [n]; else None."""
+        if not path.exists():
+            return None
+        try:
+            store = Store.open(path, writable=True)
+        except StoreError as e:
+            if isinstance(e, StoreLockedError):
+                raise
+            self.log(f"{path}: {e}; starting it again")
+            return None
+        ok = False
+        try:
+            store.check_identity(identity_of(self.name, self.model, self.tok))
+            held = torch.cat((store.tokens.read().long(), torch.tensor(pending_tokens(store), dtype=torch.long)))
+            ok = (store.manifest["profile"] == json.loads(json.dumps(_profile_dict(self.profile)))
+                  and held.numel() <= ids.numel() and held.numel() % self.profile.chunk_size == 0
+                  and torch.equal(held, ids[: held.numel()]))
+        except StoreError:
+            pass
+        if not ok:
+            store.close()
+            self.log(f"{path}: not what this run needs (another model, profile or text); starting it again")
+            return None
+        return store
+
+    def _grow_trunk(self, prefix: torch.Tensor) -> None:
+        """Make the trunk hold prefix [k] (k whole chunks), reading only what it lacks."""
+        if self._trunk is None and self.keep:
+            self._trunk = self._reopen(self._trunk_dir / "store", prefix)
+            if self._trunk is not None:
+                self._trunk_engine = open_engine(self._trunk, self.model)
+                self._finish_trunk_job()
         have = self._trunk_ids.numel()
-        if self._trunk is None or have > k or not torch.equal(prefix[:have], self._trunk_ids):
+        if self._trunk is None or have > prefix.numel() or not torch.equal(prefix[:have], self._trunk_ids):
             self._new_trunk()
             have = 0
-        if k > have:
-            self._trunk.set_job(prefix[have:k].to(torch.int32), [])
-            run_job(self._trunk, self._trunk_engine, commit_every=1 << 30)  # one commit, at k
-            self._trunk_ids = prefix[:k].clone()
-        need = sum(f.stat().st_size for f in self._trunk_dir.rglob("*") if f.is_file())
-        if shutil.disk_usage(self.root).free < 2 * need:  # the copy and what the engine adds to it
-            self.log(f"not enough free disk under {self.root} to copy the shared prefix ({need >> 20} MiB): reading it again")
-            return self(), 0
-        self._dir = Path(tempfile.mkdtemp(prefix="emllm-branch-", dir=self.root))
-        shutil.copytree(self._trunk_dir, self._dir / "store")
-        self._store = Store.open(self._dir / "store", writable=True)
-        self.shared_tokens += k
-        return open_engine(self._store, self.model), k
+        if prefix.numel() > have:
+            self._trunk.set_job(prefix[have:].to(torch.int32), [])
+            self._finish_trunk_job()
+
+    def _finish_trunk_job(self) -> None:
+        job = self._trunk.manifest["job"]
+        if job and not job["complete"]:
+            run_job(self._trunk, self._trunk_engine, commit_every=self.commit_every)
+        self._trunk_ids = self._trunk.tokens.read().long()
 
     def _new_trunk(self) -> None:
         self._close_trunk()
-        folder, self._trunk = self._new_store("trunk")
-        self._trunk_dir = folder / "store"
+        self._trunk_dir.mkdir(parents=True)
+        self._trunk = create_store(self._trunk_dir / "store", self.name, self.model, self.tok, self.profile, chat=False)
         self._trunk_engine = open_engine(self._trunk, self.model)
         self._trunk_ids = torch.zeros(0, dtype=torch.long)
 
-    def _close_trunk(self) -> None:
+    def _close_trunk(self, remove: bool = True) -> None:
         if self._trunk is not None:
             self._trunk.close()
             self._trunk = self._trunk_engine = None
-        if self._trunk_dir is not None:
-            shutil.rmtree(self._trunk_dir.parent, ignore_errors=True)
-            self._trunk_dir = None
+        self._trunk_ids = torch.zeros(0, dtype=torch.long)
+        if remove:
+            shutil.rmtree(self._trunk_dir, ignore_errors=True)
+
+    def release(self) -> None:
+        """Close every store and leave them on disk, for a later process to carry on (keep)."""
+        if self._store is not None:
+            self._store.close()
+            self._store, self._dir = None, None
+        self._close_trunk(remove=False)
 
     def close(self) -> None:
+        """Close and remove every store made here (with keep: any left by earlier processes too)."""
         self.close_engine()
         self._close_trunk()
+        for d in [self._base] if not self.keep else [*self._base.glob("branch-*")]:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if self.keep and exc_type is not None:
+            self.release()
+        else:
+            self.close()
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 __all__ = ["ScratchStores", "TrunkStores"]

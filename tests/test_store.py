@@ -557,7 +557,8 @@ def test_trunk_stores_share_the_prefix_and_equal_separate_engines(tiny, tmp_path
     """`passkey --memory-dir` reads the filler a grid's haystacks share once: each engine continues
     a copy of the trunk, and its logits and greedy tokens are those of an engine that read the whole
     prompt itself, bit for bit; a prefix that does not continue the trunk starts a new one; without
-    the disk for a copy an engine reads its prefix itself; nothing is left behind."""
+    the disk for a copy an engine reads its document itself; the last engine takes the trunk;
+    nothing is left behind."""
     import shutil as sh
 
     from core.passkey import build_prompt, run_grid
@@ -571,26 +572,95 @@ def test_trunk_stores_share_the_prefix_and_equal_separate_engines(tiny, tmp_path
     other = tok(_text(5, 200), add_special_tokens=False)["input_ids"]
     cs = profile.chunk_size
     with TrunkStores(model, tok, profile, tmp_path / "mem") as make:
-        for prefix, doc, q in [(p.document[: p.needle_at], p.document, p.question) for p in prompts] + [(other, other, other[:9])]:
-            eng, k = make.engine_after(prefix)
-            assert k == len(prefix) // cs * cs and k > 0
+        for doc, shared, q in [(p.document, p.needle_at, p.question) for p in prompts] + [(other, 100, other[:9])]:
+            eng, n = make.engine_for(doc, shared)
+            assert n == len(doc) // cs * cs and eng.n_tokens == n
             ram = Engine(model, profile)
-            assert torch.equal(eng.feed(doc[k:]), ram.feed(doc))
+            rest = eng.feed(doc[n:]) if n < len(doc) else eng.last_logits
+            assert torch.equal(rest, ram.feed(doc))
             assert torch.equal(eng.feed(q), ram.feed(q))
             assert eng.generate(4) == ram.generate(4)
-            assert make._trunk_engine.n_tokens == k  # the trunk read up to here, once
-        assert len(list((tmp_path / "mem").iterdir())) == 2  # the trunk and the engine's copy
+            assert make._trunk_engine.n_tokens == shared // cs * cs  # the trunk read up to here, once
+        assert sorted(d.name[:6] for d in next((tmp_path / "mem").iterdir()).iterdir()) == ["branch", "trunk"]
         # Read once: the longest prefix's whole chunks, then the other stream's.
-        assert make.shared_tokens == sum(p.needle_at // cs * cs for p in prompts) + len(other) // cs * cs
+        assert make.shared_tokens == sum(p.needle_at // cs * cs for p in prompts) + 100 // cs * cs
         p = prompts[-1]
         monkeypatch.setattr(sh, "disk_usage", lambda _p: sh._ntuple_diskusage(1 << 40, 1 << 40, 0))
-        eng, k = make.engine_after(p.document[: p.needle_at])
-        assert k == 0 and torch.equal(eng.feed(p.document), Engine(model, profile).feed(p.document))
+        shared = make.shared_tokens
+        eng, n = make.engine_for(p.document, p.needle_at)
+        assert make.shared_tokens == shared and eng.n_tokens == n  # read it all itself
+        assert torch.equal(eng.feed(p.document[n:]), Engine(model, profile).feed(p.document))
+        eng, n = make.engine_for(p.document, p.needle_at, last=True)  # no copy needed: takes the trunk
+        assert make._trunk is None and make.shared_tokens == shared + p.needle_at // cs * cs
+        assert torch.equal(eng.feed(p.document[n:]), Engine(model, profile).feed(p.document))
         monkeypatch.undo()
         grid = lambda f: [(r.length, r.depth, r.answer) for r in  # noqa: E731
                           sorted(run_grid(model, tok, f, [300, 520], [0.0, 0.5, 1.0], 1, 0), key=lambda r: (r.length, r.depth))]
         assert grid(make) == grid(lambda: Engine(model, profile))
     assert list((tmp_path / "mem").iterdir()) == []
+
+
+def test_kept_trunk_stores_resume_where_a_killed_process_stopped(tiny, tmp_path, monkeypatch):
+    """A grid at 1M tokens outlasts a session: with keep, the trunk and an engine's store, stopped
+    at any step (here by an exception from a step, inside `with`), are carried on by a new
+    TrunkStores on the same folder, and the answers are bit for bit those of an engine that read
+    the prompt without stopping; a store of another text starts again; close removes them all."""
+    from core.passkey import build_prompt, run_grid
+    from core.scratch import TrunkStores
+
+    folder, prof, _, _ = tiny
+    model, tok = _load(folder)
+    profile = load_profile_file(prof)
+    cs = profile.chunk_size
+    p = build_prompt(tok, 700, 0.6, random.Random("resume"))
+    ram = Engine(model, profile)
+    want = (ram.feed(p.document), ram.feed(p.question), ram.generate(4))
+    step = Engine.step
+
+    def stop_after(k):
+        calls = [0]
+
+        def stepping(self, *a, **kw):
+            calls[0] += 1
+            if calls[0] > k:
+                raise KeyboardInterrupt
+            return step(self, *a, **kw)
+        monkeypatch.setattr(Engine, "step", stepping)
+
+    root = tmp_path / "mem"
+    k = p.needle_at // cs  # the trunk's chunks
+    assert len(p.document) // cs > k + 12
+
+    def stopped(steps: int, doc=p.document) -> dict[str, int]:
+        """Run until the step after `steps`; the rows each kept store has committed."""
+        stop_after(steps)
+        with pytest.raises(KeyboardInterrupt), TrunkStores(model, tok, profile, root, keep=True, commit_every=2) as make:
+            make.engine_for(doc, p.needle_at)
+        monkeypatch.setattr(Engine, "step", step)
+        kept = {d.name[:6]: Store.open(d / "store") for d in root.iterdir()}
+        rows = {name: s.tokens.rows for name, s in kept.items()}
+        [s.close() for s in kept.values()]
+        return rows
+
+    assert stopped(7) == {"trunk": 6 * cs}  # stopped in the trunk: its last commit (every 2 chunks)
+    # The trunk carries on from there (k - 6 steps), so the engine's own part gets 11: 10 committed.
+    assert stopped(k + 5) == {"trunk": k * cs, "branch": (k + 10) * cs}
+    logs: list[str] = []
+    with TrunkStores(model, tok, profile, root, keep=True, commit_every=2, log=logs.append) as make:
+        eng, n = make.engine_for(p.document, p.needle_at)
+        assert make.resumed_tokens == (k + 10) * cs and make.shared_tokens == 0 and not logs
+        assert torch.equal(eng.feed(p.document[n:]), want[0]) and torch.equal(eng.feed(p.question), want[1])
+        assert eng.generate(4) == want[2]
+    assert list(root.iterdir()) == []
+    # A kept trunk of another text is not continued: it starts again.
+    other = tok(_text(6, 300), add_special_tokens=False)["input_ids"]
+    assert stopped(3) == {"trunk": 2 * cs}
+    with TrunkStores(model, tok, profile, root, keep=True, log=logs.append) as make:
+        eng, n = make.engine_for(other, 200)
+        assert make.resumed_tokens == 0 and make.shared_tokens == 200 // cs * cs
+        assert len(logs) == 1 and "trunk" in logs[0] and "starting it again" in logs[0]
+        assert torch.equal(eng.feed(other[n:]), Engine(model, profile).feed(other))
+    assert list(root.iterdir()) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
