@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import sys
 import time
@@ -73,6 +74,7 @@ def main() -> None:
     skip = answered(a.out, grid) if a.resume else set()
     if skip:
         print(f"resuming: {len(skip)} cells answered already in {a.out}", flush=True)
+    end_line(a.out)
     with open(a.out, "a") as f:
         f.write(json.dumps({"run": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.processor() or platform.machine(),
                             "threads": torch.get_num_threads(), "grid": grid, "git": git_commit(), "argv": sys.argv}) + "\n")
@@ -99,12 +101,24 @@ def main() -> None:
         print(f"{m:8} {n:>7}: {sum(v)}/{len(v)} = {100 * sum(v) / len(v):.0f}%")
 
 
+def end_line(path: str) -> None:
+    """End a line cut short when a run died writing it, so that what follows is a line of its own."""
+    with open(path, "a+b") as f:
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+
+
 def answered(path: str, grid: dict) -> set[tuple[int, float, int, str]]:
     """(length, depth, trial, method) of the results in `path` written by runs of this grid."""
     cells, ours = set(), False
     with contextlib.suppress(FileNotFoundError), open(path) as f:
         for line in f:
-            r = json.loads(line)
+            try:
+                r = json.loads(line)
+            except ValueError:  # a line cut short when a run died writing it
+                continue
             if "run" in r:
                 ours = r.get("grid") == grid
             elif ours:

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,15 +30,17 @@ import torch
 
 from .config import Profile
 from .engine import ChunkReport, Engine
-from .ingest import _profile_dict, create_store, identity_of, open_engine, pending_tokens, run_job
-from .store import Store, StoreError, StoreLockedError
+from .ingest import _profile_dict, create_store, geometry_of, identity_of, open_engine, pending_tokens, run_job
+from .store import Store, StoreError, _lock
 
 
 class ScratchStores:
     """A factory of engines, each over a new temporary store under `root` (one alive at a time)."""
 
     def __init__(self, model: Any, tok: Any, profile: Profile, root: Path | str, name: str = "scratch") -> None:
-        self.model, self.tok, self.profile, self.name = model, tok, profile, name
+        # Retrieval by a store's writer is an exact scan whatever its sketch (core/store.StoredEvents),
+        # and nobody reads these stores but their writer: no sketch to fit and refit.
+        self.model, self.tok, self.profile, self.name = model, tok, profile.replace(faiss_threshold=None), name
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._store: Store | None = None
@@ -81,21 +85,26 @@ class TrunkStores(ScratchStores):
     job. Calls with ever longer shared prefixes of one stream read each token of it once. Without
     the disk for a copy, the engine reads the whole document itself.
 
-    With `keep`, the trunk and the engine's store have fixed names under root, are committed every
-    `commit_every` chunks and stay there when the process ends without `close` (killed, or an
-    exception inside `with`): a later `TrunkStores(keep=True)` on the same root and model carries
-    on from their last commit, with the same chunk borders and state, so the same results.
+    With `keep`, the trunk and the engine's store have fixed names in root/KEPT (locked by one
+    process at a time), are committed every `commit_every` chunks and stay there when the process
+    ends without `close` (killed, or an exception inside `with`): a later `TrunkStores(keep=True)`
+    on the same root and model carries on from their last commit, with the same chunk borders and
+    state, so the same results (on the same machine and thread count: float sums are not
+    reproducible across them, and nothing here checks that).
     """
+
+    KEPT = "emllm-kept-stores"
 
     def __init__(self, model: Any, tok: Any, profile: Profile, root: Path | str, name: str = "scratch",
                  log: Callable[[str], None] | None = None, keep: bool = False, commit_every: int = 64) -> None:
-        # Retrieval by a store's writer is an exact scan whatever its sketch (core/store.StoredEvents),
-        # and nobody reads these stores but their writer: no sketch to fit and refit.
-        super().__init__(model, tok, profile.replace(faiss_threshold=None), root, name)
+        super().__init__(model, tok, profile, root, name)
         self.log = log or (lambda _m: None)
         self.keep = keep
         self.commit_every = commit_every if keep else 1 << 30  # a throwaway store commits once, at the end
-        self._base = self.root if keep else Path(tempfile.mkdtemp(prefix="emllm-grid-", dir=self.root))
+        self._base = self.root / self.KEPT if keep else Path(tempfile.mkdtemp(prefix="emllm-grid-", dir=self.root))
+        self._base.mkdir(exist_ok=True)
+        # Ours alone while we live: what we find in it that we do not need was left by a dead run.
+        self._lock_fd = _lock(self._base) if keep else None
         self._trunk: Store | None = None
         self._trunk_engine: Engine | None = None
         self._trunk_ids = torch.zeros(0, dtype=torch.long)  # [k] what the trunk has read
@@ -115,16 +124,20 @@ class TrunkStores(ScratchStores):
         n = doc.numel() // cs * cs
         k = min(shared, n) // cs * cs
         branch = self._base / f"branch-{hashlib.sha256(doc[:n].to(torch.int32).numpy().tobytes()).hexdigest()[:16]}"
+        for old in self._base.glob("branch-*"):  # finished, or left by a killed run: the grid skips its prompt
+            if old != branch:
+                shutil.rmtree(old, ignore_errors=True)
         self._dir = branch
-        self._store = self._reopen(branch / "store", doc[:n]) if self.keep else None
-        if self._store is not None:
+        kept = self._reopen(branch / "store", doc[:n]) if self.keep else None
+        if kept is not None:
+            self._store, engine = kept
             self.resumed_tokens += self._store.tokens.rows
         else:
             shutil.rmtree(branch, ignore_errors=True)
             if k > 0:
                 self._grow_trunk(doc[:k])
             self._branch_from_trunk(branch, k, last)
-        engine = open_engine(self._store, self.model)
+            engine = open_engine(self._store, self.model)
         report = (lambda p: progress(ChunkReport(p.done, p.total, p.events))) if progress else None
         job = self._store.manifest["job"]
         if job and not job["complete"]:  # what an earlier process queued and did not finish
@@ -154,40 +167,39 @@ class TrunkStores(ScratchStores):
             return
         self._store = Store.open(branch / "store", writable=True)
 
-    def _reopen(self, path: Path, ids: torch.Tensor) -> Store | None:
-        """The store at path, writable, if an earlier process left one of this model and profile
-        that has read (or queued) a prefix of ids [n]; else None."""
+    def _reopen(self, path: Path, ids: torch.Tensor) -> tuple[Store, Engine] | None:
+        """The store at path, writable, and its engine, if an earlier process left one that this
+        model and profile wrote and that has read (or queued) a prefix of ids [n]; else None."""
         if not path.exists():
             return None
         try:
             store = Store.open(path, writable=True)
         except StoreError as e:
-            if isinstance(e, StoreLockedError):
-                raise
             self.log(f"{path}: {e}; starting it again")
             return None
-        ok = False
         try:
+            identity = store.manifest["identity"]
             store.check_identity(identity_of(self.name, self.model, self.tok))
             held = torch.cat((store.tokens.read().long(), torch.tensor(pending_tokens(store), dtype=torch.long)))
-            ok = (store.manifest["profile"] == json.loads(json.dumps(_profile_dict(self.profile)))
-                  and held.numel() <= ids.numel() and held.numel() % self.profile.chunk_size == 0
-                  and torch.equal(held, ids[: held.numel()]))
-        except StoreError:
-            pass
-        if not ok:
-            store.close()
+            if (identity["model"] == self.name and store.manifest["geometry"] == asdict(geometry_of(self.model))
+                    and store.manifest["profile"] == json.loads(json.dumps(_profile_dict(self.profile)))
+                    and held.numel() <= ids.numel() and held.numel() % self.profile.chunk_size == 0
+                    and torch.equal(held, ids[: held.numel()])):
+                return store, open_engine(store, self.model)
             self.log(f"{path}: not what this run needs (another model, profile or text); starting it again")
-            return None
-        return store
+        except StoreError as e:
+            self.log(f"{path}: {e}; starting it again")
+        except BaseException:
+            store.close()
+            raise
+        store.close()
+        return None
 
     def _grow_trunk(self, prefix: torch.Tensor) -> None:
         """Make the trunk hold prefix [k] (k whole chunks), reading only what it lacks."""
-        if self._trunk is None and self.keep:
-            self._trunk = self._reopen(self._trunk_dir / "store", prefix)
-            if self._trunk is not None:
-                self._trunk_engine = open_engine(self._trunk, self.model)
-                self._finish_trunk_job()
+        if self._trunk is None and self.keep and (kept := self._reopen(self._trunk_dir / "store", prefix)):
+            self._trunk, self._trunk_engine = kept
+            self._finish_trunk_job()
         have = self._trunk_ids.numel()
         if self._trunk is None or have > prefix.numel() or not torch.equal(prefix[:have], self._trunk_ids):
             self._new_trunk()
@@ -223,13 +235,19 @@ class TrunkStores(ScratchStores):
             self._store.close()
             self._store, self._dir = None, None
         self._close_trunk(remove=False)
+        self._unlock()
 
     def close(self) -> None:
         """Close and remove every store made here (with keep: any left by earlier processes too)."""
         self.close_engine()
         self._close_trunk()
-        for d in [self._base] if not self.keep else [*self._base.glob("branch-*")]:
-            shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(self._base, ignore_errors=True)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         if self.keep and exc_type is not None:

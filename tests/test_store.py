@@ -628,6 +628,9 @@ def test_kept_trunk_stores_resume_where_a_killed_process_stopped(tiny, tmp_path,
         monkeypatch.setattr(Engine, "step", stepping)
 
     root = tmp_path / "mem"
+    (root / "trunk").mkdir(parents=True)  # the user's own, beside ours: never touched
+    (root / "branch-1.txt").write_text("mine")
+    mine = sorted(root.iterdir())
     k = p.needle_at // cs  # the trunk's chunks
     assert len(p.document) // cs > k + 12
 
@@ -637,7 +640,7 @@ def test_kept_trunk_stores_resume_where_a_killed_process_stopped(tiny, tmp_path,
         with pytest.raises(KeyboardInterrupt), TrunkStores(model, tok, profile, root, keep=True, commit_every=2) as make:
             make.engine_for(doc, p.needle_at)
         monkeypatch.setattr(Engine, "step", step)
-        kept = {d.name[:6]: Store.open(d / "store") for d in root.iterdir()}
+        kept = {d.name[:6]: Store.open(d / "store") for d in (root / TrunkStores.KEPT).iterdir() if d.is_dir()}
         rows = {name: s.tokens.rows for name, s in kept.items()}
         [s.close() for s in kept.values()]
         return rows
@@ -647,12 +650,18 @@ def test_kept_trunk_stores_resume_where_a_killed_process_stopped(tiny, tmp_path,
     assert stopped(k + 5) == {"trunk": k * cs, "branch": (k + 10) * cs}
     logs: list[str] = []
     with TrunkStores(model, tok, profile, root, keep=True, commit_every=2, log=logs.append) as make:
+        with pytest.raises(StoreError, match="another emllm process"):  # one run at a time on a folder
+            TrunkStores(model, tok, profile, root, keep=True)
         eng, n = make.engine_for(p.document, p.needle_at)
         assert make.resumed_tokens == (k + 10) * cs and make.shared_tokens == 0 and not logs
         assert torch.equal(eng.feed(p.document[n:]), want[0]) and torch.equal(eng.feed(p.question), want[1])
         assert eng.generate(4) == want[2]
-    assert list(root.iterdir()) == []
-    # A kept trunk of another text is not continued: it starts again.
+    assert sorted(root.iterdir()) == mine
+    # A kept trunk of another model or text is not continued: it starts again.
+    assert stopped(3) == {"trunk": 2 * cs}
+    with TrunkStores(model, tok, profile, root, name="other", keep=True, log=logs.append) as make:
+        make.engine_for(p.document, p.needle_at)
+        assert make.resumed_tokens == 0 and len(logs) == 1 and "not what this run needs" in logs.pop()
     other = tok(_text(6, 300), add_special_tokens=False)["input_ids"]
     assert stopped(3) == {"trunk": 2 * cs}
     with TrunkStores(model, tok, profile, root, keep=True, log=logs.append) as make:
@@ -660,7 +669,7 @@ def test_kept_trunk_stores_resume_where_a_killed_process_stopped(tiny, tmp_path,
         assert make.resumed_tokens == 0 and make.shared_tokens == 200 // cs * cs
         assert len(logs) == 1 and "trunk" in logs[0] and "starting it again" in logs[0]
         assert torch.equal(eng.feed(other[n:]), Engine(model, profile).feed(other))
-    assert list(root.iterdir()) == []
+    assert sorted(root.iterdir()) == mine
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
