@@ -136,7 +136,7 @@ class TrunkStores(ScratchStores):
             shutil.rmtree(branch, ignore_errors=True)
             if k > 0:
                 self._grow_trunk(doc[:k])
-            self._branch_from_trunk(branch, k, last)
+            self._branch_from_trunk(branch, k, n, last)
             engine = open_engine(self._store, self.model)
         report = (lambda p: progress(ChunkReport(p.done, p.total, p.events))) if progress else None
         job = self._store.manifest["job"]
@@ -147,25 +147,41 @@ class TrunkStores(ScratchStores):
             run_job(self._store, engine, commit_every=self.commit_every, progress=report)
         return engine, n
 
-    def _branch_from_trunk(self, branch: Path, k: int, last: bool) -> None:
-        """The engine's store at branch/store: the trunk moved there (last), a copy of it, or new."""
+    def _branch_from_trunk(self, branch: Path, k: int, n: int, last: bool) -> None:
+        """The engine's store at branch/store, for a document of n tokens: a copy of the trunk,
+        the trunk itself (last, or when the disk holds no copy beside what the document adds), or
+        a new store (k = 0). Refuses, before reading anything, a document the disk cannot hold."""
+        trunk = _size(self._trunk_dir) if k > 0 else 0
+        per_token = trunk / k if k > 0 else self._bytes_per_token()
+        free, grow = shutil.disk_usage(self.root).free, int((n - k) * per_token)
+        if free < grow:
+            raise StoreError(f"not enough free disk under {self.root} for a store of {n} tokens: "
+                             f"~{_gib(grow)} GiB more needed, {_gib(free)} GiB free")
+        if k > 0 and not last and free < trunk + grow:
+            self.log(f"not enough free disk under {self.root} to copy the shared prefix ({_gib(trunk)} GiB) beside what "
+                     f"this prompt adds ({_gib(grow)} GiB): it takes the trunk, and later ones read their prefix again")
+            last = True
         if k > 0 and last:
             self._close_trunk(remove=False)
             self._trunk_dir.rename(branch)
-            self.shared_tokens += k
-        elif k > 0 and shutil.disk_usage(self.root).free >= 2 * (need := _size(self._trunk_dir)):
+        elif k > 0:
             tmp = branch.with_name(branch.name + ".tmp")  # a copy cut short is never taken for a branch
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(self._trunk_dir / "store", tmp / "store")
             tmp.rename(branch)
-            self.shared_tokens += k
         else:
-            if k > 0:
-                self.log(f"not enough free disk under {self.root} to copy the shared prefix ({need >> 20} MiB): reading it again")
             branch.mkdir(parents=True)
             self._store = create_store(branch / "store", self.name, self.model, self.tok, self.profile, chat=False)
             return
+        self.shared_tokens += k
         self._store = Store.open(branch / "store", writable=True)
+
+    def _bytes_per_token(self) -> float:
+        """A store's bytes per token, over-estimated: keys and values, and a representative key
+        per event of the shortest size."""
+        g = geometry_of(self.model)
+        elem = torch.empty(0, dtype=getattr(torch, g.dtype)).element_size()
+        return g.layers * (2 * g.kv_heads + g.q_heads / self.profile.min_block) * g.head_dim * elem + 16
 
     def _reopen(self, path: Path, ids: torch.Tensor) -> tuple[Store, Engine] | None:
         """The store at path, writable, and its engine, if an earlier process left one that this
@@ -258,6 +274,10 @@ class TrunkStores(ScratchStores):
 
 def _size(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f}"
 
 
 __all__ = ["ScratchStores", "TrunkStores"]

@@ -557,7 +557,8 @@ def test_trunk_stores_share_the_prefix_and_equal_separate_engines(tiny, tmp_path
     """`passkey --memory-dir` reads the filler a grid's haystacks share once: each engine continues
     a copy of the trunk, and its logits and greedy tokens are those of an engine that read the whole
     prompt itself, bit for bit; a prefix that does not continue the trunk starts a new one; without
-    the disk for a copy an engine reads its document itself; the last engine takes the trunk;
+    the disk for a copy it takes the trunk, as the last engine does; without the disk for its
+    document, it refuses;
     nothing is left behind."""
     import shutil as sh
 
@@ -585,13 +586,22 @@ def test_trunk_stores_share_the_prefix_and_equal_separate_engines(tiny, tmp_path
         # Read once: the longest prefix's whole chunks, then the other stream's.
         assert make.shared_tokens == sum(p.needle_at // cs * cs for p in prompts) + 100 // cs * cs
         p = prompts[-1]
-        monkeypatch.setattr(sh, "disk_usage", lambda _p: sh._ntuple_diskusage(1 << 40, 1 << 40, 0))
+        disk = lambda free: monkeypatch.setattr(sh, "disk_usage", lambda _p: sh._ntuple_diskusage(1 << 40, 1 << 40, free))  # noqa: E731
+        disk(0)
+        with pytest.raises(StoreError, match="not enough free disk"):  # refused before reading anything
+            make.engine_for(p.document, p.needle_at)
+        assert make._trunk_engine.n_tokens == p.needle_at // cs * cs
+        # Room for what the prompt adds but not for a copy too: it takes the trunk.
+        store_bytes = sum(f.stat().st_size for f in (make._base / "trunk").rglob("*") if f.is_file())
+        disk(store_bytes)
         shared = make.shared_tokens
         eng, n = make.engine_for(p.document, p.needle_at)
-        assert make.shared_tokens == shared and eng.n_tokens == n  # read it all itself
-        assert torch.equal(eng.feed(p.document[n:]), Engine(model, profile).feed(p.document))
-        eng, n = make.engine_for(p.document, p.needle_at, last=True)  # no copy needed: takes the trunk
         assert make._trunk is None and make.shared_tokens == shared + p.needle_at // cs * cs
+        assert torch.equal(eng.feed(p.document[n:]), Engine(model, profile).feed(p.document))
+        disk(1 << 40)
+        eng, n = make.engine_for(p.document, p.needle_at, last=True)  # a new trunk, taken: no copy
+        assert make._trunk is None and make.shared_tokens == shared + 2 * (p.needle_at // cs * cs)
+        assert len(list(make._base.iterdir())) == 1
         assert torch.equal(eng.feed(p.document[n:]), Engine(model, profile).feed(p.document))
         monkeypatch.undo()
         grid = lambda f: [(r.length, r.depth, r.answer) for r in  # noqa: E731
