@@ -83,7 +83,8 @@ class TrunkStores(ScratchStores):
     continue what it holds; else it starts over) and commits; the engine runs on a copy of it (or,
     for the `last` engine, on the trunk itself) and reads the rest of the whole chunks as a store
     job. Calls with ever longer shared prefixes of one stream read each token of it once. Without
-    the disk for a copy, the engine reads the whole document itself.
+    the disk for a copy beside what the document adds, the engine takes the trunk (later ones read
+    their prefix again); without the disk for the document, it refuses (StoreError) before reading.
 
     With `keep`, the trunk and the engine's store have fixed names in root/KEPT (locked by one
     process at a time), are committed every `commit_every` chunks and stay there when the process
