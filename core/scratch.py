@@ -30,7 +30,7 @@ import torch
 
 from .config import Profile
 from .engine import ChunkReport, Engine
-from .ingest import _profile_dict, create_store, geometry_of, identity_of, open_engine, pending_tokens, run_job
+from .ingest import Progress, _profile_dict, create_store, geometry_of, identity_of, open_engine, pending_tokens, run_job
 from .store import Store, StoreError, _lock
 
 
@@ -140,12 +140,7 @@ class TrunkStores(ScratchStores):
             self._branch_from_trunk(branch, k, n, last)
             engine = open_engine(self._store, self.model)
         report = (lambda p: progress(ChunkReport(p.done, p.total, p.events))) if progress else None
-        job = self._store.manifest["job"]
-        if job and not job["complete"]:  # what an earlier process queued and did not finish
-            run_job(self._store, engine, commit_every=self.commit_every, progress=report)
-        if (done := self._store.tokens.rows) < n:
-            self._store.set_job(doc[done:n].to(torch.int32), [])
-            run_job(self._store, engine, commit_every=self.commit_every, progress=report)
+        _read_to(self._store, engine, doc[:n], self.commit_every, report)
         return engine, n
 
     def _branch_from_trunk(self, branch: Path, k: int, n: int, last: bool) -> None:
@@ -215,21 +210,13 @@ class TrunkStores(ScratchStores):
     def _grow_trunk(self, prefix: torch.Tensor) -> None:
         """Make the trunk hold prefix [k] (k whole chunks), reading only what it lacks."""
         if self._trunk is None and self.keep and (kept := self._reopen(self._trunk_dir / "store", prefix)):
-            self._trunk, self._trunk_engine = kept
-            self._finish_trunk_job()
+            self._trunk, self._trunk_engine = kept  # holds (or has queued) a prefix of it: checked
+            self._trunk_ids = prefix[: self._trunk.tokens.rows + len(pending_tokens(self._trunk))]
         have = self._trunk_ids.numel()
         if self._trunk is None or have > prefix.numel() or not torch.equal(prefix[:have], self._trunk_ids):
             self._new_trunk()
-            have = 0
-        if prefix.numel() > have:
-            self._trunk.set_job(prefix[have:].to(torch.int32), [])
-            self._finish_trunk_job()
-
-    def _finish_trunk_job(self) -> None:
-        job = self._trunk.manifest["job"]
-        if job and not job["complete"]:
-            run_job(self._trunk, self._trunk_engine, commit_every=self.commit_every)
-        self._trunk_ids = self._trunk.tokens.read().long()
+        _read_to(self._trunk, self._trunk_engine, prefix, self.commit_every)
+        self._trunk_ids = prefix.clone()
 
     def _new_trunk(self) -> None:
         self._close_trunk()
@@ -271,6 +258,18 @@ class TrunkStores(ScratchStores):
             self.release()
         else:
             self.close()
+
+
+def _read_to(store: Store, engine: Engine, ids: torch.Tensor, commit_every: int,
+             progress: Callable[[Progress], None] | None = None) -> None:
+    """Make the store hold ids [n] (whole chunks; it holds or has queued a prefix of them): finish
+    the job a killed run left, then read the rest as a job of its own."""
+    job = store.manifest["job"]
+    if job and not job["complete"]:
+        run_job(store, engine, commit_every=commit_every, progress=progress)
+    if (done := store.tokens.rows) < ids.numel():
+        store.set_job(ids[done:].to(torch.int32), [])
+        run_job(store, engine, commit_every=commit_every, progress=progress)
 
 
 def _size(folder: Path) -> int:
