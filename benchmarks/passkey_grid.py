@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import platform
 import sys
-import time
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
@@ -29,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, benchmarks/ is not a package on the path
 from benchmarks import git_commit  # noqa: E402
-from core import models
+from core import models, results_log
 from core.engine import Engine
 from core.passkey import parse_length, run_grid
 from core.scratch import ScratchStores, TrunkStores
@@ -71,17 +69,14 @@ def main() -> None:
     lengths = [parse_length(x) for x in a.lengths.split(",")]
     depths = [float(x) for x in a.depths.split(",")]
     grid = {"model": src.name, "variant": a.variant, "profile": json.loads(json.dumps(asdict(profile))), "seed": a.seed}
-    skip = answered(a.out, grid) if a.resume else set()
+    skip = {(r["length"], r["depth"], r["trial"], r["method"]) for r in results_log.results_of(a.out, grid)} if a.resume else set()
     if skip:
         print(f"resuming: {len(skip)} cells answered already in {a.out}", flush=True)
-    end_line(a.out)
-    with open(a.out, "a") as f:
-        f.write(json.dumps({"run": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.processor() or platform.machine(),
-                            "threads": torch.get_num_threads(), "grid": grid, "git": git_commit(), "argv": sys.argv}) + "\n")
+    results_log.start_run(a.out, grid, machine=platform.processor() or platform.machine(),
+                          threads=torch.get_num_threads(), git=git_commit(), argv=sys.argv)
 
     def keep(r):
-        with open(a.out, "a") as f:
-            f.write(json.dumps(asdict(r)) + "\n")
+        results_log.append(a.out, asdict(r))
         print(f"{a.variant:10} {r.method:8} {r.length:>7} depth {r.depth:.2f} trial {r.trial}: {'OK ' if r.correct else 'BAD'} "
               f"{r.answer!r} (key {r.key}, {r.seconds:.0f} s)", flush=True)
 
@@ -99,31 +94,6 @@ def main() -> None:
         acc[(r.method, r.length)].append(r.correct)
     for (m, n), v in sorted(acc.items()):
         print(f"{m:8} {n:>7}: {sum(v)}/{len(v)} = {100 * sum(v) / len(v):.0f}%")
-
-
-def end_line(path: str) -> None:
-    """End a line cut short when a run died writing it, so that what follows is a line of its own."""
-    with open(path, "a+b") as f:
-        if f.seek(0, os.SEEK_END) > 0:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
-
-
-def answered(path: str, grid: dict) -> set[tuple[int, float, int, str]]:
-    """(length, depth, trial, method) of the results in `path` written by runs of this grid."""
-    cells, ours = set(), False
-    with contextlib.suppress(FileNotFoundError), open(path) as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except ValueError:  # a line cut short when a run died writing it
-                continue
-            if "run" in r:
-                ours = r.get("grid") == grid
-            elif ours:
-                cells.add((r["length"], r["depth"], r["trial"], r["method"]))
-    return cells
 
 
 if __name__ == "__main__":

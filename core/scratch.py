@@ -113,6 +113,12 @@ class TrunkStores(ScratchStores):
         self.resumed_tokens = 0  # tokens engines were given from an earlier process's store (keep)
 
     @property
+    def folder(self) -> Path:
+        """Where the stores are: root/KEPT with keep (files of a caller's may lie beside them;
+        they stay until `close`), else a temporary folder of its own."""
+        return self._base
+
+    @property
     def _trunk_dir(self) -> Path:
         return self._base / "trunk"
 
@@ -212,6 +218,7 @@ class TrunkStores(ScratchStores):
         if self._trunk is None and self.keep and (kept := self._reopen(self._trunk_dir / "store", prefix)):
             self._trunk, self._trunk_engine = kept  # holds (or has queued) a prefix of it: checked
             self._trunk_ids = prefix[: self._trunk.tokens.rows + len(pending_tokens(self._trunk))]
+            self.resumed_tokens += self._trunk.tokens.rows
         have = self._trunk_ids.numel()
         if self._trunk is None or have > prefix.numel() or not torch.equal(prefix[:have], self._trunk_ids):
             self._new_trunk()

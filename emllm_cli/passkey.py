@@ -47,6 +47,7 @@ def passkey(
     model: str = ModelOpt,
     profile: str = ProfileOpt,
     memory_dir: Path = typer.Option(None, "--memory-dir", file_okay=False, help="Keep emllm's memory on disk, in temporary stores under this folder (removed at the end): RAM stays bounded. Needed from a few hundred thousand tokens (SmolLM2 keeps 46 kB of keys and values per token). The filler before the needles, the same in every haystack, is then read once for the whole grid (trials run in the order of their needle's position; same results), at the cost of up to two stores' size on disk."),
+    resume: bool = typer.Option(False, "--resume", help="With --memory-dir: keep the grid's progress there (the trials answered, and the stores of the filler and of the trial under way, committed every 64 chunks), so that the same command, run again after a kill, a crash or Ctrl-C, carries on where it stopped instead of starting over. Removed when the grid completes."),
     as_json: bool = typer.Option(False, "--json", help="Print all results as one JSON document."),
 ) -> None:
     """Hide a 5-digit key at each depth of a filler haystack and ask for it.
@@ -59,19 +60,35 @@ def passkey(
 
       emllm passkey -l 4k -d 0.5 -t 1 --json
 
-      emllm passkey -l 1m -d 0.5 -t 1 --memory-dir /var/tmp
+      emllm passkey -l 1m -d 0.5 -t 1 --memory-dir /var/tmp --resume
     """
-    from core import models
+    from core import models, results_log
     from core.engine import Engine
     from core.passkey import run_grid
     from core.scratch import TrunkStores
 
     ls, ds = lengths, depths  # parsed by the option callbacks (bad values: usage error, exit 2)
-    src = models.resolve(model, profile, log=lambda m: render.err.print(f"[dim]{m}[/dim]"))
+    if resume and memory_dir is None:
+        raise typer.BadParameter("needs --memory-dir, the folder that keeps the progress", param_hint="'--resume'")
+    log = lambda m: render.err.print(f"[dim]{m}[/dim]")  # noqa: E731
+    src = models.resolve(model, profile, log=log)
     mdl, tok = models.load(src)
     methods = ["emllm"] + (["baseline"] if baseline else [])
-    done: list[dict] = []
     n_trials = len(ls) * len(ds) * trials * len(methods)
+    engines = TrunkStores(mdl, tok, src.profile, memory_dir, src.name, log=log, keep=resume) if memory_dir else None
+    if memory_dir and not resume and (memory_dir / TrunkStores.KEPT).exists():
+        log(f"{memory_dir / TrunkStores.KEPT} holds the progress of a run with --resume: add --resume to carry it on")
+    # With --resume, every answer is on disk before the next trial starts; a later run of the same
+    # grid (model, profile, seed) takes them instead of asking again.
+    journal = engines.folder / "passkey-results.jsonl" if resume else None
+    grid = {"model": src.name, "profile": asdict(src.profile), "seed": seed}
+    cells = {(n, d, t, m) for n in ls for d in ds for t in range(trials) for m in methods}
+    done: list[dict] = [r for r in results_log.results_of(journal, grid)
+                        if (r.get("length"), r.get("depth"), r.get("trial"), r.get("method")) in cells] if journal else []
+    if journal:
+        if done:
+            log(f"resuming: {len(done)} of {n_trials} trials answered already ({journal})")
+        results_log.start_run(journal, grid)
     # Progress counts tokens, so the ETA weighs a 32k trial 8 times a 4k one (the plain model
     # reads at most its context).
     ctx = getattr(mdl.config, "max_position_embeddings", None) or max(ls)
@@ -81,32 +98,38 @@ def passkey(
     # piped, progress goes to stderr and the table or JSON comes once at the end.
     interactive = render.out.is_terminal and not as_json
     bar = render.progress(console=render.out if interactive else render.err)
-    task = bar.add_task("passkey", total=total, rate="")
+    task = bar.add_task("passkey", total=total, rate="", completed=sum(cost(r["method"], r["length"]) for r in done))
     live = Live(Group(render.passkey_table(done, ls, ds, methods), bar), console=render.out,
                 refresh_per_second=4) if interactive else bar
     t0 = time.perf_counter()
 
     def on_result(r) -> None:
         done.append(asdict(r))
+        if journal:
+            results_log.append(journal, done[-1])
         ok = sum(x["correct"] for x in done)
         bar.update(task, advance=cost(r.method, r.length), rate=f"tokens · {len(done)}/{n_trials} trials, {ok} correct")
         if interactive:
             live.update(Group(render.passkey_table(done, ls, ds, methods), bar))
 
-    interrupted = False
-    engines = TrunkStores(mdl, tok, src.profile, memory_dir, src.name,
-                          log=lambda m: render.err.print(f"[dim]{m}[/dim]")) if memory_dir else None
+    interrupted, finished = False, False
+    skip = {(r["length"], r["depth"], r["trial"], r["method"]) for r in done}
     try:
         with live:
-            run_grid(mdl, tok, engines or (lambda: Engine(mdl, src.profile)), ls, ds, trials, seed, baseline, on_result)
+            run_grid(mdl, tok, engines or (lambda: Engine(mdl, src.profile)), ls, ds, trials, seed, baseline, on_result,
+                     skip=skip)
+        finished = True
     except KeyboardInterrupt:
         interrupted = True  # keep what finished: print it below
     finally:
-        if engines is not None:
+        if engines is not None and (finished or not resume):
             engines.close()
+        elif engines is not None:
+            engines.release()  # --resume: the next run carries on from here
     doc = {
         "model": src.name, "profile": asdict(src.profile), "lengths": ls, "depths": ds, "trials": trials,
         "seed": seed, "seconds": round(time.perf_counter() - t0, 1), "complete": not interrupted, "results": done,
+        "resumed_trials": len(skip),
         "accuracy": {m: {str(n): _acc(done, m, n) for n in ls} for m in methods},
     }
     if as_json:
@@ -116,7 +139,9 @@ def passkey(
     else:
         render.out.print(render.passkey_table(done, ls, ds, methods))
     if interrupted:
-        render.err.print(f"emllm: interrupted after {len(done)} of {n_trials} trials; the results above are partial")
+        kept = f"; run the same command again to carry on (kept in {engines.folder})" if resume else ""
+        render.err.print(f"emllm: interrupted after {len(done)} of {n_trials} trials; the results above are partial{kept}",
+                         soft_wrap=True)
         raise typer.Exit(130)
 
 

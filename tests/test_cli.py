@@ -28,6 +28,7 @@ def run(*args: str, home: Path, timeout: int = 600) -> subprocess.CompletedProce
     (["passkey", "-m", "llama3.1"], 1, "never downloads"),
     (["passkey", "--profile", "nope"], 1, "unknown profile 'nope'"),
     (["passkey", "--memory-dir", __file__], 2, "Invalid value for '--memory-dir'"),
+    (["passkey", "--resume"], 2, "needs --memory-dir"),
     (["segment", "README.md", "--out", "/nonexistent/x.json"], 1, "no folder /nonexistent"),
     (["ingest", "README.md", "-m", "nope"], 1, "unknown model 'nope'"),
     (["ingest", "README.md", "--profile", "nope"], 1, "unknown profile 'nope'"),
@@ -155,6 +156,52 @@ def test_passkey_memory_dir_reads_the_shared_filler_once(tmp_path, smollm2):
     # chunks of 512: the first trial's trunk is its filler's whole chunks, the second shares them and more
     assert 0 < res[0]["trunk_tokens"] < res[1]["trunk_tokens"] and res[1]["trunk_tokens"] % 512 == 0
     assert list(mem.iterdir()) == []
+
+
+def test_passkey_resume_carries_on_after_ctrl_c(tmp_path, smollm2, monkeypatch):
+    """--resume: Ctrl-C before the second trial keeps the first answer and the filler's store in
+    --memory-dir; the same command again asks only the second, continues that store, and gives the
+    answers of a run never stopped; the folder is left empty."""
+    from typer.testing import CliRunner
+
+    import core.passkey
+    from emllm_cli.main import app
+
+    real, asked, stop = core.passkey.run_emllm, [], {"at": 2}
+
+    def ctrl_c_at(factory, tok, prompt, **kw):
+        asked.append(prompt.key)
+        if len(asked) == stop["at"]:
+            raise KeyboardInterrupt
+        return real(factory, tok, prompt, **kw)
+
+    monkeypatch.setattr(core.passkey, "run_emllm", ctrl_c_at)
+    mem = tmp_path / "mem"
+    args = ["passkey", "-l", "1536", "-d", "1,0.5", "-t", "1", "--memory-dir", str(mem), "--resume", "--json"]
+    r1 = CliRunner().invoke(app, args)
+    assert r1.exit_code == 130, r1.output
+    first = json.loads(r1.stdout)["results"]
+    assert [x["depth"] for x in first] == [0.5]
+    assert "run the same command again to carry on" in r1.stderr.strip().splitlines()[-1]
+    kept = mem / "emllm-kept-stores"
+    assert (kept / "passkey-results.jsonl").exists() and (kept / "trunk").is_dir()
+
+    stop["at"] = 0
+    r2 = CliRunner().invoke(app, args)
+    assert r2.exit_code == 0, r2.output
+    doc = json.loads(r2.stdout)
+    assert len(asked) == 3 and doc["resumed_trials"] == 1 and doc["complete"] is True  # 1 asked, 1 cut, 1 asked
+    assert doc["results"][0] == first[0]  # taken from the kept answers, not asked again
+    second = doc["results"][1]
+    assert second["depth"] == 1.0 and 0 < second["resumed_tokens"] <= second["trunk_tokens"]  # the kept trunk, continued
+    assert "resuming: 1 of 2 trials answered already" in r2.stderr
+    assert list(mem.iterdir()) == []
+
+    r3 = CliRunner().invoke(app, args[:-2] + ["--json"])  # the same grid, never stopped, without --resume
+    assert r3.exit_code == 0, r3.output
+    plain = json.loads(r3.stdout)["results"]
+    assert [(x["key"], x["answer"], x["correct"]) for x in plain] == [(x["key"], x["answer"], x["correct"]) for x in doc["results"]]
+    assert all(x["correct"] for x in plain) and plain[1]["resumed_tokens"] == 0
 
 
 def test_passkey_interrupted_prints_what_finished(smollm2, monkeypatch):

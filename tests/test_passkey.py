@@ -39,3 +39,26 @@ def test_smollm2_passkey_beyond_its_context(smollm2):
     p = build_prompt(tok, 10_000, 0.5, random.Random(7))  # 8k context: the plain model cannot see it all
     answer = run_emllm(lambda: Engine(model, prof), tok, p)
     assert score(answer, p.key), answer
+
+
+def test_results_log_reads_back_its_grid_only(tmp_path):
+    """Results come back for runs of the same grid only (other seeds, older headers without a grid
+    are not ours); a line a killed run cut short is ended before the next run writes, and skipped."""
+    from core import results_log
+
+    log, g0, g1 = tmp_path / "sub" / "r.jsonl", {"model": "m", "seed": 0, "sizes": (1, 2)}, {"model": "m", "seed": 1}
+    results_log.start_run(log, g0, argv=["x"])
+    results_log.append(log, {"length": 8, "depth": 0.5, "trial": 0})
+    results_log.start_run(log, g1)
+    results_log.append(log, {"length": 8, "depth": 0.5, "trial": 1})
+    results_log.append(log, {"run": "old", "threads": 1})  # a header of an older format: no grid
+    results_log.append(log, {"length": 8, "depth": 1.0, "trial": 9})
+    with open(log, "a") as f:
+        f.write('{"length": 8, "dep')  # killed while writing
+    results_log.start_run(log, g0)
+    results_log.append(log, {"length": 16, "depth": 0.0, "trial": 0})
+    assert results_log.results_of(log, g0) == [{"length": 8, "depth": 0.5, "trial": 0}, {"length": 16, "depth": 0.0, "trial": 0}]
+    assert results_log.results_of(log, g1) == [{"length": 8, "depth": 0.5, "trial": 1}]
+    assert results_log.results_of(tmp_path / "none.jsonl", g0) == []
+    lines = log.read_text().splitlines()
+    assert lines[-3] == '{"length": 8, "dep' and '"grid": {"model": "m", "seed": 0, "sizes": [1, 2]}' in lines[-2]

@@ -1,0 +1,62 @@
+"""An append-only JSON-lines log of results, for runs longer than a process.
+
+Each run writes a header line (`{"run": its start, "grid": {...}, ...}`), then one line per result as it
+finishes, flushed and synced, so that a killed run keeps what it measured. A later run of the same
+grid (equal header `grid`) reads back the results written under such headers and skips them. A line
+cut short by a kill is ended before anything is appended, and ignored when read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def end_line(path: Path | str) -> None:
+    """End a line cut short when a run died writing it, so that what follows is a line of its own."""
+    with open(path, "a+b") as f:
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+
+
+def append(path: Path | str, record: dict[str, Any]) -> None:
+    """Append one record as a line and put it on disk before returning (a result costs hours)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def start_run(path: Path | str, grid: dict[str, Any], **header: Any) -> None:
+    """Begin a run of `grid`: end a line a dead run cut short, then write the header."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    end_line(path)
+    append(path, {"run": time.strftime("%Y-%m-%d %H:%M:%S"), **header, "grid": grid})
+
+
+def results_of(path: Path | str, grid: dict[str, Any]) -> list[dict[str, Any]]:
+    """The result records in `path` written by runs of `grid` (none if the file does not exist)."""
+    grid = json.loads(json.dumps(grid))  # as it reads back: tuples become lists
+    out, ours = [], False
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except ValueError:  # a line cut short when a run died writing it
+                continue
+            if not isinstance(r, dict):
+                continue
+            if "run" in r:  # a header (older ones have no grid: never ours)
+                ours = r.get("grid") == grid
+            elif ours:
+                out.append(r)
+    return out
+
+
+__all__ = ["append", "end_line", "results_of", "start_run"]
