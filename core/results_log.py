@@ -13,7 +13,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def end_line(path: Path | str) -> None:
@@ -40,23 +40,40 @@ def start_run(path: Path | str, grid: dict[str, Any], **header: Any) -> None:
     append(path, {"run": time.strftime("%Y-%m-%d %H:%M:%S"), **header, "grid": grid})
 
 
-def results_of(path: Path | str, grid: dict[str, Any]) -> list[dict[str, Any]]:
-    """The result records in `path` written by runs of `grid` (none if the file does not exist)."""
-    grid = json.loads(json.dumps(grid))  # as it reads back: tuples become lists
-    out, ours = [], False
-    with contextlib.suppress(FileNotFoundError), open(path) as f:
+def normal(grid: dict[str, Any]) -> dict[str, Any]:
+    """`grid` as it reads back from the log (tuples become lists)."""
+    return json.loads(json.dumps(grid))
+
+
+def _records(path: Path | str) -> Iterator[dict[str, Any]]:
+    with contextlib.suppress(FileNotFoundError), open(path, errors="replace") as f:
         for line in f:
             try:
                 r = json.loads(line)
             except ValueError:  # a line cut short when a run died writing it
                 continue
-            if not isinstance(r, dict):
-                continue
-            if "run" in r:  # a header (older ones have no grid: never ours)
-                ours = r.get("grid") == grid
-            elif ours:
-                out.append(r)
+            if isinstance(r, dict):
+                yield r
+
+
+def results_of(path: Path | str, grid: dict[str, Any]) -> list[dict[str, Any]]:
+    """The result records in `path` written by runs of `grid` (none if the file does not exist)."""
+    grid, out, ours = normal(grid), [], False
+    for r in _records(path):
+        if "run" in r:  # a header (older ones have no grid: never ours)
+            ours = r.get("grid") == grid
+        elif ours:
+            out.append(r)
     return out
 
 
-__all__ = ["append", "end_line", "results_of", "start_run"]
+def last_grid(path: Path | str) -> dict[str, Any] | None:
+    """The grid of the last run begun in `path` (None: no run, or one of an older format)."""
+    last = None
+    for r in _records(path):
+        if "run" in r:
+            last = r.get("grid")
+    return last
+
+
+__all__ = ["append", "end_line", "last_grid", "normal", "results_of", "start_run"]

@@ -11,7 +11,7 @@ from rich.console import Group
 from rich.live import Live
 
 from . import render
-from .errors import guarded
+from .errors import UserError, guarded
 from .options import ModelOpt, ProfileOpt
 
 
@@ -46,7 +46,7 @@ def passkey(
     baseline: bool = typer.Option(False, "--baseline", help="Also run the plain model, truncated from the left to its context."),
     model: str = ModelOpt,
     profile: str = ProfileOpt,
-    memory_dir: Path = typer.Option(None, "--memory-dir", file_okay=False, help="Keep emllm's memory on disk, in temporary stores under this folder (removed at the end): RAM stays bounded. Needed from a few hundred thousand tokens (SmolLM2 keeps 46 kB of keys and values per token). The filler before the needles, the same in every haystack, is then read once for the whole grid (trials run in the order of their needle's position; same results), at the cost of up to two stores' size on disk."),
+    memory_dir: Path = typer.Option(None, "--memory-dir", file_okay=False, help="Keep emllm's memory on disk, in temporary stores under this folder (removed at the end; with --resume, kept until the grid completes): RAM stays bounded. Needed from a few hundred thousand tokens (SmolLM2 keeps 46 kB of keys and values per token). The filler before the needles, the same in every haystack, is then read once for the whole grid (trials run in the order of their needle's position; same results), at the cost of up to two stores' size on disk."),
     resume: bool = typer.Option(False, "--resume", help="With --memory-dir: keep the grid's progress there (the trials answered, and the stores of the filler and of the trial under way, committed every 64 chunks), so that the same command, run again after a kill, a crash or Ctrl-C, carries on where it stopped instead of starting over. Removed when the grid completes."),
     as_json: bool = typer.Option(False, "--json", help="Print all results as one JSON document."),
 ) -> None:
@@ -75,74 +75,102 @@ def passkey(
     mdl, tok = models.load(src)
     methods = ["emllm"] + (["baseline"] if baseline else [])
     n_trials = len(ls) * len(ds) * trials * len(methods)
-    engines = TrunkStores(mdl, tok, src.profile, memory_dir, src.name, log=log, keep=resume) if memory_dir else None
     if memory_dir and not resume and (memory_dir / TrunkStores.KEPT).exists():
         log(f"{memory_dir / TrunkStores.KEPT} holds the progress of a run with --resume: add --resume to carry it on")
-    # With --resume, every answer is on disk before the next trial starts; a later run of the same
-    # grid (model, profile, seed) takes them instead of asking again.
+    engines = TrunkStores(mdl, tok, src.profile, memory_dir, src.name, log=log, keep=resume) if memory_dir else None
+    # With --resume, every answer is on disk before the next trial starts, in the folder the stores
+    # are kept in (locked: ours alone), and a later run of the same grid takes them.
     journal = engines.folder / "passkey-results.jsonl" if resume else None
-    grid = {"model": src.name, "profile": asdict(src.profile), "seed": seed}
-    cells = {(n, d, t, m) for n in ls for d in ds for t in range(trials) for m in methods}
-    done: list[dict] = [r for r in results_log.results_of(journal, grid)
-                        if (r.get("length"), r.get("depth"), r.get("trial"), r.get("method")) in cells] if journal else []
-    if journal:
+    grid = {"model": src.name, "profile": asdict(src.profile), "seed": seed, "lengths": ls, "depths": ds,
+            "trials": trials, "baseline": baseline}
+    interrupted, finished = False, False
+    try:
+        done = _kept_answers(journal, grid) if journal else []
         if done:
             log(f"resuming: {len(done)} of {n_trials} trials answered already ({journal})")
-        results_log.start_run(journal, grid)
-    # Progress counts tokens, so the ETA weighs a 32k trial 8 times a 4k one (the plain model
-    # reads at most its context).
-    ctx = getattr(mdl.config, "max_position_embeddings", None) or max(ls)
-    cost = lambda method, n: n if method == "emllm" else min(n, ctx)  # noqa: E731
-    total = sum(cost(m, n) for m in methods for n in ls) * len(ds) * trials
-    # In a terminal the grid fills in as trials finish (one live view: table + progress);
-    # piped, progress goes to stderr and the table or JSON comes once at the end.
-    interactive = render.out.is_terminal and not as_json
-    bar = render.progress(console=render.out if interactive else render.err)
-    task = bar.add_task("passkey", total=total, rate="", completed=sum(cost(r["method"], r["length"]) for r in done))
-    live = Live(Group(render.passkey_table(done, ls, ds, methods), bar), console=render.out,
-                refresh_per_second=4) if interactive else bar
-    t0 = time.perf_counter()
-
-    def on_result(r) -> None:
-        done.append(asdict(r))
         if journal:
-            results_log.append(journal, done[-1])
-        ok = sum(x["correct"] for x in done)
-        bar.update(task, advance=cost(r.method, r.length), rate=f"tokens · {len(done)}/{n_trials} trials, {ok} correct")
-        if interactive:
-            live.update(Group(render.passkey_table(done, ls, ds, methods), bar))
+            _write(results_log.start_run, journal, grid)
+        skip = {(r["length"], r["depth"], r["trial"], r["method"]) for r in done}
+        # Progress counts tokens, so the ETA weighs a 32k trial 8 times a 4k one (the plain model
+        # reads at most its context).
+        ctx = getattr(mdl.config, "max_position_embeddings", None) or max(ls)
+        cost = lambda method, n: n if method == "emllm" else min(n, ctx)  # noqa: E731
+        total = sum(cost(m, n) for m in methods for n in ls) * len(ds) * trials
+        # In a terminal the grid fills in as trials finish (one live view: table + progress);
+        # piped, progress goes to stderr and the table or JSON comes once at the end.
+        interactive = render.out.is_terminal and not as_json
+        bar = render.progress(console=render.out if interactive else render.err)
+        task = bar.add_task("passkey", total=total, rate="", completed=sum(cost(r["method"], r["length"]) for r in done))
+        live = Live(Group(render.passkey_table(done, ls, ds, methods), bar), console=render.out,
+                    refresh_per_second=4) if interactive else bar
+        t0 = time.perf_counter()
 
-    interrupted, finished = False, False
-    skip = {(r["length"], r["depth"], r["trial"], r["method"]) for r in done}
-    try:
-        with live:
-            run_grid(mdl, tok, engines or (lambda: Engine(mdl, src.profile)), ls, ds, trials, seed, baseline, on_result,
-                     skip=skip)
-        finished = True
-    except KeyboardInterrupt:
-        interrupted = True  # keep what finished: print it below
+        def on_result(r) -> None:
+            done.append(asdict(r))
+            if journal:
+                _write(results_log.append, journal, done[-1])
+            ok = sum(x["correct"] for x in done)
+            bar.update(task, advance=cost(r.method, r.length), rate=f"tokens · {len(done)}/{n_trials} trials, {ok} correct")
+            if interactive:
+                live.update(Group(render.passkey_table(done, ls, ds, methods), bar))
+
+        try:
+            with live:
+                run_grid(mdl, tok, engines or (lambda: Engine(mdl, src.profile)), ls, ds, trials, seed, baseline,
+                         on_result, skip=skip)
+        except KeyboardInterrupt:
+            interrupted = True  # keep what finished: print it below
+        doc = {
+            "model": src.name, "profile": asdict(src.profile), "lengths": ls, "depths": ds, "trials": trials,
+            "seed": seed, "seconds": round(time.perf_counter() - t0, 1), "complete": not interrupted, "results": done,
+            "resumed_trials": len(skip),
+            "accuracy": {m: {str(n): _acc(done, m, n) for n in ls} for m in methods},
+        }
+        if as_json:
+            render.print_json(doc)
+        elif interactive:
+            pass  # the live view (grid and bar) stays on screen
+        else:
+            render.out.print(render.passkey_table(done, ls, ds, methods))
+        finished = not interrupted
     finally:
+        # The kept answers go only once they are printed: a failure to print keeps them.
         if engines is not None and (finished or not resume):
             engines.close()
         elif engines is not None:
             engines.release()  # --resume: the next run carries on from here
-    doc = {
-        "model": src.name, "profile": asdict(src.profile), "lengths": ls, "depths": ds, "trials": trials,
-        "seed": seed, "seconds": round(time.perf_counter() - t0, 1), "complete": not interrupted, "results": done,
-        "resumed_trials": len(skip),
-        "accuracy": {m: {str(n): _acc(done, m, n) for n in ls} for m in methods},
-    }
-    if as_json:
-        render.print_json(doc)
-    elif interactive:
-        pass  # the live view (grid and bar) stays on screen
-    else:
-        render.out.print(render.passkey_table(done, ls, ds, methods))
     if interrupted:
         kept = f"; run the same command again to carry on (kept in {engines.folder})" if resume else ""
         render.err.print(f"emllm: interrupted after {len(done)} of {n_trials} trials; the results above are partial{kept}",
                          soft_wrap=True)
         raise typer.Exit(130)
+
+
+def _kept_answers(journal: Path, grid: dict) -> list[dict]:
+    """The answers a killed run of this grid kept in `journal`, one per trial (the last written).
+    A folder keeping another grid's progress is refused: carrying on here would discard it."""
+    from core import results_log
+
+    other, ours = results_log.last_grid(journal), results_log.normal(grid)
+    if other is not None and other != ours:
+        differ = ", ".join(k for k in sorted(set(ours) | set(other)) if other.get(k) != ours.get(k))
+        raise UserError(f"{journal.parent} holds the progress of another passkey grid (other {differ}): run that "
+                        "grid again with --resume to finish it, remove that folder, or use another --memory-dir")
+    methods = ["emllm"] + (["baseline"] if grid["baseline"] else [])
+    cells = {(n, d, t, m) for n in grid["lengths"] for d in grid["depths"] for t in range(grid["trials"]) for m in methods}
+    answers: dict[tuple, dict] = {}
+    for r in results_log.results_of(journal, grid):
+        cell = (r.get("length"), r.get("depth"), r.get("trial"), r.get("method"))
+        if cell in cells and isinstance(r.get("correct"), bool) and isinstance(r.get("answer"), str):
+            answers[cell] = r
+    return list(answers.values())
+
+
+def _write(fn, journal: Path, record: dict) -> None:
+    try:
+        fn(journal, record)
+    except OSError as e:
+        raise UserError(f"cannot keep the progress in {journal}: {e.strerror or e}") from None
 
 
 def _acc(results: list[dict], method: str, length: int) -> float | None:

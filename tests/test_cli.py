@@ -186,6 +186,12 @@ def test_passkey_resume_carries_on_after_ctrl_c(tmp_path, smollm2, monkeypatch):
     kept = mem / "emllm-kept-stores"
     assert (kept / "passkey-results.jsonl").exists() and (kept / "trunk").is_dir()
 
+    other = CliRunner().invoke(app, args + ["--seed", "1"])  # another grid on this folder: refused, nothing lost
+    assert other.exit_code == 1 and other.stderr.strip().splitlines() == [
+        f"emllm: error: {kept} holds the progress of another passkey grid (other seed): run that grid again with "
+        "--resume to finish it, remove that folder, or use another --memory-dir"]
+    assert len(asked) == 2 and (kept / "trunk").is_dir()
+
     stop["at"] = 0
     r2 = CliRunner().invoke(app, args)
     assert r2.exit_code == 0, r2.output
@@ -202,6 +208,26 @@ def test_passkey_resume_carries_on_after_ctrl_c(tmp_path, smollm2, monkeypatch):
     plain = json.loads(r3.stdout)["results"]
     assert [(x["key"], x["answer"], x["correct"]) for x in plain] == [(x["key"], x["answer"], x["correct"]) for x in doc["results"]]
     assert all(x["correct"] for x in plain) and plain[1]["resumed_tokens"] == 0
+
+
+def test_passkey_kept_answers_one_per_trial_of_this_grid(tmp_path):
+    """What --resume takes from the kept answers: the last one written per trial of this grid, none
+    that is malformed or outside the grid; undecodable bytes do not stop it."""
+    from core import results_log
+    from emllm_cli.passkey import _kept_answers
+
+    grid = {"model": "m", "profile": {}, "seed": 0, "lengths": [1024], "depths": [0.0, 1.0], "trials": 1, "baseline": False}
+    log = tmp_path / "k.jsonl"
+    ok = lambda depth, answer: {"length": 1024, "depth": depth, "trial": 0, "method": "emllm", "answer": answer, "correct": True}  # noqa: E731
+    results_log.start_run(log, grid)
+    for r in (ok(0.0, "1"), ok(0.0, "2"), ok(0.5, "3"), {**ok(1.0, "4"), "correct": "yes"}, {**ok(1.0, "5"), "trial": 1},
+              {**ok(1.0, "6"), "method": "baseline"}):
+        results_log.append(log, r)
+    with open(log, "ab") as f:
+        f.write(b'\xff\xfe{"length": 1\n[1, 2]\n')
+    results_log.append(log, ok(1.0, "7"))
+    assert [(r["depth"], r["answer"]) for r in _kept_answers(log, grid)] == [(0.0, "2"), (1.0, "7")]
+    assert _kept_answers(tmp_path / "none.jsonl", grid) == []
 
 
 def test_passkey_interrupted_prints_what_finished(smollm2, monkeypatch):

@@ -55,10 +55,12 @@ def test_results_log_reads_back_its_grid_only(tmp_path):
     results_log.append(log, {"length": 8, "depth": 1.0, "trial": 9})
     with open(log, "a") as f:
         f.write('{"length": 8, "dep')  # killed while writing
+    assert results_log.last_grid(log) is None  # the last header is of an older format
     results_log.start_run(log, g0)
     results_log.append(log, {"length": 16, "depth": 0.0, "trial": 0})
     assert results_log.results_of(log, g0) == [{"length": 8, "depth": 0.5, "trial": 0}, {"length": 16, "depth": 0.0, "trial": 0}]
     assert results_log.results_of(log, g1) == [{"length": 8, "depth": 0.5, "trial": 1}]
-    assert results_log.results_of(tmp_path / "none.jsonl", g0) == []
+    assert results_log.results_of(tmp_path / "none.jsonl", g0) == [] and results_log.last_grid(tmp_path / "none.jsonl") is None
+    assert results_log.last_grid(log) == results_log.normal(g0) == {"model": "m", "seed": 0, "sizes": [1, 2]}
     lines = log.read_text().splitlines()
     assert lines[-3] == '{"length": 8, "dep' and '"grid": {"model": "m", "seed": 0, "sizes": [1, 2]}' in lines[-2]
