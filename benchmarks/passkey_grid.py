@@ -69,9 +69,12 @@ def main() -> None:
     lengths = [parse_length(x) for x in a.lengths.split(",")]
     depths = [float(x) for x in a.depths.split(",")]
     grid = {"model": src.name, "variant": a.variant, "profile": json.loads(json.dumps(asdict(profile))), "seed": a.seed}
-    skip = {(r["length"], r["depth"], r["trial"], r["method"]) for r in results_log.results_of(a.out, grid)} if a.resume else set()
+    trials = range(a.first_trial, a.first_trial + a.trials)
+    # only this command's cells: --out may hold other lengths or depths of the same grid
+    skip = {(r["length"], r["depth"], r["trial"], r["method"]) for r in results_log.results_of(a.out, grid)
+            if r["length"] in lengths and r["depth"] in depths and r["trial"] in trials} if a.resume else set()
     if skip:
-        print(f"resuming: {len(skip)} cells answered already in {a.out}", flush=True)
+        print(f"resuming: {len(skip)} of this command's cells answered already in {a.out}", flush=True)
     results_log.start_run(a.out, grid, machine=platform.processor() or platform.machine(),
                           threads=torch.get_num_threads(), git=git_commit(), argv=sys.argv)
 
