@@ -24,7 +24,7 @@ import torch
 from .config import Profile, profile_from_dict
 from .engine import Engine
 from .models import config_hash
-from .store import Geometry, Identity, Store, StoreError, StoredEvents, tokenizer_hash, weights_hash
+from .store import Geometry, Identity, Store, StoreError, StoredEvents, tokenizer_hash, weights_hash, weights_sample
 
 SEPARATOR = "\n\n"
 _MARK = "\x00EMLLM\x00"
@@ -49,7 +49,7 @@ class StreamFormat:
 
 
 def identity_of(name: str, model: Any, tok: Any) -> Identity:
-    return Identity(name, config_hash(model), weights_hash(model), tokenizer_hash(tok))
+    return Identity(name, config_hash(model), weights_hash(model), tokenizer_hash(tok), weights_sample(model))
 
 
 def geometry_of(model: Any) -> Geometry:

@@ -82,6 +82,25 @@ def weights_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+_SAMPLED = 64  # values per tensor in weights_sample
+
+
+def weights_sample(model: torch.nn.Module) -> str:
+    """Hash of 64 evenly spaced values of every weight: catches a fine-tune of the same shape (its
+    config, names and shapes are the base model's) for the cost of a few thousand reads. "" when
+    some weights are not in memory (offloaded by accelerate to `meta`): nothing to compare then."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        if t.is_meta:
+            return ""
+        flat = t.detach().reshape(-1)  # [n]
+        n, k = flat.numel(), min(_SAMPLED, flat.numel())
+        idx = torch.arange(k, device=flat.device) * max(n - 1, 0) // max(k - 1, 1)  # [k] exact in int64
+        h.update(name.encode())
+        h.update(flat[idx].to("cpu", torch.float64).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def tokenizer_hash(tok: Any) -> str:
     """Hash of the tokenizer's full definition (vocabulary, merges, normaliser, special tokens)."""
     backend = getattr(tok, "backend_tokenizer", None)
@@ -101,6 +120,7 @@ class Identity:
     config_hash: str
     weights_hash: str
     tokenizer_hash: str
+    weights_sample: str = ""  # "" for stores older than it, or weights offloaded: not compared
 
     def as_dict(self) -> dict[str, str]:
         return dict(self.__dict__)
@@ -622,11 +642,15 @@ class Store:
     def check_identity(self, identity: Identity) -> None:
         """Refuse a model or tokenizer other than the store's, naming the difference."""
         have = self.manifest["identity"]
-        for key, what in (("config_hash", "model config"), ("weights_hash", "model weights"), ("tokenizer_hash", "tokenizer")):
-            if have[key] != getattr(identity, key):
+        for key, what in (("config_hash", "model config differs"), ("weights_hash", "model weights differ"),
+                          ("weights_sample", "model weights differ"), ("tokenizer_hash", "tokenizer differs")):
+            mine, theirs = getattr(identity, key), have.get(key, "")
+            if key == "weights_sample" and not (mine and theirs):
+                continue  # a store older than the sample, or weights offloaded: the metadata hash decides
+            if mine != theirs:
                 raise StoreError(
-                    f"the store was written with model {have['model']!r}; this {what} differs "
-                    f"({getattr(identity, key)} != {have[key]}): use -m {have['model']} or another --store"
+                    f"the store was written with model {have['model']!r}; this {what} "
+                    f"({mine} != {theirs}): use -m {have['model']} or another --store"
                 )
 
     # -- commit ------------------------------------------------------------------------------
@@ -908,5 +932,5 @@ def _lock(path: Path) -> int:
 
 __all__ = [
     "Store", "StoreError", "StoreLockedError", "StoredEvents", "Identity", "Geometry", "RowFile",
-    "FORMAT_VERSION", "is_store", "read_manifest", "weights_hash", "tokenizer_hash",
+    "FORMAT_VERSION", "is_store", "read_manifest", "weights_hash", "weights_sample", "tokenizer_hash",
 ]

@@ -76,6 +76,19 @@ def tiny(tmp_path_factory):
     return dirs[0], prof, dirs[1], other_tok
 
 
+@pytest.fixture(scope="session")
+def tuned(tiny, tmp_path_factory):
+    """The first tiny model 'fine-tuned': same config, names, shapes and tokenizer, other values."""
+    d = tmp_path_factory.mktemp("tuned") / "model"
+    m = AutoModelForCausalLM.from_pretrained(tiny[0])
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1e-3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+    m.save_pretrained(d)
+    AutoTokenizer.from_pretrained(tiny[0]).save_pretrained(d)
+    return d
+
+
 def _load(folder: Path):
     m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     m.eval()
@@ -311,6 +324,7 @@ CASES = {
     "newer format": (lambda s, t: _edit_manifest(s, lambda m: m.update(version=99), True),
                      ["ask", "hi", "--store", "s"], "upgrade emllm"),
     "wrong model": (lambda s, t: None, ["ingest", "{doc}", "--append", "--store", "s", "-m", "{other_model}"], "differs"),
+    "fine-tuned model": (lambda s, t: None, ["ingest", "{doc}", "--append", "--store", "s", "-m", "{tuned}"], "model weights differ"),
     "wrong tokenizer": (lambda s, t: None, ["ingest", "{doc}", "--append", "--store", "s", "-m", "{other_tok}"], "tokenizer differs"),
     "second writer": (None, ["ingest", "{doc}", "--append", "--store", "s"], "being written by another"),
     "not a store": (lambda s, t: (t / "plain").mkdir(), ["ask", "hi", "--store", "{plain}"], "not an emllm store"),
@@ -320,7 +334,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_store_errors(case, tiny, stored, tmp_path):
+def test_store_errors(case, tiny, tuned, stored, tmp_path):
     damage, args, needle = CASES[case]
     _, _, other_model, other_tok = tiny
     lock = None
@@ -331,7 +345,7 @@ def test_store_errors(case, tiny, stored, tmp_path):
         damage(stored, tmp_path)
     before = _files(stored)
     fill = {"doc": str(tmp_path / "doc.txt"), "other_model": str(other_model), "other_tok": str(other_tok),
-            "plain": str(tmp_path / "plain")}
+            "plain": str(tmp_path / "plain"), "tuned": str(tuned)}
     r = run(*[a.format(**fill) for a in args], home=tmp_path)
     if lock is not None:
         os.close(lock)
@@ -339,6 +353,30 @@ def test_store_errors(case, tiny, stored, tmp_path):
     assert needle in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
     assert _files(stored) == before
+
+
+def test_weights_sample_tells_a_fine_tune_and_passes_what_it_cannot_compare(tiny, tuned, tmp_path):
+    """The metadata hash cannot tell a fine-tune of the same shape; the sampled values do. A store
+    written before the sample (no key) and weights offloaded to meta ("") are not compared."""
+    from core.store import Geometry, Identity, weights_sample
+
+    base, tok = _load(tiny[0])
+    ft, _ = _load(tuned)
+    mine, theirs = ing.identity_of("m", base, tok), ing.identity_of("m", ft, tok)
+    assert mine.weights_hash == theirs.weights_hash and mine.config_hash == theirs.config_hash
+    assert mine.weights_sample != theirs.weights_sample and len(mine.weights_sample) == 16
+    assert mine == ing.identity_of("m", _load(tiny[0])[0], tok)  # the same weights loaded again: equal
+    st = Store.create(tmp_path / "s", mine, {"name": "t"}, Geometry(2, 2, 4, 16, len(tok), "float32"))
+    st.check_identity(mine)
+    with pytest.raises(StoreError, match="model weights differ"):
+        st.check_identity(theirs)
+    st.check_identity(Identity(**{**theirs.as_dict(), "weights_sample": ""}))
+    del st.manifest["identity"]["weights_sample"]  # as a store of an older emllm reads
+    st.check_identity(theirs)
+    st.close()
+    with torch.device("meta"):
+        offloaded = AutoModelForCausalLM.from_config(base.config)
+    assert weights_sample(offloaded) == ""
 
 
 def test_ask_without_any_store(tmp_path):
