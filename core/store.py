@@ -643,10 +643,15 @@ class Store:
         """Refuse a model or tokenizer other than the store's, naming the difference."""
         have = self.manifest["identity"]
         for key, what in (("config_hash", "model config differs"), ("weights_hash", "model weights differ"),
-                          ("weights_sample", "model weights differ"), ("tokenizer_hash", "tokenizer differs")):
+                          ("weights_sample", ""), ("tokenizer_hash", "tokenizer differs")):
             mine, theirs = getattr(identity, key), have.get(key, "")
             if key == "weights_sample" and not (mine and theirs):
                 continue  # a store older than the sample, or weights offloaded: the metadata hash decides
+            if mine != theirs and key == "weights_sample":  # a fine-tune, or the checkpoint replaced in place
+                raise StoreError(
+                    f"this model's weights differ from those the store was written with ({have['model']!r}: same "
+                    f"shapes, other values, {mine} != {theirs}): load that checkpoint, or use another --store"
+                )
             if mine != theirs:
                 raise StoreError(
                     f"the store was written with model {have['model']!r}; this {what} "

@@ -324,7 +324,8 @@ CASES = {
     "newer format": (lambda s, t: _edit_manifest(s, lambda m: m.update(version=99), True),
                      ["ask", "hi", "--store", "s"], "upgrade emllm"),
     "wrong model": (lambda s, t: None, ["ingest", "{doc}", "--append", "--store", "s", "-m", "{other_model}"], "differs"),
-    "fine-tuned model": (lambda s, t: None, ["ingest", "{doc}", "--append", "--store", "s", "-m", "{tuned}"], "model weights differ"),
+    "fine-tuned model": (lambda s, t: None, ["ingest", "{doc}", "--append", "--store", "s", "-m", "{tuned}"],
+                         "weights differ from those the store was written with"),
     "wrong tokenizer": (lambda s, t: None, ["ingest", "{doc}", "--append", "--store", "s", "-m", "{other_tok}"], "tokenizer differs"),
     "second writer": (None, ["ingest", "{doc}", "--append", "--store", "s"], "being written by another"),
     "not a store": (lambda s, t: (t / "plain").mkdir(), ["ask", "hi", "--store", "{plain}"], "not an emllm store"),
@@ -368,7 +369,7 @@ def test_weights_sample_tells_a_fine_tune_and_passes_what_it_cannot_compare(tiny
     assert mine == ing.identity_of("m", _load(tiny[0])[0], tok)  # the same weights loaded again: equal
     st = Store.create(tmp_path / "s", mine, {"name": "t"}, Geometry(2, 2, 4, 16, len(tok), "float32"))
     st.check_identity(mine)
-    with pytest.raises(StoreError, match="model weights differ"):
+    with pytest.raises(StoreError, match="weights differ from those the store was written with .'m': same shapes"):
         st.check_identity(theirs)
     st.check_identity(Identity(**{**theirs.as_dict(), "weights_sample": ""}))
     del st.manifest["identity"]["weights_sample"]  # as a store of an older emllm reads
