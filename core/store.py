@@ -640,23 +640,30 @@ class Store:
             raise StoreError(f"{self.manifest['sketch']['file']} is missing from the store: the store is damaged")
 
     def check_identity(self, identity: Identity) -> None:
-        """Refuse a model or tokenizer other than the store's, naming the difference."""
+        """Refuse a model or tokenizer other than the store's, naming the difference.
+
+        Checked in order: config, weight names and shapes, sampled weight values, tokenizer."""
         have = self.manifest["identity"]
-        for key, what in (("config_hash", "model config differs"), ("weights_hash", "model weights differ"),
-                          ("weights_sample", ""), ("tokenizer_hash", "tokenizer differs")):
+
+        def differs(key: str, what: str) -> None:
             mine, theirs = getattr(identity, key), have.get(key, "")
-            if key == "weights_sample" and not (mine and theirs):
-                continue  # a store older than the sample, or weights offloaded: the metadata hash decides
-            if mine != theirs and key == "weights_sample":  # a fine-tune, or the checkpoint replaced in place
-                raise StoreError(
-                    f"this model's weights differ from those the store was written with ({have['model']!r}: same "
-                    f"shapes, other values, {mine} != {theirs}): load that checkpoint, or use another --store"
-                )
             if mine != theirs:
                 raise StoreError(
                     f"the store was written with model {have['model']!r}; this {what} "
                     f"({mine} != {theirs}): use -m {have['model']} or another --store"
                 )
+
+        differs("config_hash", "model config differs")
+        differs("weights_hash", "model weights differ")
+        # Compared only when both sides have one: a store older than the sample, or weights
+        # offloaded to meta, leave it to the metadata hash above.
+        mine, theirs = identity.weights_sample, have.get("weights_sample", "")
+        if mine and theirs and mine != theirs:  # a fine-tune, or the checkpoint replaced in place
+            raise StoreError(
+                f"this model's weights differ from those the store was written with ({have['model']!r}: same "
+                f"shapes, other values, {mine} != {theirs}): load that checkpoint, or use another --store"
+            )
+        differs("tokenizer_hash", "tokenizer differs")
 
     # -- commit ------------------------------------------------------------------------------
     def commit(self, engine_state: dict[str, Tensor], meta: dict[str, Any]) -> None:
