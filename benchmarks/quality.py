@@ -7,7 +7,9 @@ For every task × length × sample one prompt (seeded by seed/task/length/sample
 spread evenly over the samples: (i + 0.5) / samples) is answered by every method; one JSON line per
 answer is appended to --out as it finishes, then a markdown table of the mean score (RULER
 string_match_all, in %) per task × length × method is printed (`--table FILE`: the table of every
-answer in a results file, all runs together).
+answer in a results file, all runs together). A 128k prompt costs an hour per method: --resume
+skips the answers --out has already from runs of the same grid (model, profile, seed, RAG settings)
+and asks the rest, so a killed run loses at most the answer under way.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
-from core import models
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, benchmarks/ is not a package on the path
+from benchmarks import git_commit  # noqa: E402
+from core import models, results_log
 from core.engine import Engine
 from core.passkey import parse_length, run_baseline
 from core.rag import run_rag
@@ -69,6 +74,8 @@ def main() -> None:
     ap.add_argument("--rag-budget", type=int, default=None,
                     help="RAG prompt tokens (default: the model's context); e.g. n_local + n_mem to match emllm's attention")
     ap.add_argument("--out", help="JSON lines, appended (required unless --table)")
+    ap.add_argument("--resume", action="store_true",
+                    help="skip the answers --out has from runs of the same grid (model, profile, seed, RAG settings)")
     ap.add_argument("--table", metavar="FILE", help="only print the table of every answer in a results file")
     a = ap.parse_args()
     if a.table:
@@ -89,17 +96,26 @@ def main() -> None:
     src = models.resolve(a.model, log=lambda s: print(s, file=sys.stderr))
     model, tok = models.load(src)
     factories = {f"emllm-{s}": (lambda s=s: Engine(model, src.profile.replace(segmentation=s))) for s in ("S", "SM", "F")}
-    with open(a.out, "a") as f:
-        f.write(json.dumps({"run": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.processor() or platform.machine(),
-                            "device": str(next(model.parameters()).device), "threads": torch.get_num_threads(),
-                            "profile": asdict(src.profile), "argv": sys.argv}) + "\n")
+    grid = {"model": src.name, "profile": asdict(src.profile), "seed": a.seed,
+            "rag": {"chunk": a.rag_chunk, "k": a.rag_k, "budget": a.rag_budget}}
+    done = {(r["task"], r["length"], r["sample"], r["depth"], r["method"]): r
+            for r in results_log.results_of(a.out, grid)} if a.resume else {}
+    if done:
+        print(f"resuming: {len(done)} answers of this grid in {a.out} already", file=sys.stderr, flush=True)
+    results_log.start_run(a.out, grid, machine=platform.processor() or platform.machine(),
+                          device=str(next(model.parameters()).device), threads=torch.get_num_threads(),
+                          git=git_commit(), argv=sys.argv)
     rows = []
     for task in tasks:
         for length in lengths:
             for i in range(a.first_sample, a.first_sample + a.samples):
                 depth = round((i - a.first_sample + 0.5) / a.samples, 4)
+                todo = [m for m in methods if (task, length, i, depth, m) not in done]
+                rows += [done[(task, length, i, depth, m)] for m in methods if m not in todo]
+                if not todo:
+                    continue
                 prompt = build_prompt(task, tok, length, depth, random.Random(f"{a.seed}/{task}/{length}/{i}"))
-                for m in methods:
+                for m in todo:
                     t0 = time.perf_counter()
                     extra = {}
                     if m in factories:
@@ -116,8 +132,7 @@ def main() -> None:
                          "seconds": round(time.perf_counter() - t0, 2),
                          "tokens": len(prompt.document) + len(prompt.question), **extra}
                     rows.append(r)
-                    with open(a.out, "a") as f:
-                        f.write(json.dumps(r) + "\n")
+                    results_log.append(a.out, r)
                     print(f"{task:20} {length:>7} #{i} d{depth:.2f} {m:9} {100 * r['score']:3.0f}% {r['answer'][:60]!r} "
                           f"(want {','.join(prompt.answers)[:40]}, {r['seconds']:.0f} s)", file=sys.stderr, flush=True)
     print(table(rows, methods))
