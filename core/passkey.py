@@ -57,7 +57,7 @@ def parse_length(text: str) -> int:
     num = t[:-1] if mult != 1 else t
     try:
         value = int(float(num) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: "inf"
         raise ValueError(f"not a length: {text!r} (use e.g. 4k, 16k, 1m or 1500000)") from None
     if value <= 0:
         raise ValueError(f"not a length: {text!r} (must be positive)")

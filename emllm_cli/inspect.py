@@ -14,10 +14,10 @@ PREVIEW = 70
 
 @guarded
 def inspect(
-    store: str = typer.Argument(None, help="Store name or path; none: list the stores."),
+    store: str = typer.Argument(None, metavar="STORE", help="Store name or path; none: list the stores."),
     query: str = typer.Option(None, "--query", "-q", help="Show the retrieval for this question, layer by layer."),
     layer: int = typer.Option(None, "--layer", "-l", min=0, help="With --query: the events one layer retrieved."),
-    top: int = typer.Option(8, "--top", min=1, help="With --query: how many retrieved events to preview."),
+    top: int = typer.Option(None, "--top", min=1, help="With --query: how many retrieved events to preview (default 8)."),
     as_json: bool = typer.Option(False, "--json", help="Print everything as one JSON document."),
 ) -> None:
     """Show the stores, one store's contents, or the per-layer retrieval of a query as a heatmap.
@@ -32,6 +32,12 @@ def inspect(
 
       emllm inspect book --query "who hid the key?" --layer 12
     """
+    if query is None and (layer is not None or top is not None):  # they would be ignored without a word
+        raise typer.BadParameter("needs --query (it shows part of a query's retrieval)",
+                                 param_hint="--layer" if layer is not None else "--top")
+    if query is not None and not query.strip():
+        raise typer.BadParameter("the query is empty", param_hint="--query")
+    top = 8 if top is None else top
     if store is None:
         if query is not None:
             raise typer.BadParameter("--query needs a store", param_hint="--query")
@@ -52,7 +58,7 @@ def inspect(
     if as_json:
         render.print_json({**summary, "retrieval": retrieval})
     else:
-        render.out.print(render.retrieval_view(retrieval, summary["tokens"]))
+        render.out.print(render.retrieval_view(retrieval, summary["processed_tokens"]))  # the span the bins cover
 
 
 def _list(as_json: bool) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from importlib.metadata import PackageNotFoundError, version
 
 import typer
 
-from .errors import DEBUG
+from .errors import _CLICK_ERRORS, DEBUG
 from .ask import ask
 from .ingest import ingest
 from .inspect import inspect
@@ -18,7 +19,7 @@ app = typer.Typer(
     help="Episodic memory for Hugging Face causal LMs (EM-LLM): read documents of any length with a small window.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,
 )
 
 
@@ -50,3 +51,22 @@ app.command("ask")(ask)
 app.command("passkey")(passkey)
 app.command("inspect")(inspect)
 app.command("segment")(segment)
+
+
+def cli() -> None:
+    """The `emllm` executable: the app, with a usage error in one line on stderr (exit 2), as
+    every other error, where Typer would draw the usage, a hint and a boxed message."""
+    try:
+        code = app(standalone_mode=False)
+    except _CLICK_ERRORS as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `emllm`: the help, already printed
+            sys.exit(e.exit_code)
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        msg = " ".join(e.format_message().split())
+        print(f"emllm: error: {msg}{hint}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except typer.Abort:  # Ctrl-D at a prompt
+        print("emllm: aborted", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -18,18 +18,21 @@ from .options import ModelOpt, ProfileOpt
 def _lengths(value: str) -> list[int]:
     from core.passkey import parse_length
 
+    items = value.split(",")
+    if any(not x.strip() for x in items):  # "4k,,16k": a typo, not a shorter grid
+        raise typer.BadParameter(f"a comma-separated list of lengths, none empty: {value!r} (e.g. 4k,16k)")
     try:
-        out = [parse_length(x) for x in value.split(",") if x.strip()]
+        return [parse_length(x) for x in items]
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    if not out:
-        raise typer.BadParameter("no length given (e.g. 4k,16k)")
-    return out
 
 
 def _depths(value: str) -> list[float]:
+    items = value.split(",")
+    if any(not x.strip() for x in items):
+        raise typer.BadParameter(f"a comma-separated list of depths, none empty: {value!r} (e.g. 0,0.5,1)")
     try:
-        d = [float(x) for x in value.split(",") if x.strip()]
+        d = [float(x) for x in items]
     except ValueError:
         raise typer.BadParameter(f"not a list of numbers: {value!r} (e.g. 0,0.5,1)") from None
     if not d or any(not 0 <= x <= 1 for x in d):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ PREVIEW = 60
 
 @guarded
 def segment(
-    path: str = typer.Argument(..., help="A text file, or - for stdin."),
+    path: str = typer.Argument(..., metavar="PATH", help="A text file, or - for stdin."),
     method: str = typer.Option("S", "--method", help="F, S, SM, SC, FM, FC, random; 'all' with --metrics."),
     gamma: float = typer.Option(None, "--gamma", help="Surprise threshold: mean + gamma * std (default: the profile's)."),
     model: str = ModelOpt,
@@ -45,6 +46,11 @@ def segment(
         raise typer.BadParameter("--method all compares methods: use it with --metrics", param_hint="--method")
     if any(m not in document.METHODS for m in methods):
         raise typer.BadParameter(f"{method!r}: choose one of {', '.join(document.METHODS)} (or all)", param_hint="--method")
+    if gamma is not None and not math.isfinite(gamma):
+        raise typer.BadParameter(f"{gamma} is not a finite number", param_hint="--gamma")
+    if gamma is not None and not any(m.startswith("S") for m in methods):  # F, FM, FC, random: no surprise
+        raise typer.BadParameter(f"--method {method} does not use surprise: --gamma applies to S, SM and SC",
+                                 param_hint="--gamma")
     if out is not None:
         _check_writable(out)  # before minutes of model work, not after
     text = read_text(path)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import typer
+
 from core.home import stores_dir
 from core.store import MANIFEST, is_store
 
@@ -15,6 +17,8 @@ def store_path(name: str | None) -> Path:
     """`--store` as given: a path when it looks like one or exists, else a name under the home."""
     if name is None:
         raise ValueError("no store name")
+    if not name.strip():  # Path("") is the current folder: never a store by accident
+        raise typer.BadParameter("an empty store name", param_hint="--store")
     p = Path(name).expanduser()
     if "/" in name or name.startswith(".") or p.exists():
         return p
@@ -41,6 +45,8 @@ def existing_store(name: str | None) -> Path:
         p = store_path(name)
         if not p.exists():
             raise UserError(f"no store {name!r} (looked at {p}); list stores with `emllm inspect`")
+        if not p.is_dir():
+            raise UserError(f"{p} is a file, not a store (a store is a folder); list stores with `emllm inspect`")
         return p
     stores = list_stores()
     if not stores:

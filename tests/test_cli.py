@@ -108,6 +108,27 @@ def test_segment_bad_method(tmp_path):
     assert r.returncode == 2 and "choose one of" in r.stderr
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["segment", "README.md", "--method", "XY"], "choose one of"),
+    (["passkey", "-l", "4k,,16k"], "none empty: '4k,,16k'"),
+    (["passkey", "-l", "inf"], "not a length: 'inf'"),
+    (["passkey", "-d", "0,2"], "depths must lie in [0, 1]"),
+    (["ingest", "README.md", "--store", ""], "--store"),
+    (["ask", "x", "--store", " "], "--store"),
+    (["inspect", "--nope"], "No such option: --nope"),
+    (["inspect", "--layer", "2"], "--layer: needs --query"),
+    (["inspect", "some-store", "--top", "3"], "--top: needs --query"),
+    (["inspect", "some-store", "--query", " "], "the query is empty"),
+    (["segment", "README.md", "--method", "F", "--gamma", "1"], "--gamma applies to S, SM and SC"),
+    (["segment", "README.md", "--gamma", "nan"], "nan is not a finite number"),
+])
+def test_usage_errors_are_one_line(tmp_path, args, needle):
+    r = run(*args, home=tmp_path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("emllm: error: ") and needle in lines[0], r.stderr
+    assert f"(see 'emllm {args[0]} --help')" in lines[0] and not (tmp_path / "stores").exists()
+
+
 TEXT = ("The old lighthouse keeper climbed the stairs every night. Ünïcödé — “quotes” and émojis 🌊 too.\n"
         "def f(x):\n    return x * 2  # code in the middle\n") * 12
 
@@ -249,3 +270,15 @@ def test_passkey_interrupted_prints_what_finished(smollm2, monkeypatch):
     assert doc["complete"] is False and len(doc["results"]) == 1 and doc["accuracy"]["emllm"] == {"1024": 1.0, "2048": None}
     assert r.stderr.strip().splitlines()[-1] == "emllm: interrupted after 1 of 4 trials; the results above are partial"
     assert "Traceback" not in r.stderr
+
+
+def test_print_json_keeps_lists_of_numbers_on_one_line(capsys):
+    from emllm_cli import render
+
+    doc = {"coverage": [[0.1, 0.25, 0.0], [1, -3e-05]], "text": "a [\n 1,\n 2\n ] b", "top": [{"tokens": [3, 9]}],
+           "names": ["1", "2"], "mixed": [1, None], "empty": []}
+    render.print_json(doc)
+    out = capsys.readouterr().out
+    assert json.loads(out) == doc  # the string's brackets untouched
+    assert '    [0.1, 0.25, 0.0],\n    [1, -3e-05]\n' in out and '"tokens": [3, 9]' in out
+    assert '"names": [\n    "1",' in out and '"mixed": [\n    1,\n    null\n  ]' in out

@@ -12,7 +12,7 @@ from core.passkey import build_prompt, parse_length, run_emllm, score
 
 def test_parse_length():
     assert parse_length("4k") == 4096 and parse_length("1m") == 1 << 20 and parse_length("1500000") == 1500000
-    for bad in ("foo", "-1k", "0", ""):
+    for bad in ("foo", "-1k", "0", "", "inf", "nan"):
         with pytest.raises(ValueError):
             parse_length(bad)
 
