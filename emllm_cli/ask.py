@@ -14,7 +14,7 @@ from .stores import existing_store
 
 @guarded
 def ask(
-    question: str = typer.Argument(..., help="The question (- reads it from stdin)."),
+    question: str = typer.Argument(..., metavar="QUESTION", help="The question (- reads it from stdin)."),
     store: str = typer.Option(None, "--store", "-s", help="Store name or path; default: the most recently written."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Longest answer, in tokens."),
     show_retrieval: bool = typer.Option(False, "--show-retrieval", help="Draw what each layer retrieved, on stderr."),
@@ -74,7 +74,7 @@ def ask(
     if not as_json:
         sys.stdout.write(answer[len(shown):] + "\n")
         sys.stdout.flush()
-    if trace is not None:
+    if trace is not None and not as_json:  # with --json the retrieval is in the document
         render.err.print(render.retrieval_view(retrieval, st.manifest["rows"]["tokens"]))
     if as_json:
         render.print_json({

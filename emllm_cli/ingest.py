@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from .stores import store_path
 
 @guarded
 def ingest(
-    paths: list[str] = typer.Argument(None, help="Text files to ingest in order (- for stdin)."),
+    paths: list[str] = typer.Argument(None, metavar="PATH", help="Text files to ingest in order (- for stdin)."),
     model: str = ModelOpt,
     profile: str = ProfileOpt,
     store: str = typer.Option(None, "--store", "-s", help="Store name (under the emllm home) or path; default: the first file's name."),
@@ -47,7 +48,7 @@ def ingest(
     if resume and paths:
         raise typer.BadParameter("--resume continues the interrupted job; give no files", param_hint="--resume")
     if not resume and not paths:
-        raise typer.BadParameter("give at least one file (or - for stdin)", param_hint="PATHS")
+        raise typer.BadParameter("give at least one file (or - for stdin)", param_hint="PATH")
     if resume and append:
         raise typer.BadParameter("use --resume or --append, not both", param_hint="--append")
     if store is None:
@@ -69,6 +70,9 @@ def ingest(
     if existing:
         st = Store.open(path, writable=True)
         try:
+            if raw and st.manifest["stream"]["chat"]:  # the layout is the store's, fixed when it was made
+                raise typer.BadParameter("this store's stream is in the model's chat template (set when it was "
+                                         "created): omit --raw, or ingest into a new store", param_hint="--raw")
             name = st.manifest["identity"]["model"]
             src = models.resolve(model or name, log=log)
             prof = ing.store_profile(st)
@@ -88,7 +92,13 @@ def ingest(
 
     with st:
         engine = ing.open_engine(st, mdl, kv_cache_mb)
+        before = st.tokens.rows + len(ing.pending_tokens(st))  # the stream's length before this run
         if docs:
+            seen = {d["sha256"]: d["name"] for d in st.manifest["documents"]}
+            for doc_name, text in docs:  # allowed (it may be meant), but rarely what one wants
+                if (was := seen.get(hashlib.sha256(text.encode()).hexdigest())) is not None:
+                    render.err.print(f"[yellow]note:[/yellow] {doc_name}: the store holds this text already "
+                                     f"(as {was}); it is added again", markup=True, highlight=False)
             ing.add_documents(st, tok, docs)
         job = st.manifest["job"]
         t0, done0, was_complete = time.perf_counter(), job["done"], job["complete"]
@@ -108,19 +118,28 @@ def ingest(
             raise typer.Exit(130)
         secs = time.perf_counter() - t0
         m = st.manifest
+        pending = len(ing.pending_tokens(st))
+        tokens = m["rows"]["tokens"] + pending
+        read = m["job"]["done"] - done0  # tokens the model read this run (the rate's numerator)
         summary = {
             "store": str(path), "model": m["identity"]["model"], "profile": m["profile"]["name"],
-            "documents": [d["name"] for d in m["documents"]], "tokens": m["rows"]["tokens"] + len(ing.pending_tokens(st)),
-            # a complete job's tail short of a chunk waits for the question or the next append:
-            # `--resume` of a complete job ingests nothing (it may only write the sketch)
-            "events": m["rows"]["events"], "ingested_tokens": 0 if was_complete else m["job"]["tokens"] - done0,
-            "seconds": round(secs, 2), "tokens_per_second": round((m["job"]["done"] - done0) / max(secs, 1e-9), 1),
+            "documents": [d["name"] for d in m["documents"]], "tokens": tokens,
+            "events": m["rows"]["events"],
+            # what this run took in: the documents it added (with separators), or for --resume the
+            # interrupted job's tokens still unread when it began (0 if that job had finished)
+            "ingested_tokens": tokens - before if docs else (0 if was_complete else m["job"]["tokens"] - done0),
+            # a tail short of a chunk waits for the next append or the question, unread
+            "pending_tokens": pending,
+            "seconds": round(secs, 2), "tokens_per_second": round(read / max(secs, 1e-9), 1),
             "bytes": sum(st.bytes_on_disk().values()),
         }
     if as_json:
         render.print_json(summary)
-    else:
-        render.err.print(
-            f"[green]stored[/green] {summary['tokens']} tokens, {summary['events']} events in {path} "
-            f"({summary['bytes'] / 2**20:.1f} MiB, {summary['tokens_per_second']:.0f} tok/s)"
-        )
+        return
+    where = f"{summary['tokens']} tokens, {summary['events']} events in {path} ({summary['bytes'] / 2**20:.1f} MiB"
+    if resume and was_complete:
+        render.err.print(f"nothing to resume: the last ingest finished; {where})")
+    elif read:
+        render.err.print(f"[green]stored[/green] {where}, {summary['tokens_per_second']:.0f} tok/s)")
+    else:  # an append shorter than what completes a chunk: nothing for the model to read yet
+        render.err.print(f"[green]stored[/green] {where}; {pending} tokens wait for the next append or question)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Any
 
@@ -12,10 +13,18 @@ from rich.table import Table
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
+for _c in (out, err):  # piped or logged, a message stays one line (Rich would wrap it at 80 columns)
+    _c.soft_wrap = not _c.is_terminal
+
+
+# a list of numbers as json.dumps(indent=2) writes it: newlines, which no JSON string holds raw
+_NUMBERS = re.compile(r"\[\n\s+(-?[\d.eE+-]+(?:,\n\s+-?[\d.eE+-]+)*)\n\s*\]")
 
 
 def print_json(doc: Any) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    """Indented, with a list of numbers on one line (a retrieval heatmap would take a line per number)."""
+    text = _NUMBERS.sub(lambda m: "[" + " ".join(m.group(1).split()) + "]", json.dumps(doc, indent=2))
+    sys.stdout.write(text + "\n")
     sys.stdout.flush()
 
 

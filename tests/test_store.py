@@ -422,6 +422,18 @@ def test_ingest_ask_inspect_through_the_executable(tiny, tmp_path):
     assert r.returncode == 0, r.stderr
     s2 = json.loads(r.stdout)
     assert s2["documents"] == [str(doc), "stdin"] and s2["tokens"] > s["tokens"]
+    # this run's tokens: the stdin text and its separator, not the tail it carried from the first run
+    assert s2["ingested_tokens"] == s2["tokens"] - s["tokens"] and s["pending_tokens"] > 0
+    with Store.open(tmp_path / "stores" / "a") as st:
+        assert s2["pending_tokens"] == len(ing.pending_tokens(st)) < st.manifest["profile"]["chunk_size"]
+    # --raw cannot change the layout of a store in the chat template; the same text again is noted
+    r = run("ingest", str(doc), "--append", "--store", "a", "--raw", home=tmp_path)
+    assert r.returncode == 2 and "omit --raw" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    with Store.open(tmp_path / "stores" / "a") as st:
+        assert st.manifest["stream"]["chat"] and len(st.manifest["documents"]) == 2
+    # a regular file is not a store
+    r = run("ask", QUESTION, "--store", str(doc), home=tmp_path)
+    assert r.returncode == 1 and "is a file, not a store" in r.stderr
     # ask: without --store the most recent store; streaming text, or one JSON document
     r = run("ask", QUESTION, "-n", "5", home=tmp_path)
     assert r.returncode == 0 and r.stdout.endswith("\n"), r.stderr  # a random model may answer in blanks
@@ -446,6 +458,9 @@ def test_ingest_ask_inspect_through_the_executable(tiny, tmp_path):
     assert r.returncode == 0 and "most retrieved events" in r.stderr, r.stderr
     r = run("inspect", "a", "--query", QUESTION, home=tmp_path)  # the Rich view renders
     assert r.returncode == 0 and "most retrieved events" in r.stdout
+    # the same text again: added, with a note naming where the store has it
+    r = run("ingest", str(doc), "--append", "--store", "a", home=tmp_path)
+    assert r.returncode == 0 and f"the store holds this text already (as {doc})" in r.stderr, r.stderr
 
 
 def test_trace_is_deterministic(tiny, tmp_path):
