@@ -45,7 +45,7 @@ def normal(grid: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(grid))
 
 
-def _records(path: Path | str) -> Iterator[dict[str, Any]]:
+def records(path: Path | str) -> Iterator[dict[str, Any]]:
     with contextlib.suppress(FileNotFoundError), open(path, errors="replace") as f:
         for line in f:
             try:
@@ -59,7 +59,7 @@ def _records(path: Path | str) -> Iterator[dict[str, Any]]:
 def results_of(path: Path | str, grid: dict[str, Any]) -> list[dict[str, Any]]:
     """The result records in `path` written by runs of `grid` (none if the file does not exist)."""
     grid, out, ours = normal(grid), [], False
-    for r in _records(path):
+    for r in records(path):
         if "run" in r:  # a header (older ones have no grid: never ours)
             ours = r.get("grid") == grid
         elif ours:
@@ -70,10 +70,10 @@ def results_of(path: Path | str, grid: dict[str, Any]) -> list[dict[str, Any]]:
 def last_grid(path: Path | str) -> dict[str, Any] | None:
     """The grid of the last run begun in `path` (None: no run, or one of an older format)."""
     last = None
-    for r in _records(path):
+    for r in records(path):
         if "run" in r:
             last = r.get("grid")
     return last
 
 
-__all__ = ["append", "end_line", "last_grid", "normal", "results_of", "start_run"]
+__all__ = ["append", "end_line", "last_grid", "normal", "records", "results_of", "start_run"]

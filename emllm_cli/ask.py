@@ -25,8 +25,8 @@ def ask(
 
     Examples:
 
+    \b
       emllm ask "who hid the key?"
-
       echo "summarise chapter 2" | emllm ask - --store book --json
     """
     from core import ingest as ing

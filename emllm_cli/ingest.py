@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from . import render
 from .errors import UserError, guarded
@@ -32,12 +33,10 @@ def ingest(
 
     Examples:
 
+    \b
       emllm ingest book.txt                         # store 'book', model smollm2
-
       cat notes/*.md | emllm ingest - --store notes
-
       emllm ingest chapter2.txt --store book --append
-
       emllm ingest --resume --store book            # after an interruption
     """
     from core import ingest as ing
@@ -97,8 +96,8 @@ def ingest(
             seen = {d["sha256"]: d["name"] for d in st.manifest["documents"]}
             for doc_name, text in docs:  # allowed (it may be meant), but rarely what one wants
                 if (was := seen.get(hashlib.sha256(text.encode()).hexdigest())) is not None:
-                    render.err.print(f"[yellow]note:[/yellow] {doc_name}: the store holds this text already "
-                                     f"(as {was}); it is added again", markup=True, highlight=False)
+                    render.err.print(f"[yellow]note:[/yellow] {escape(doc_name)}: the store holds this text already "
+                                     f"(as {escape(was)}); it is added again")
             ing.add_documents(st, tok, docs)
         job = st.manifest["job"]
         t0, done0, was_complete = time.perf_counter(), job["done"], job["complete"]

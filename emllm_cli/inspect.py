@@ -24,12 +24,10 @@ def inspect(
 
     Examples:
 
+    \b
       emllm inspect                                  # list stores
-
       emllm inspect book                             # tokens, events, sizes, bytes on disk
-
       emllm inspect book --query "who hid the key?"  # layers × position, shaded by retrieval
-
       emllm inspect book --query "who hid the key?" --layer 12
     """
     if query is None and (layer is not None or top is not None):  # they would be ignored without a word

@@ -59,7 +59,8 @@ def cli() -> None:
     try:
         code = app(standalone_mode=False)
     except _CLICK_ERRORS as e:
-        if type(e).__name__ == "NoArgsIsHelpError":  # bare `emllm`: the help, already printed
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `emllm`: the help (which the error holds)
+            typer.echo(e.ctx.get_help())  # on stdout, as --help
             sys.exit(e.exit_code)
         ctx = getattr(e, "ctx", None)
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""

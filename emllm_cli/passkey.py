@@ -59,10 +59,9 @@ def passkey(
 
     Examples:
 
+    \b
       emllm passkey --lengths 16k,32k --trials 2 --baseline
-
       emllm passkey -l 4k -d 0.5 -t 1 --json
-
       emllm passkey -l 1m -d 0.5 -t 1 --memory-dir /var/tmp --resume
     """
     from core import models, results_log

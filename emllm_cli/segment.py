@@ -34,8 +34,8 @@ def segment(
 
     Examples:
 
+    \b
       emllm segment book.txt --method SM --out boundaries.json
-
       emllm segment notes.md --metrics --method all
     """
     from core import document, models

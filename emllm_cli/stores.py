@@ -18,7 +18,7 @@ def store_path(name: str | None) -> Path:
     if name is None:
         raise ValueError("no store name")
     if not name.strip():  # Path("") is the current folder: never a store by accident
-        raise typer.BadParameter("an empty store name", param_hint="--store")
+        raise typer.BadParameter("an empty store name")  # --store, or inspect's STORE
     p = Path(name).expanduser()
     if "/" in name or name.startswith(".") or p.exists():
         return p

@@ -56,6 +56,10 @@ def test_version_and_help(tmp_path):
     for cmd, opt in (("ingest", "--resume"), ("ask", "--show-retrieval"), ("inspect", "--query"), ("segment", "--metrics")):
         r = run(cmd, "--help", home=tmp_path)
         assert r.returncode == 0 and opt in r.stdout and "Examples" in r.stdout, cmd
+    r = run("ingest", "--help", home=tmp_path)  # an example and its comment stay on one line
+    assert any("emllm ingest book.txt" in line and "# store 'book', model smollm2" in line for line in r.stdout.splitlines())
+    r = run(home=tmp_path)  # bare: the help, and the usage error's code
+    assert r.returncode == 2 and r.stdout.startswith("Usage: emllm") and "Commands:" in r.stdout and not r.stderr
 
 
 def test_bad_profile_value(tmp_path):
@@ -113,8 +117,9 @@ def test_segment_bad_method(tmp_path):
     (["passkey", "-l", "4k,,16k"], "none empty: '4k,,16k'"),
     (["passkey", "-l", "inf"], "not a length: 'inf'"),
     (["passkey", "-d", "0,2"], "depths must lie in [0, 1]"),
-    (["ingest", "README.md", "--store", ""], "--store"),
-    (["ask", "x", "--store", " "], "--store"),
+    (["ingest", "README.md", "--store", ""], "an empty store name"),
+    (["ask", "x", "--store", " "], "an empty store name"),
+    (["inspect", ""], "an empty store name"),
     (["inspect", "--nope"], "No such option: --nope"),
     (["inspect", "--layer", "2"], "--layer: needs --query"),
     (["inspect", "some-store", "--top", "3"], "--top: needs --query"),
@@ -275,7 +280,7 @@ def test_passkey_interrupted_prints_what_finished(smollm2, monkeypatch):
 def test_print_json_keeps_lists_of_numbers_on_one_line(capsys):
     from emllm_cli import render
 
-    doc = {"coverage": [[0.1, 0.25, 0.0], [1, -3e-05]], "text": "a [\n 1,\n 2\n ] b", "top": [{"tokens": [3, 9]}],
+    doc = {"coverage": [[0.1, 0.25, 0.0], [1, -3e-05]], "text": "a [ 1, 2 ] b [\n 3\n]", "top": [{"tokens": [3, 9]}],
            "names": ["1", "2"], "mixed": [1, None], "empty": []}
     render.print_json(doc)
     out = capsys.readouterr().out
