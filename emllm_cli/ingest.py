@@ -63,7 +63,8 @@ def ingest(
     if (append or resume) and not existing:
         raise UserError(f"no store at {path} to {'append to' if append else 'resume'}; create it with `emllm ingest FILE --store {store}`")
     if existing and not (append or resume):
-        raise UserError(f"store {store!r} already exists ({path}): add with --append, or choose another --store")
+        where = f"{store!r}" + (f" ({path})" if str(path) != store else "")
+        raise UserError(f"store {where} already exists: add with --append, or choose another --store")
 
     log = lambda m: render.err.print(f"[dim]{m}[/dim]")  # noqa: E731
     if existing:
