@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+import time
 from typing import Any
 
 from rich.console import Console
@@ -28,15 +30,81 @@ def print_json(doc: Any) -> None:
     sys.stdout.flush()
 
 
-def progress(transient: bool = True, console: Console | None = None) -> Progress:
-    """A progress bar (on stderr by default); silent when its console is not a terminal."""
+def progress(transient: bool = True, console: Console | None = None) -> Progress | LineProgress:
+    """A progress bar (on stderr by default). Off a terminal it is silent, unless EMLLM_PROGRESS
+    asks for a plain line every so many seconds (a long ingest run under nohup, to a log)."""
     console = console or err
+    if not console.is_terminal and (every := progress_interval()) is not None:
+        return LineProgress(console, every)
     return Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
         console=console, transient=transient, disable=not console.is_terminal,
         speed_estimate_period=3600,  # steps can take minutes; Rich's 30 s window would never show an ETA
     )
+
+
+def progress_interval() -> float | None:
+    """EMLLM_PROGRESS: seconds between progress lines off a terminal (unset or empty: none)."""
+    from .errors import UserError
+
+    v = os.environ.get("EMLLM_PROGRESS", "").strip()
+    if not v:
+        return None
+    try:
+        every = float(v)
+    except ValueError:
+        every = -1.0
+    if not every >= 0 or every == float("inf"):
+        raise UserError(f"EMLLM_PROGRESS={v!r}: give the seconds between progress lines, e.g. 60")
+    return every
+
+
+class LineProgress:
+    """The progress bar's interface, as a line at most every `every` seconds and one at the end."""
+
+    def __init__(self, console: Console, every: float) -> None:
+        self.console, self.every = console, every
+        self.tasks: dict[int, dict[str, Any]] = {}
+        self.last = -float("inf")
+
+    def __enter__(self) -> LineProgress:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for t in self.tasks.values():
+            if t["completed"] != t["shown"]:
+                self._print(t)
+
+    def add_task(self, description: str, total: float, completed: float = 0, **fields: Any) -> int:
+        self.tasks[len(self.tasks)] = {"description": description, "total": total, "completed": completed,
+                                       "start": completed, "t0": time.monotonic(), "shown": None, **fields}
+        return len(self.tasks) - 1
+
+    def update(self, task: int, completed: float | None = None, advance: float | None = None, **fields: Any) -> None:
+        t = self.tasks[task]
+        if completed is not None:
+            t["completed"] = completed
+        if advance is not None:
+            t["completed"] += advance
+        t.update(fields)
+        if time.monotonic() - self.last >= self.every:
+            self._print(t)
+
+    def _print(self, t: dict[str, Any]) -> None:
+        self.last = time.monotonic()
+        t["shown"] = t["completed"]
+        done, total, secs = t["completed"], t["total"], self.last - t["t0"]
+        speed = (done - t["start"]) / secs if secs > 0 else 0.0
+        eta = f", eta {_clock((total - done) / speed)}" if speed > 0 and total > done else ""
+        rate = f" {t['rate']}" if t.get("rate") else ""
+        self.console.print(f"{t['description']}: {done:,.0f}/{total:,.0f} ({100 * done / max(total, 1):.0f}%){rate}, "
+                           f"{_clock(secs)} elapsed{eta}", markup=False, highlight=False)
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def _cell(ok: int, n: int) -> str:

@@ -287,3 +287,33 @@ def test_print_json_keeps_lists_of_numbers_on_one_line(capsys):
     assert json.loads(out) == doc  # the string's brackets untouched
     assert '    [0.1, 0.25, 0.0],\n    [1, -3e-05]\n' in out and '"tokens": [3, 9]' in out
     assert '"names": [\n    "1",' in out and '"mixed": [\n    1,\n    null\n  ]' in out
+
+
+def test_progress_off_a_terminal_is_silent_unless_asked(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from emllm_cli import render
+    from emllm_cli.errors import UserError
+
+    def log(env: str | None) -> str:
+        if env is None:
+            monkeypatch.delenv("EMLLM_PROGRESS", raising=False)
+        else:
+            monkeypatch.setenv("EMLLM_PROGRESS", env)
+        buf = io.StringIO()
+        with render.progress(console=Console(file=buf, force_terminal=False, width=80)) as bar:
+            t = bar.add_task("ingesting", total=2048, completed=512, rate="")
+            bar.update(t, completed=1024, rate="80 tok/s")
+            bar.update(t, advance=1024, rate="81 tok/s")
+        return buf.getvalue()
+
+    assert log(None) == "" and log("") == ""
+    lines = log("0").splitlines()  # every update, and nothing again at the end
+    assert [line.split(", ")[0] for line in lines] == ["ingesting: 1,024/2,048 (50%) 80 tok/s", "ingesting: 2,048/2,048 (100%) 81 tok/s"]
+    assert "elapsed" in lines[0] and "eta" in lines[0] and "eta" not in lines[1]
+    assert len(log("3600").splitlines()) == 2  # the first update, then the end
+    for bad in ("soon", "-5", "inf", "nan"):
+        with pytest.raises(UserError, match="EMLLM_PROGRESS"):
+            log(bad)
