@@ -15,22 +15,24 @@ from .errors import UserError, guarded
 from .options import ModelOpt, ProfileOpt
 
 
+def _items(value: str, what: str, example: str) -> list[str]:
+    items = value.split(",")
+    if any(not x.strip() for x in items):  # "4k,,16k": a typo, not a shorter grid
+        raise typer.BadParameter(f"a comma-separated list of {what}, none empty: {value!r} (e.g. {example})")
+    return items
+
+
 def _lengths(value: str) -> list[int]:
     from core.passkey import parse_length
 
-    items = value.split(",")
-    if any(not x.strip() for x in items):  # "4k,,16k": a typo, not a shorter grid
-        raise typer.BadParameter(f"a comma-separated list of lengths, none empty: {value!r} (e.g. 4k,16k)")
     try:
-        return [parse_length(x) for x in items]
+        return [parse_length(x) for x in _items(value, "lengths", "4k,16k")]
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
 
 
 def _depths(value: str) -> list[float]:
-    items = value.split(",")
-    if any(not x.strip() for x in items):
-        raise typer.BadParameter(f"a comma-separated list of depths, none empty: {value!r} (e.g. 0,0.5,1)")
+    items = _items(value, "depths", "0,0.5,1")
     try:
         d = [float(x) for x in items]
     except ValueError:
