@@ -31,7 +31,7 @@ import torch
 from .config import Profile
 from .engine import ChunkReport, Engine
 from .ingest import Progress, _profile_dict, create_store, geometry_of, identity_of, open_engine, pending_tokens, run_job
-from .store import Store, StoreError, _lock
+from .store import Store, StoreError, _lock, _write_atomic, cut_back, save_mark
 
 
 class ScratchStores:
@@ -83,8 +83,10 @@ class TrunkStores(ScratchStores):
     continue what it holds; else it starts over) and commits; the engine runs on a copy of it (or,
     for the `last` engine, on the trunk itself) and reads the rest of the whole chunks as a store
     job. Calls with ever longer shared prefixes of one stream read each token of it once. Without
-    the disk for a copy beside what the document adds, the engine takes the trunk (later ones read
-    their prefix again); without the disk for the document, it refuses (StoreError) before reading.
+    the disk for a copy beside what the document adds, the engine takes the trunk with a mark
+    (core/store.save_mark, a few MB): when it is done, its store is cut back to the trunk it was,
+    and later engines continue that, nothing read twice. Without the disk for the document, it
+    refuses (StoreError) before reading.
 
     With `keep`, the trunk and the engine's store have fixed names in root/KEPT (locked by one
     process at a time), are committed every `commit_every` chunks and stay there when the process
@@ -95,6 +97,7 @@ class TrunkStores(ScratchStores):
     """
 
     KEPT = "emllm-kept-stores"
+    MARK = "trunk-mark"  # in the folder: the trunk an engine took, to cut its store back to
 
     def __init__(self, model: Any, tok: Any, profile: Profile, root: Path | str, name: str = "scratch",
                  log: Callable[[str], None] | None = None, keep: bool = False, commit_every: int = 64) -> None:
@@ -111,6 +114,7 @@ class TrunkStores(ScratchStores):
         self._trunk_ids = torch.zeros(0, dtype=torch.long)  # [k] what the trunk has read
         self.shared_tokens = 0  # tokens engines were given from the trunk without reading them (for reports)
         self.resumed_tokens = 0  # tokens engines were given from an earlier process's store (keep)
+        self._marked_ids = torch.zeros(0, dtype=torch.long)  # [k] what the trunk held when marked
 
     @property
     def folder(self) -> Path:
@@ -131,6 +135,7 @@ class TrunkStores(ScratchStores):
         n = doc.numel() // cs * cs
         k = min(shared, n) // cs * cs
         branch = self._base / f"branch-{hashlib.sha256(doc[:n].to(torch.int32).numpy().tobytes()).hexdigest()[:16]}"
+        self._settle_mark(branch)
         for old in self._base.glob("branch-*"):  # finished, or left by a killed run: the grid skips its prompt
             if old != branch:
                 shutil.rmtree(old, ignore_errors=True)
@@ -140,6 +145,8 @@ class TrunkStores(ScratchStores):
             self._store, engine = kept
             self.resumed_tokens += self._store.tokens.rows
         else:
+            if self._marked_branch() == branch:  # its store was not what this run needs: the trunk is gone
+                shutil.rmtree(self._base / self.MARK)
             shutil.rmtree(branch, ignore_errors=True)
             if k > 0:
                 self._grow_trunk(doc[:k])
@@ -159,12 +166,17 @@ class TrunkStores(ScratchStores):
         if free < grow:
             raise StoreError(f"not enough free disk under {self.root} for a store of {n} tokens: "
                              f"~{_gib(grow)} GiB more needed, {_gib(free)} GiB free")
-        if k > 0 and not last and free < trunk + grow:
+        mark = k > 0 and not last and free < trunk + grow
+        if mark:
             self.log(f"not enough free disk under {self.root} to copy the shared prefix ({_gib(trunk)} GiB) beside what "
-                     f"this prompt adds ({_gib(grow)} GiB): it takes the trunk, and later ones read their prefix again")
-            last = True
-        if k > 0 and last:
+                     f"this prompt adds ({_gib(grow)} GiB): it takes the trunk, cut back to the prefix afterwards")
+        if k > 0 and (last or mark):
+            ids = self._trunk_ids
             self._close_trunk(remove=False)
+            if mark:
+                save_mark(self._trunk_dir / "store", self._base / self.MARK)
+                _write_atomic(self._base / self.MARK / "branch", branch.name.encode())  # whose store holds the trunk
+                self._marked_ids = ids
             self._trunk_dir.rename(branch)
         elif k > 0:
             tmp = branch.with_name(branch.name + ".tmp")  # a copy cut short is never taken for a branch
@@ -177,6 +189,50 @@ class TrunkStores(ScratchStores):
             return
         self.shared_tokens += k
         self._store = Store.open(branch / "store", writable=True)
+
+    def close_engine(self) -> None:
+        """Remove the current engine's store; or, if it took the trunk with a mark, cut it back to
+        the trunk and carry the trunk on with it."""
+        if self._dir is None or self._marked_branch() != self._dir:
+            return super().close_engine()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        self._cut_back(self._dir)
+        self._dir = None
+        self._trunk = Store.open(self._trunk_dir / "store", writable=True)  # drops the engine's rows
+        self._trunk_engine = open_engine(self._trunk, self.model)
+        self._trunk_ids = self._marked_ids
+
+    def _marked_branch(self) -> Path | None:
+        """The folder of the engine that took the trunk with a mark, if a mark is saved."""
+        name = self._base / self.MARK / "branch"
+        return self._base / name.read_text() if name.is_file() else None
+
+    def _settle_mark(self, branch: Path) -> None:
+        """Finish what a killed process left of a mark: the engine at `branch` carries on with it;
+        another engine's store, if there, is cut back to the trunk (reopened, and checked, by
+        _grow_trunk); else the mark is stale."""
+        shutil.rmtree(self._base / (self.MARK + ".tmp"), ignore_errors=True)
+        marked = self._marked_branch()
+        if marked is None:
+            shutil.rmtree(self._base / self.MARK, ignore_errors=True)  # cut short before it named its branch
+            return
+        if marked == branch and marked.is_dir():
+            return
+        if marked.is_dir() and not self._trunk_dir.exists():
+            try:
+                self._cut_back(marked)
+                return
+            except StoreError as e:
+                self.log(f"{marked}: {e}; its trunk is read again")
+        shutil.rmtree(self._base / self.MARK, ignore_errors=True)
+
+    def _cut_back(self, branch: Path) -> None:
+        """The store at branch, cut back to the mark and renamed the trunk; the mark is removed."""
+        cut_back(branch / "store", self._base / self.MARK)
+        branch.rename(self._trunk_dir)
+        shutil.rmtree(self._base / self.MARK)
 
     def _bytes_per_token(self) -> float:
         """A store's bytes per token, over-estimated: keys and values, and a representative key
@@ -250,6 +306,7 @@ class TrunkStores(ScratchStores):
 
     def close(self) -> None:
         """Close and remove every store made here (with keep: any left by earlier processes too)."""
+        shutil.rmtree(self._base / self.MARK, ignore_errors=True)  # nothing to cut back: all goes
         self.close_engine()
         self._close_trunk()
         shutil.rmtree(self._base, ignore_errors=True)

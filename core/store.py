@@ -30,6 +30,7 @@ import hashlib
 import json
 import mmap
 import os
+import shutil
 import time
 import warnings
 from dataclasses import dataclass
@@ -904,6 +905,63 @@ class Store:
         return parts
 
 
+# -- marks: cut a store back to an earlier commit ---------------------------------------------------
+def save_mark(path: Path, mark: Path) -> None:
+    """Save in the new folder `mark` what cuts the store at `path` back to its present commit later
+    (cut_back): its manifest and the files it names that later commits replace (state, job), a few
+    MB. Arrays are append-only, so the rows past the saved counts are all a cut drops. The store
+    must be closed (its writer lock is taken meanwhile); a sketch is refused (refits rewrite it).
+    Files of the caller's may be added to the mark: they are not put back."""
+    fd = _lock(path)
+    try:
+        manifest = read_manifest(path)
+        if manifest.get("sketch"):
+            raise StoreError(f"{path} has a sketch: it cannot be marked and cut back")
+        tmp = mark.with_name(mark.name + ".tmp")  # a mark cut short is never taken for one
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for part in ("state", "job"):
+            if manifest.get(part):
+                _copy_synced(path / manifest[part]["file"], tmp / manifest[part]["file"])
+        _copy_synced(path / MANIFEST, tmp / MANIFEST)
+        _fsync_dir(tmp)
+        shutil.rmtree(mark, ignore_errors=True)
+        tmp.rename(mark)
+        _fsync_dir(mark.parent)
+    finally:
+        os.close(fd)
+
+
+def cut_back(path: Path, mark: Path) -> None:
+    """Bring the store at `path` back to the commit saved in `mark` by save_mark (the mark stays).
+    The files the mark's manifest names are put back before the manifest, so a crash at any moment
+    leaves the store at its last commit or at the mark's, and a second call finishes the first;
+    the writer's next open truncates the rows past the mark's counts. Refuses another store."""
+    fd = _lock(path)
+    try:
+        saved, now = read_manifest(mark), read_manifest(path)
+        if (saved["created"], saved["identity"]) != (now["created"], now["identity"]):
+            raise StoreError(f"{mark} was not saved from the store at {path}")
+        if any(now["rows"][k] < saved["rows"][k] for k in saved["rows"]):
+            raise StoreError(f"{path} holds fewer rows than {mark} was saved at: it cannot be cut back to it")
+        for part in ("state", "job"):
+            if saved.get(part):
+                _copy_synced(mark / saved[part]["file"], path / saved[part]["file"])
+        _copy_synced(mark / MANIFEST, path / MANIFEST)
+        _fsync_dir(path)
+    finally:
+        os.close(fd)
+
+
+def _copy_synced(src: Path, dst: Path) -> None:
+    """Copy src over dst atomically and durably (a temporary file, fsynced, renamed)."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copyfile(src, tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, dst)
+
+
 def read_manifest(path: Path) -> dict:
     """The committed manifest, validated: format, version, checksum, required fields."""
     try:
@@ -944,5 +1002,5 @@ def _lock(path: Path) -> int:
 
 __all__ = [
     "Store", "StoreError", "StoreLockedError", "StoredEvents", "Identity", "Geometry", "RowFile",
-    "FORMAT_VERSION", "is_store", "read_manifest", "weights_hash", "weights_sample", "tokenizer_hash",
+    "FORMAT_VERSION", "is_store", "read_manifest", "save_mark", "cut_back", "weights_hash", "weights_sample", "tokenizer_hash",
 ]

@@ -611,8 +611,8 @@ def test_trunk_stores_share_the_prefix_and_equal_separate_engines(tiny, tmp_path
     """`passkey --memory-dir` reads the filler a grid's haystacks share once: each engine continues
     a copy of the trunk, and its logits and greedy tokens are those of an engine that read the whole
     prompt itself, bit for bit; a prefix that does not continue the trunk starts a new one; without
-    the disk for a copy it takes the trunk, as the last engine does; without the disk for its
-    document, it refuses;
+    the disk for a copy it takes the trunk, as the last engine does, and its store is cut back to
+    the trunk afterwards (nothing read twice); without the disk for its document, it refuses;
     nothing is left behind."""
     import shutil as sh
 
@@ -645,17 +645,27 @@ def test_trunk_stores_share_the_prefix_and_equal_separate_engines(tiny, tmp_path
         with pytest.raises(StoreError, match="not enough free disk"):  # refused before reading anything
             make.engine_for(p.document, p.needle_at)
         assert make._trunk_engine.n_tokens == p.needle_at // cs * cs
-        # Room for what the prompt adds but not for a copy too: it takes the trunk.
+        # Room for what the prompt adds but not for a copy too: it takes the trunk, with a mark.
         store_bytes = sum(f.stat().st_size for f in (make._base / "trunk").rglob("*") if f.is_file())
         disk(store_bytes)
         shared = make.shared_tokens
+        steps = [0]
+        step = Engine.step
+        monkeypatch.setattr(Engine, "step", lambda self, *a, **kw: (steps.__setitem__(0, steps[0] + 1), step(self, *a, **kw))[1])
         eng, n = make.engine_for(p.document, p.needle_at)
         assert make._trunk is None and make.shared_tokens == shared + p.needle_at // cs * cs
+        assert sorted(d.name[:6] for d in make._base.iterdir()) == ["branch", "trunk-"]
+        assert steps[0] == (n - p.needle_at // cs * cs) // cs  # only what follows the trunk
         assert torch.equal(eng.feed(p.document[n:]), Engine(model, profile).feed(p.document))
+        eng.generate(4)  # the engine's store grows past the trunk: the cut drops it
         disk(1 << 40)
-        eng, n = make.engine_for(p.document, p.needle_at, last=True)  # a new trunk, taken: no copy
+        steps[0] = 0
+        # The store is cut back to the trunk, which the last engine takes: read once, no copy.
+        eng, n = make.engine_for(p.document, p.needle_at, last=True)
+        assert steps[0] == (n - p.needle_at // cs * cs) // cs
         assert make._trunk is None and make.shared_tokens == shared + 2 * (p.needle_at // cs * cs)
-        assert len(list(make._base.iterdir())) == 1
+        assert [d.name[:6] for d in make._base.iterdir()] == ["branch"]
+        assert not (make._dir / "store" / "branch").exists()  # the mark's own note stays out of the store
         assert torch.equal(eng.feed(p.document[n:]), Engine(model, profile).feed(p.document))
         monkeypatch.undo()
         grid = lambda f: [(r.length, r.depth, r.answer) for r in  # noqa: E731
@@ -734,6 +744,73 @@ def test_kept_trunk_stores_resume_where_a_killed_process_stopped(tiny, tmp_path,
         assert len(logs) == 1 and "trunk" in logs[0] and "starting it again" in logs[0]
         assert torch.equal(eng.feed(other[n:]), Engine(model, profile).feed(other))
     assert sorted(root.iterdir()) == mine
+
+
+def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monkeypatch):
+    """At 1M tokens the disk holds no copy of a 768k trunk beside the engine that continues it:
+    that engine takes the trunk with a mark. Killed while it reads, it carries on in the next
+    process; killed after its answer, the next process cuts its store back to the trunk and the
+    next needle continues it: the trunk is read once, and every answer is bit for bit that of an
+    engine that read its prompt alone. A mark is refused by another store."""
+    import shutil as sh
+
+    from core.passkey import build_prompt
+    from core.scratch import TrunkStores, _size
+    from core.store import cut_back
+
+    folder, prof, _, _ = tiny
+    model, tok = _load(folder)
+    profile = load_profile_file(prof)
+    cs = profile.chunk_size
+    a, b = (build_prompt(tok, 700, d, random.Random(f"mark{d}")) for d in (0.3, 0.8))
+    assert a.document[: a.needle_at] == b.document[: a.needle_at]
+    want = {}
+    for p in (a, b):
+        ram = Engine(model, profile)
+        want[p.key] = (ram.feed(p.document), ram.feed(p.question))
+    ka, na, nb = a.needle_at // cs, len(a.document) // cs, len(b.document) // cs
+    kept = tmp_path / "mem" / TrunkStores.KEPT
+
+    def disk(_path):  # room for what a's prompt adds to the trunk, not for a copy of it too
+        trunk = kept / "trunk"
+        return sh._ntuple_diskusage(1 << 40, 1 << 40, int(_size(trunk) * (na / ka - 0.5)) if trunk.exists() else 1 << 40)
+    monkeypatch.setattr(sh, "disk_usage", disk)
+    steps, stop_at, step, read = [0], [0], Engine.step, []  # read: chunks an engine_for read
+
+    def counting(self, *args, **kw):
+        steps[0] += 1
+        if steps[0] == stop_at[0]:
+            raise KeyboardInterrupt
+        return step(self, *args, **kw)
+    monkeypatch.setattr(Engine, "step", counting)
+
+    def run(prompts, stop: int = 0, stop_after: bool = False) -> None:
+        steps[0], stop_at[0] = 0, stop
+        with TrunkStores(model, tok, profile, tmp_path / "mem", keep=True, commit_every=2) as make:
+            for p in prompts:
+                eng, n = make.engine_for(p.document, p.needle_at, last=p is b)
+                read.append(steps[0])
+                assert torch.equal(eng.feed(p.document[n:]) if n < len(p.document) else eng.last_logits, want[p.key][0])
+                assert torch.equal(eng.feed(p.question), want[p.key][1])
+            if stop_after:
+                raise KeyboardInterrupt
+
+    def left() -> list[str]:
+        return sorted(d.name if d.name.startswith("trunk") else "branch" for d in kept.iterdir() if d.is_dir())
+
+    with pytest.raises(KeyboardInterrupt):  # killed in a's own part, past the trunk
+        run([a], stop=ka + 5)
+    assert left() == ["branch", "trunk-mark"]  # a took the trunk
+    with pytest.raises(KeyboardInterrupt):  # a carries on and answers; killed before b
+        run([a], stop_after=True)
+    assert left() == ["branch", "trunk-mark"]
+    other = tmp_path / "other"
+    _ingest(other, folder, prof, [("x", _text(1, 100))])
+    with pytest.raises(StoreError, match="was not saved from"):
+        cut_back(other, kept / "trunk-mark")
+    run([b])
+    assert read[-1] == nb - ka  # a's store was cut back to the trunk: not read again
+    assert not kept.exists()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
