@@ -31,7 +31,7 @@ import torch
 from .config import Profile
 from .engine import ChunkReport, Engine
 from .ingest import Progress, _profile_dict, create_store, geometry_of, identity_of, open_engine, pending_tokens, run_job
-from .store import Store, StoreError, _lock, _write_atomic, cut_back, save_mark
+from .store import Store, StoreError, _fsync_dir, _lock, _write_atomic, cut_back, save_mark
 
 
 class ScratchStores:
@@ -114,7 +114,6 @@ class TrunkStores(ScratchStores):
         self._trunk_ids = torch.zeros(0, dtype=torch.long)  # [k] what the trunk has read
         self.shared_tokens = 0  # tokens engines were given from the trunk without reading them (for reports)
         self.resumed_tokens = 0  # tokens engines were given from an earlier process's store (keep)
-        self._marked_ids = torch.zeros(0, dtype=torch.long)  # [k] what the trunk held when marked
 
     @property
     def folder(self) -> Path:
@@ -146,7 +145,7 @@ class TrunkStores(ScratchStores):
             self.resumed_tokens += self._store.tokens.rows
         else:
             if self._marked_branch() == branch:  # its store was not what this run needs: the trunk is gone
-                shutil.rmtree(self._base / self.MARK)
+                self._drop_mark()
             shutil.rmtree(branch, ignore_errors=True)
             if k > 0:
                 self._grow_trunk(doc[:k])
@@ -171,13 +170,12 @@ class TrunkStores(ScratchStores):
             self.log(f"not enough free disk under {self.root} to copy the shared prefix ({_gib(trunk)} GiB) beside what "
                      f"this prompt adds ({_gib(grow)} GiB): it takes the trunk, cut back to the prefix afterwards")
         if k > 0 and (last or mark):
-            ids = self._trunk_ids
             self._close_trunk(remove=False)
             if mark:
                 save_mark(self._trunk_dir / "store", self._base / self.MARK)
                 _write_atomic(self._base / self.MARK / "branch", branch.name.encode())  # whose store holds the trunk
-                self._marked_ids = ids
             self._trunk_dir.rename(branch)
+            _fsync_dir(self._base)
         elif k > 0:
             tmp = branch.with_name(branch.name + ".tmp")  # a copy cut short is never taken for a branch
             shutil.rmtree(tmp, ignore_errors=True)
@@ -202,7 +200,7 @@ class TrunkStores(ScratchStores):
         self._dir = None
         self._trunk = Store.open(self._trunk_dir / "store", writable=True)  # drops the engine's rows
         self._trunk_engine = open_engine(self._trunk, self.model)
-        self._trunk_ids = self._marked_ids
+        self._trunk_ids = self._trunk.tokens.read().long()  # [k] the mark's job is complete: nothing pending
 
     def _marked_branch(self) -> Path | None:
         """The folder of the engine that took the trunk with a mark, if a mark is saved."""
@@ -216,7 +214,7 @@ class TrunkStores(ScratchStores):
         shutil.rmtree(self._base / (self.MARK + ".tmp"), ignore_errors=True)
         marked = self._marked_branch()
         if marked is None:
-            shutil.rmtree(self._base / self.MARK, ignore_errors=True)  # cut short before it named its branch
+            self._drop_mark()  # cut short before it named its branch
             return
         if marked == branch and marked.is_dir():
             return
@@ -224,15 +222,24 @@ class TrunkStores(ScratchStores):
             try:
                 self._cut_back(marked)
                 return
-            except StoreError as e:
+            except (StoreError, OSError) as e:
                 self.log(f"{marked}: {e}; its trunk is read again")
-        shutil.rmtree(self._base / self.MARK, ignore_errors=True)
+        self._drop_mark()
 
     def _cut_back(self, branch: Path) -> None:
         """The store at branch, cut back to the mark and renamed the trunk; the mark is removed."""
         cut_back(branch / "store", self._base / self.MARK)
         branch.rename(self._trunk_dir)
-        shutil.rmtree(self._base / self.MARK)
+        _fsync_dir(self._base)
+        self._drop_mark()
+
+    def _drop_mark(self) -> None:
+        """Remove the mark at once (renamed first: a removal cut short leaves no half mark)."""
+        mark, gone = self._base / self.MARK, self._base / (self.MARK + ".tmp")
+        if mark.exists():
+            shutil.rmtree(gone, ignore_errors=True)
+            mark.rename(gone)
+        shutil.rmtree(gone, ignore_errors=True)
 
     def _bytes_per_token(self) -> float:
         """A store's bytes per token, over-estimated: keys and values, and a representative key
@@ -306,7 +313,7 @@ class TrunkStores(ScratchStores):
 
     def close(self) -> None:
         """Close and remove every store made here (with keep: any left by earlier processes too)."""
-        shutil.rmtree(self._base / self.MARK, ignore_errors=True)  # nothing to cut back: all goes
+        self._drop_mark()  # nothing to cut back: all goes
         self.close_engine()
         self._close_trunk()
         shutil.rmtree(self._base, ignore_errors=True)

@@ -868,7 +868,7 @@ class Store:
     def _drop_stale_states(self) -> None:
         keep = (self.manifest["state"] or {}).get("file")
         job = (self.manifest.get("job") or {}).get("file")
-        for p in [*self.path.glob("state-*.safetensors*"), *self.path.glob("job-*.i32")]:
+        for p in [*self.path.glob("state-*.safetensors*"), *self.path.glob("job-*.i32*")]:
             if p.name not in (keep, job):
                 p.unlink(missing_ok=True)
         # Sketch files the manifest does not name: a fit that crashed before its commit (refitted
@@ -924,6 +924,7 @@ def save_mark(path: Path, mark: Path) -> None:
             if manifest.get(part):
                 _copy_synced(path / manifest[part]["file"], tmp / manifest[part]["file"])
         _copy_synced(path / MANIFEST, tmp / MANIFEST)
+        _write_atomic(tmp / MARK_NOTE, json.dumps({"tokens_sha256": _tokens_hash(path, manifest)}).encode())
         _fsync_dir(tmp)
         shutil.rmtree(mark, ignore_errors=True)
         tmp.rename(mark)
@@ -944,13 +945,33 @@ def cut_back(path: Path, mark: Path) -> None:
             raise StoreError(f"{mark} was not saved from the store at {path}")
         if any(now["rows"][k] < saved["rows"][k] for k in saved["rows"]):
             raise StoreError(f"{path} holds fewer rows than {mark} was saved at: it cannot be cut back to it")
-        for part in ("state", "job"):
-            if saved.get(part):
-                _copy_synced(mark / saved[part]["file"], path / saved[part]["file"])
+        try:
+            note = json.loads((mark / MARK_NOTE).read_text())
+            if note["tokens_sha256"] != _tokens_hash(path, saved):
+                raise StoreError(f"{mark} was not saved from the store at {path} (other tokens)")
+            for part in ("state", "job"):
+                if saved.get(part):
+                    _copy_synced(mark / saved[part]["file"], path / saved[part]["file"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"{mark} is incomplete or damaged ({e})") from None
         _copy_synced(mark / MANIFEST, path / MANIFEST)
         _fsync_dir(path)
     finally:
         os.close(fd)
+
+
+MARK_NOTE = "mark.json"  # in a mark: the hash of the store's tokens at the mark
+
+
+def _tokens_hash(path: Path, manifest: dict) -> str:
+    """sha256 of the first rows of tokens.i32 the manifest commits (4 bytes a token)."""
+    h = hashlib.sha256()
+    left = manifest["rows"]["tokens"] * 4
+    with open(path / "tokens.i32", "rb") as f:
+        while left > 0 and (buf := f.read(min(left, 1 << 22))):
+            h.update(buf)
+            left -= len(buf)
+    return h.hexdigest()
 
 
 def _copy_synced(src: Path, dst: Path) -> None:

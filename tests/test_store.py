@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -750,8 +751,9 @@ def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monke
     """At 1M tokens the disk holds no copy of a 768k trunk beside the engine that continues it:
     that engine takes the trunk with a mark. Killed while it reads, it carries on in the next
     process; killed after its answer, the next process cuts its store back to the trunk and the
-    next needle continues it: the trunk is read once, and every answer is bit for bit that of an
-    engine that read its prompt alone. A mark is refused by another store."""
+    next needle continues it; resumed, then done, its own process cuts it back, and a text that
+    does not continue the trunk starts a new one: the trunk is read once, and every answer is bit
+    for bit that of an engine that read its prompt alone. A mark is refused by another store."""
     import shutil as sh
 
     from core.passkey import build_prompt
@@ -764,8 +766,10 @@ def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monke
     cs = profile.chunk_size
     a, b = (build_prompt(tok, 700, d, random.Random(f"mark{d}")) for d in (0.3, 0.8))
     assert a.document[: a.needle_at] == b.document[: a.needle_at]
+    text = tok(_text(7, 400), add_special_tokens=False)["input_ids"]
+    c = SimpleNamespace(document=text[:-9], needle_at=200, question=text[-9:], key="c")  # another text
     want = {}
-    for p in (a, b):
+    for p in (a, b, c):
         ram = Engine(model, profile)
         want[p.key] = (ram.feed(p.document), ram.feed(p.question))
     ka, na, nb = a.needle_at // cs, len(a.document) // cs, len(b.document) // cs
@@ -775,7 +779,7 @@ def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monke
         trunk = kept / "trunk"
         return sh._ntuple_diskusage(1 << 40, 1 << 40, int(_size(trunk) * (na / ka - 0.5)) if trunk.exists() else 1 << 40)
     monkeypatch.setattr(sh, "disk_usage", disk)
-    steps, stop_at, step, read = [0], [0], Engine.step, []  # read: chunks an engine_for read
+    steps, stop_at, step, read, logs = [0], [0], Engine.step, [], []  # read: chunks an engine_for read
 
     def counting(self, *args, **kw):
         steps[0] += 1
@@ -786,10 +790,11 @@ def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monke
 
     def run(prompts, stop: int = 0, stop_after: bool = False) -> None:
         steps[0], stop_at[0] = 0, stop
-        with TrunkStores(model, tok, profile, tmp_path / "mem", keep=True, commit_every=2) as make:
+        with TrunkStores(model, tok, profile, tmp_path / "mem", keep=True, commit_every=2, log=logs.append) as make:
             for p in prompts:
+                before = steps[0]
                 eng, n = make.engine_for(p.document, p.needle_at, last=p is b)
-                read.append(steps[0])
+                read.append(steps[0] - before)
                 assert torch.equal(eng.feed(p.document[n:]) if n < len(p.document) else eng.last_logits, want[p.key][0])
                 assert torch.equal(eng.feed(p.question), want[p.key][1])
             if stop_after:
@@ -810,6 +815,24 @@ def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monke
         cut_back(other, kept / "trunk-mark")
     run([b])
     assert read[-1] == nb - ka  # a's store was cut back to the trunk: not read again
+    assert not kept.exists()
+    with pytest.raises(KeyboardInterrupt):
+        run([a], stop=ka + 5)
+    read.clear()
+    run([a, b])  # resumes a, cuts it back in this process, continues the trunk for b
+    assert read[-1] == nb - ka
+    with pytest.raises(KeyboardInterrupt):
+        run([a], stop=ka + 5)
+    read.clear()
+    run([a, c])  # c does not continue the trunk: a new one (wrong logits if it continued a's)
+    assert read[-1] == len(c.document) // cs
+    assert not kept.exists()
+    with pytest.raises(KeyboardInterrupt):
+        run([a], stop=ka + 5)
+    next((kept / "trunk-mark").glob("state-*")).unlink()  # a damaged mark: the trunk is read again
+    logs.clear()
+    run([b])
+    assert read[-1] == nb and len(logs) == 1 and "incomplete or damaged" in logs[0]
     assert not kept.exists()
 
 
