@@ -922,10 +922,9 @@ def save_mark(path: Path, mark: Path) -> None:
         tmp.mkdir(parents=True)
         for part in ("state", "job"):
             if manifest.get(part):
-                _copy_synced(path / manifest[part]["file"], tmp / manifest[part]["file"])
-        _copy_synced(path / MANIFEST, tmp / MANIFEST)
+                _write_atomic(tmp / manifest[part]["file"], (path / manifest[part]["file"]).read_bytes())
+        _write_atomic(tmp / MANIFEST, (path / MANIFEST).read_bytes())
         _write_atomic(tmp / MARK_NOTE, json.dumps({"tokens_sha256": _tokens_hash(path, manifest)}).encode())
-        _fsync_dir(tmp)
         shutil.rmtree(mark, ignore_errors=True)
         tmp.rename(mark)
         _fsync_dir(mark.parent)
@@ -951,11 +950,10 @@ def cut_back(path: Path, mark: Path) -> None:
                 raise StoreError(f"{mark} was not saved from the store at {path} (other tokens)")
             for part in ("state", "job"):
                 if saved.get(part):
-                    _copy_synced(mark / saved[part]["file"], path / saved[part]["file"])
+                    _write_atomic(path / saved[part]["file"], (mark / saved[part]["file"]).read_bytes())
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise StoreError(f"{mark} is incomplete or damaged ({e})") from None
-        _copy_synced(mark / MANIFEST, path / MANIFEST)
-        _fsync_dir(path)
+        _write_atomic(path / MANIFEST, (mark / MANIFEST).read_bytes())
     finally:
         os.close(fd)
 
@@ -972,15 +970,6 @@ def _tokens_hash(path: Path, manifest: dict) -> str:
             h.update(buf)
             left -= len(buf)
     return h.hexdigest()
-
-
-def _copy_synced(src: Path, dst: Path) -> None:
-    """Copy src over dst atomically and durably (a temporary file, fsynced, renamed)."""
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, dst)
 
 
 def read_manifest(path: Path) -> dict:
