@@ -31,7 +31,7 @@ import torch
 from .config import Profile
 from .engine import ChunkReport, Engine
 from .ingest import Progress, _profile_dict, create_store, geometry_of, identity_of, open_engine, pending_tokens, run_job
-from .store import Store, StoreError, _fsync_dir, _lock, _write_atomic, cut_back, save_mark
+from .store import MarkError, Store, StoreError, _fsync_dir, _lock, _write_atomic, cut_back, save_mark
 
 
 class ScratchStores:
@@ -158,10 +158,14 @@ class TrunkStores(ScratchStores):
     def _branch_from_trunk(self, branch: Path, k: int, n: int, last: bool) -> None:
         """The engine's store at branch/store, for a document of n tokens: a copy of the trunk,
         the trunk itself (last, or when the disk holds no copy beside what the document adds), or
-        a new store (k = 0). Refuses, before reading anything, a document the disk cannot hold."""
+        a new store (k = 0). Refuses, before the engine reads its part, a document the disk cannot
+        hold (the trunk's part is read by then)."""
         trunk = _size(self._trunk_dir) if k > 0 else 0
         per_token = trunk / k if k > 0 else self._bytes_per_token()
-        free, grow = shutil.disk_usage(self.root).free, int((n - k) * per_token)
+        # Beside the rows: a mark's copy of the state and job files, and a commit's second state.
+        held = self._trunk_dir / "store"
+        spare = 2 * sum(f.stat().st_size for f in [*held.glob("state-*"), *held.glob("job-*")]) if k > 0 else 0
+        free, grow = shutil.disk_usage(self.root).free, int((n - k) * per_token) + spare
         if free < grow:
             raise StoreError(f"not enough free disk under {self.root} for a store of {n} tokens: "
                              f"~{_gib(grow)} GiB more needed, {_gib(free)} GiB free")
@@ -196,8 +200,14 @@ class TrunkStores(ScratchStores):
         if self._store is not None:
             self._store.close()
             self._store = None
-        self._cut_back(self._dir)
-        self._dir = None
+        branch, self._dir = self._dir, None
+        try:
+            self._cut_back(branch)  # a full disk raises: all stays for a later run to finish (keep)
+        except MarkError as e:
+            self.log(f"{branch}: {e}; its trunk is read again")
+            self._drop_mark()
+            shutil.rmtree(branch, ignore_errors=True)
+            return
         self._trunk = Store.open(self._trunk_dir / "store", writable=True)  # drops the engine's rows
         self._trunk_engine = open_engine(self._trunk, self.model)
         self._trunk_ids = self._trunk.tokens.read().long()  # [k] the mark's job is complete: nothing pending
@@ -222,15 +232,18 @@ class TrunkStores(ScratchStores):
             try:
                 self._cut_back(marked)
                 return
-            except (StoreError, OSError) as e:
+            except MarkError as e:  # a full disk raises StoreError instead: the trunk is not thrown away
                 self.log(f"{marked}: {e}; its trunk is read again")
         self._drop_mark()
 
     def _cut_back(self, branch: Path) -> None:
         """The store at branch, cut back to the mark and renamed the trunk; the mark is removed."""
         cut_back(branch / "store", self._base / self.MARK)
-        branch.rename(self._trunk_dir)
-        _fsync_dir(self._base)
+        try:
+            branch.rename(self._trunk_dir)
+            _fsync_dir(self._base)
+        except OSError as e:
+            raise StoreError(f"cannot rename {branch} to {self._trunk_dir}: {e.strerror or e}; run again") from None
         self._drop_mark()
 
     def _drop_mark(self) -> None:

@@ -69,6 +69,10 @@ class StoreError(Exception):
     """A store that cannot be used as asked; the message says what is wrong and what to do."""
 
 
+class MarkError(StoreError):
+    """A mark that cannot cut this store back (another store's, or damaged); the store is unchanged."""
+
+
 class StoreLockedError(StoreError):
     pass
 
@@ -936,26 +940,54 @@ def cut_back(path: Path, mark: Path) -> None:
     """Bring the store at `path` back to the commit saved in `mark` by save_mark (the mark stays).
     The files the mark's manifest names are put back before the manifest, so a crash at any moment
     leaves the store at its last commit or at the mark's, and a second call finishes the first;
-    the writer's next open truncates the rows past the mark's counts. Refuses another store."""
+    the writer's next open truncates the rows past the mark's counts (so no reader may have the
+    store open). A mark that is another store's or damaged raises MarkError, before anything is
+    written; a failed write (a full disk) raises StoreError, and the store and the mark stay."""
     fd = _lock(path)
     try:
-        saved, now = read_manifest(mark), read_manifest(path)
-        if (saved["created"], saved["identity"]) != (now["created"], now["identity"]):
-            raise StoreError(f"{mark} was not saved from the store at {path}")
-        if any(now["rows"][k] < saved["rows"][k] for k in saved["rows"]):
-            raise StoreError(f"{path} holds fewer rows than {mark} was saved at: it cannot be cut back to it")
         try:
-            note = json.loads((mark / MARK_NOTE).read_text())
-            if note["tokens_sha256"] != _tokens_hash(path, saved):
-                raise StoreError(f"{mark} was not saved from the store at {path} (other tokens)")
-            for part in ("state", "job"):
-                if saved.get(part):
-                    _write_atomic(path / saved[part]["file"], (mark / saved[part]["file"]).read_bytes())
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise StoreError(f"{mark} is incomplete or damaged ({e})") from None
-        _write_atomic(path / MANIFEST, (mark / MANIFEST).read_bytes())
+            saved = read_manifest(mark)
+            note = json.loads((mark / MARK_NOTE).read_text())["tokens_sha256"]
+            files = [saved[part]["file"] for part in ("state", "job") if saved.get(part)]
+            if lost := [f for f in files if not (mark / f).is_file()]:
+                raise MarkError(f"{mark} is incomplete or damaged (no {', '.join(lost)})")
+        except MarkError:
+            raise
+        except (StoreError, OSError, ValueError, KeyError, TypeError) as e:
+            raise MarkError(f"{mark} is incomplete or damaged ({e})") from None
+        now = read_manifest(path)
+        if (saved["created"], saved["identity"]) != (now["created"], now["identity"]):
+            raise MarkError(f"{mark} was not saved from the store at {path}")
+        if any(now["rows"][k] < saved["rows"][k] for k in saved["rows"]):
+            raise MarkError(f"{path} holds fewer rows than {mark} was saved at: it cannot be cut back to it")
+        if note != _tokens_hash(path, saved):
+            raise MarkError(f"{mark} was not saved from the store at {path} (other tokens)")
+        try:
+            for f in files:
+                _put_back(mark / f, path / f)
+            _write_atomic(path / MANIFEST, (mark / MANIFEST).read_bytes())
+        except OSError as e:
+            raise StoreError(f"cannot cut {path} back to {mark}: {e.strerror or e}; nothing is lost "
+                             f"(the store is at its last commit or at the mark, which stays): run again") from None
     finally:
         os.close(fd)
+
+
+def _put_back(src: Path, dst: Path) -> None:
+    """Make dst a copy of src atomically. A hard link writes no bytes (cut_back runs when the disk
+    is nearly full) and is safe: a store never changes a file its manifest names in place."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        _write_atomic(dst, src.read_bytes())  # another file system, or one without hard links
+        return
+    os.replace(tmp, dst)
+    tmp.unlink(missing_ok=True)  # rename leaves both names when they were links to one file already
+    _fsync_dir(dst.parent)
 
 
 MARK_NOTE = "mark.json"  # in a mark: the hash of the store's tokens at the mark

@@ -6,6 +6,7 @@ not know the difference.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -747,6 +748,10 @@ def test_kept_trunk_stores_resume_where_a_killed_process_stopped(tiny, tmp_path,
     assert sorted(root.iterdir()) == mine
 
 
+def _no_space(*_args, **_kw):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monkeypatch):
     """At 1M tokens the disk holds no copy of a 768k trunk beside the engine that continues it:
     that engine takes the trunk with a mark. Killed while it reads, it carries on in the next
@@ -775,9 +780,12 @@ def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monke
     ka, na, nb = a.needle_at // cs, len(a.document) // cs, len(b.document) // cs
     kept = tmp_path / "mem" / TrunkStores.KEPT
 
-    def disk(_path):  # room for what a's prompt adds to the trunk, not for a copy of it too
+    def disk(_path):  # room for what a's prompt adds to the trunk (and a mark), not for a copy of it too
         trunk = kept / "trunk"
-        return sh._ntuple_diskusage(1 << 40, 1 << 40, int(_size(trunk) * (na / ka - 0.5)) if trunk.exists() else 1 << 40)
+        if not trunk.exists():
+            return sh._ntuple_diskusage(1 << 40, 1 << 40, 1 << 40)
+        spare = 2 * sum(f.stat().st_size for f in trunk.glob("store/*") if f.name.startswith(("state-", "job-")))
+        return sh._ntuple_diskusage(1 << 40, 1 << 40, int(_size(trunk) * (na / ka - 0.5)) + spare)
     monkeypatch.setattr(sh, "disk_usage", disk)
     steps, stop_at, step, read, logs = [0], [0], Engine.step, [], []  # read: chunks an engine_for read
 
@@ -813,11 +821,22 @@ def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monke
     _ingest(other, folder, prof, [("x", _text(1, 100))])
     with pytest.raises(StoreError, match="was not saved from"):
         cut_back(other, kept / "trunk-mark")
+    for fail in ("os.link", "core.store._write_atomic"):  # the disk fills while the state, then the manifest, is put back
+        with monkeypatch.context() as m:
+            m.setattr(fail, _no_space)
+            with pytest.raises(StoreError, match="cannot cut .*No space left"):
+                run([b])
+        assert left() == ["branch", "trunk-mark"]  # nothing thrown away: the next run finishes the cut
     run([b])
     assert read[-1] == nb - ka  # a's store was cut back to the trunk: not read again
     assert not kept.exists()
     with pytest.raises(KeyboardInterrupt):
         run([a], stop=ka + 5)
+    with monkeypatch.context() as m:  # the same, in the process that answered a
+        m.setattr("os.link", _no_space)
+        with pytest.raises(StoreError, match="cannot cut .*No space left"):
+            run([a, b])
+    assert left() == ["branch", "trunk-mark"]
     read.clear()
     run([a, b])  # resumes a, cuts it back in this process, continues the trunk for b
     assert read[-1] == nb - ka
