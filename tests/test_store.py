@@ -752,6 +752,10 @@ def _no_space(*_args, **_kw):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def _interrupt(*_args, **_kw):
+    raise KeyboardInterrupt
+
+
 def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monkeypatch):
     """At 1M tokens the disk holds no copy of a 768k trunk beside the engine that continues it:
     that engine takes the trunk with a mark. Killed while it reads, it carries on in the next
@@ -852,6 +856,15 @@ def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monke
     logs.clear()
     run([b])
     assert read[-1] == nb and len(logs) == 1 and "incomplete or damaged" in logs[0]
+    assert not kept.exists()
+    with monkeypatch.context() as m:  # killed between the mark and the note naming its branch
+        m.setattr("core.scratch._write_atomic", _interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            run([a])
+    assert left() == ["trunk", "trunk-mark"]
+    read.clear()
+    run([a, b])  # the half mark is dropped, the trunk kept: nothing read twice
+    assert read == [na - ka, nb - ka]
     assert not kept.exists()
 
 
