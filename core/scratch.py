@@ -31,7 +31,7 @@ import torch
 from .config import Profile
 from .engine import ChunkReport, Engine
 from .ingest import Progress, _profile_dict, create_store, geometry_of, identity_of, open_engine, pending_tokens, run_job
-from .store import MarkError, Store, StoreError, _fsync_dir, _lock, _write_atomic, cut_back, save_mark
+from .store import CutBackFailed, Store, StoreError, _fsync_dir, _lock, _write_atomic, cut_back, save_mark
 
 
 class ScratchStores:
@@ -202,8 +202,10 @@ class TrunkStores(ScratchStores):
             self._store = None
         branch, self._dir = self._dir, None
         try:
-            self._cut_back(branch)  # a full disk raises: all stays for a later run to finish (keep)
-        except MarkError as e:
+            self._cut_back(branch)
+        except CutBackFailed:
+            raise  # a full disk: all stays, for a later run to finish (keep)
+        except (StoreError, OSError) as e:
             self.log(f"{branch}: {e}; its trunk is read again")
             self._drop_mark()
             shutil.rmtree(branch, ignore_errors=True)
@@ -232,7 +234,9 @@ class TrunkStores(ScratchStores):
             try:
                 self._cut_back(marked)
                 return
-            except MarkError as e:  # a full disk raises StoreError instead: the trunk is not thrown away
+            except CutBackFailed:
+                raise  # a full disk: the trunk is not thrown away
+            except (StoreError, OSError) as e:
                 self.log(f"{marked}: {e}; its trunk is read again")
         self._drop_mark()
 
@@ -243,7 +247,7 @@ class TrunkStores(ScratchStores):
             branch.rename(self._trunk_dir)
             _fsync_dir(self._base)
         except OSError as e:
-            raise StoreError(f"cannot rename {branch} to {self._trunk_dir}: {e.strerror or e}; run again") from None
+            raise CutBackFailed(f"cannot rename {branch} to {self._trunk_dir}: {e.strerror or e}; run again") from None
         self._drop_mark()
 
     def _drop_mark(self) -> None:

@@ -69,8 +69,8 @@ class StoreError(Exception):
     """A store that cannot be used as asked; the message says what is wrong and what to do."""
 
 
-class MarkError(StoreError):
-    """A mark that cannot cut this store back (another store's, or damaged); the store is unchanged."""
+class CutBackFailed(StoreError):
+    """A cut back whose writes failed (a full disk): the store and its mark stay, for a later cut."""
 
 
 class StoreLockedError(StoreError):
@@ -941,8 +941,8 @@ def cut_back(path: Path, mark: Path) -> None:
     The files the mark's manifest names are put back before the manifest, so a crash at any moment
     leaves the store at its last commit or at the mark's, and a second call finishes the first;
     the writer's next open truncates the rows past the mark's counts (so no reader may have the
-    store open). A mark that is another store's or damaged raises MarkError, before anything is
-    written; a failed write (a full disk) raises StoreError, and the store and the mark stay."""
+    store open). A mark that is another store's or damaged raises StoreError before anything is
+    written; a failed write (a full disk) raises CutBackFailed, and the store and the mark stay."""
     fd = _lock(path)
     try:
         try:
@@ -950,24 +950,22 @@ def cut_back(path: Path, mark: Path) -> None:
             note = json.loads((mark / MARK_NOTE).read_text())["tokens_sha256"]
             files = [saved[part]["file"] for part in ("state", "job") if saved.get(part)]
             if lost := [f for f in files if not (mark / f).is_file()]:
-                raise MarkError(f"{mark} is incomplete or damaged (no {', '.join(lost)})")
-        except MarkError:
-            raise
+                raise FileNotFoundError(f"no {', '.join(lost)}")
         except (StoreError, OSError, ValueError, KeyError, TypeError) as e:
-            raise MarkError(f"{mark} is incomplete or damaged ({e})") from None
+            raise StoreError(f"{mark} is incomplete or damaged ({e})") from None
         now = read_manifest(path)
         if (saved["created"], saved["identity"]) != (now["created"], now["identity"]):
-            raise MarkError(f"{mark} was not saved from the store at {path}")
+            raise StoreError(f"{mark} was not saved from the store at {path}")
         if any(now["rows"][k] < saved["rows"][k] for k in saved["rows"]):
-            raise MarkError(f"{path} holds fewer rows than {mark} was saved at: it cannot be cut back to it")
+            raise StoreError(f"{path} holds fewer rows than {mark} was saved at: it cannot be cut back to it")
         if note != _tokens_hash(path, saved):
-            raise MarkError(f"{mark} was not saved from the store at {path} (other tokens)")
+            raise StoreError(f"{mark} was not saved from the store at {path} (other tokens)")
         try:
             for f in files:
                 _put_back(mark / f, path / f)
             _write_atomic(path / MANIFEST, (mark / MANIFEST).read_bytes())
         except OSError as e:
-            raise StoreError(f"cannot cut {path} back to {mark}: {e.strerror or e}; nothing is lost "
+            raise CutBackFailed(f"cannot cut {path} back to {mark}: {e.strerror or e}; nothing is lost "
                              f"(the store is at its last commit or at the mark, which stays): run again") from None
     finally:
         os.close(fd)
