@@ -762,7 +762,8 @@ def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monke
     process; killed after its answer, the next process cuts its store back to the trunk and the
     next needle continues it; resumed, then done, its own process cuts it back, and a text that
     does not continue the trunk starts a new one: the trunk is read once, and every answer is bit
-    for bit that of an engine that read its prompt alone. A mark is refused by another store."""
+    for bit that of an engine that read its prompt alone. A mark is refused by another store; a
+    full disk during a cut, or a kill before a mark names its branch, throws no trunk away."""
     import shutil as sh
 
     from core.passkey import build_prompt
