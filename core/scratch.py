@@ -201,12 +201,7 @@ class TrunkStores(ScratchStores):
             self._store.close()
             self._store = None
         branch, self._dir = self._dir, None
-        try:
-            self._cut_back(branch)
-        except CutBackFailed:
-            raise  # a full disk: all stays, for a later run to finish (keep)
-        except (StoreError, OSError) as e:
-            self.log(f"{branch}: {e}; its trunk is read again")
+        if not self._cut_back(branch):
             self._drop_mark()
             shutil.rmtree(branch, ignore_errors=True)
             return
@@ -230,25 +225,28 @@ class TrunkStores(ScratchStores):
             return
         if marked == branch and marked.is_dir():
             return
-        if marked.is_dir() and not self._trunk_dir.exists():
-            try:
-                self._cut_back(marked)
-                return
-            except CutBackFailed:
-                raise  # a full disk: the trunk is not thrown away
-            except (StoreError, OSError) as e:
-                self.log(f"{marked}: {e}; its trunk is read again")
+        if marked.is_dir() and not self._trunk_dir.exists() and self._cut_back(marked):
+            return
         self._drop_mark()
 
-    def _cut_back(self, branch: Path) -> None:
-        """The store at branch, cut back to the mark and renamed the trunk; the mark is removed."""
-        cut_back(branch / "store", self._base / self.MARK)
+    def _cut_back(self, branch: Path) -> bool:
+        """The store at branch, cut back to the mark and renamed the trunk; the mark is removed.
+        False (logged) if the mark or the store is damaged: the trunk is to be read again. A failed
+        write (a full disk) raises CutBackFailed and leaves all for a later run to finish."""
+        try:
+            cut_back(branch / "store", self._base / self.MARK)
+        except CutBackFailed:
+            raise
+        except (StoreError, OSError) as e:
+            self.log(f"{branch}: {e}; its trunk is read again")
+            return False
         try:
             branch.rename(self._trunk_dir)
             _fsync_dir(self._base)
         except OSError as e:
             raise CutBackFailed(f"cannot rename {branch} to {self._trunk_dir}: {e.strerror or e}; run again") from None
         self._drop_mark()
+        return True
 
     def _drop_mark(self) -> None:
         """Remove the mark at once (renamed first: a removal cut short leaves no half mark)."""
