@@ -16,7 +16,7 @@ from typing import Any, Iterator
 from torch import Tensor
 
 from .engine import Engine
-from .ingest import SEPARATOR, encode, open_engine, pending_tokens
+from .ingest import SEPARATOR, encode, encode_framing, open_engine, pending_tokens
 from .models import stop_token_ids
 from .store import Store, StoreError
 
@@ -26,19 +26,22 @@ class Session:
 
     def __init__(self, store: Store, model: Any, tok: Any, kv_cache_mb: int | None = None) -> None:
         job = store.manifest.get("job")
-        if job and not job["complete"]:
-            raise StoreError(
-                f"{store.path} has an unfinished ingest ({job['done']} of {job['tokens']} tokens): "
-                f"finish it with `emllm ingest --resume --store {store.path}`"
-            )
-        if store.tokens.rows == 0 and not pending_tokens(store):
-            raise StoreError(f"{store.path} is empty: add a document with `emllm ingest --append`")
+        # An ingest under way (or interrupted): the answer comes from the last commit, the part of
+        # its job read so far; what it has not read yet is left out, not read here.
+        self.unfinished: tuple[int, int] | None = (job["done"], job["tokens"]) if job and not job["complete"] else None
+        self.tail: list[int] = [] if self.unfinished else pending_tokens(store)
+        if store.tokens.rows == 0 and not self.tail:
+            raise StoreError(f"{store.path} is empty: nothing has been read into it yet")
+        if "stream" not in store.manifest:
+            raise StoreError(f"{store.path} records no stream layout: it was not written by `emllm ingest`")
         self.store, self.model, self.tok = store, model, tok
         self.engine: Engine = open_engine(store, model, kv_cache_mb)
 
     def question_ids(self, question: str) -> list[int]:
         """The question closing the user turn (without the stream's pending tail)."""
         fmt = self.store.manifest["stream"]
+        if fmt["chat"]:  # the template's closing is emllm's framing: its special tokens count
+            return encode(self.tok, SEPARATOR + question.strip()) + encode_framing(self.tok, fmt["suffix"])
         return encode(self.tok, SEPARATOR + question.strip() + fmt["suffix"])
 
     def read_question(self, question: str) -> Tensor:
@@ -54,9 +57,8 @@ class Session:
 
     def read_question_ids(self, ids: list[int]) -> Tensor:
         """As `read_question`, for a question already tokenized (benchmarks with their own form)."""
-        tail = pending_tokens(self.store)
-        if tail:
-            self.engine.feed(tail)
+        if self.tail:
+            self.engine.feed(self.tail)
         return self.engine.feed(ids)
 
     def answer(self, question: str, max_new_tokens: int = 256) -> Iterator[int]:

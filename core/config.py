@@ -59,6 +59,9 @@ _INT_MIN = {
     "chunk_size": 1, "n_init": 0, "n_local": 1, "n_mem": 0, "repr_topk": 1,
     "min_block": 1, "max_block": 1, "neighbours": 0, "kv_cache_mb": 0,
 }
+# Far above any real setting, far below what would exhaust memory or overflow: a profile (or a
+# store's copy of one) is input, and n_local: 10**12 must be refused, not allocated.
+_INT_MAX = 1 << 24
 
 
 def validate(p: Profile, where: str = "") -> Profile:
@@ -69,6 +72,8 @@ def validate(p: Profile, where: str = "") -> Profile:
         v = getattr(p, key)
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise bad(key, f"must be an integer >= {lo}, got {v!r}")
+        if v > _INT_MAX:
+            raise bad(key, f"must be at most {_INT_MAX}, got {v!r}")
     if p.tau is not None and (not isinstance(p.tau, int) or isinstance(p.tau, bool) or p.tau < 2):
         raise bad("tau", f"must be an integer >= 2 or null, got {p.tau!r}")
     if p.refine_from_layer is not None and (not isinstance(p.refine_from_layer, int) or p.refine_from_layer < 0):

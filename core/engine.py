@@ -239,8 +239,14 @@ class Engine:
             self.ids.append(ids.long())
             self.surprise.append(surprise.float())
             self.flags.append(flags.bool())
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= self.model.config.vocab_size):
+            raise ValueError("token ids outside the vocabulary")
         self.rem_start = int(state["rem_start"])
+        if not 0 <= self.rem_start <= n:
+            raise ValueError(f"rem_start {self.rem_start} outside the stream")
         self.last_logits = state.get("last_logits")
+        if self.last_logits is not None and tuple(self.last_logits.shape) != (self.model.config.vocab_size,):
+            raise ValueError("last_logits of the wrong shape")
         for w in self.windows:
             prefix = f"layer{w.layer_idx}."
             w.load_state({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})

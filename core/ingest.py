@@ -22,8 +22,9 @@ from typing import Any, Callable
 import torch
 
 from .config import Profile, profile_from_dict
-from .engine import Engine
+from .engine import Engine, check_supported
 from .models import config_hash
+from .textstream import TextSource, cuts_cleanly, token_pieces
 from .store import Geometry, Identity, Store, StoreError, StoredEvents, tokenizer_hash, weights_hash, weights_sample
 
 SEPARATOR = "\n\n"
@@ -60,10 +61,18 @@ def geometry_of(model: Any) -> Geometry:
 
 
 def encode(tok: Any, text: str) -> list[int]:
+    """Token ids of user text (a document, a question): special tokens written in it are read as
+    the characters they are, so a document cannot forge the chat template's turns."""
+    return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def encode_framing(tok: Any, text: str) -> list[int]:
+    """Token ids of emllm's own framing (the chat template's prefix and suffix): special tokens count."""
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
 def create_store(path: Path, model_name: str, model: Any, tok: Any, profile: Profile, chat: bool = True) -> Store:
+    check_supported(model)  # before its geometry is read: an unsupported config may lack the fields
     fmt = StreamFormat.for_tokenizer(tok, chat)
     return Store.create(
         path, identity_of(model_name, model, tok), _profile_dict(profile), geometry_of(model),
@@ -78,39 +87,61 @@ def store_profile(store: Store) -> Profile:
 def open_engine(store: Store, model: Any, kv_cache_mb: int | None = None) -> Engine:
     """An engine that continues the store's stream: its events are the store's, its state the
     last committed one. kv_cache_mb: RAM for recently read events (None: the profile's)."""
+    if (mine := geometry_of(model)) != store.geometry:
+        raise StoreError(f"{store.path}: the store's geometry ({_geometry_text(store.geometry)}) is not this "
+                         f"model's ({_geometry_text(mine)}): the store is damaged, or of another model")
     engine = Engine(model, store_profile(store), memory=lambda i: StoredEvents(store, i, kv_cache_mb))
     state = store.load_state()
     if state:
-        engine.load_state_dict(state, store.tokens.read(), store.surprise.read(), store.flags.read())
+        try:
+            engine.load_state_dict(state, store.tokens.read(), store.surprise.read(), store.flags.read())
+        except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as e:
+            raise StoreError(f"{store.path}: its state does not fit the model ({e}): the store is damaged") from None
     if engine.n_tokens != store.tokens.rows or engine.n_events != store.events.rows:
         raise StoreError(f"{store.path}: the state does not match the arrays: the store is damaged; re-ingest")
     return engine
 
 
-def add_documents(store: Store, tok: Any, docs: list[tuple[str, str]]) -> int:
-    """Queue documents as a new job (after what is pending). Returns the job's token count."""
+def _geometry_text(g: Geometry) -> str:
+    return f"{g.layers} layers, {g.q_heads}/{g.kv_heads} heads of {g.head_dim}, vocabulary {g.vocab}, {g.dtype}"
+
+
+def add_documents(store: Store, tok: Any, docs: list[tuple[str, str | TextSource]]) -> int:
+    """Queue documents as a new job (after what is pending). Returns the job's token count.
+
+    A document is a string or a `TextSource` (read and tokenized a piece at a time, its tokens
+    written to the job file as they come: memory does not grow with the document). Nothing is
+    committed until every document has been read: an error or an interrupt leaves the store as it was."""
     job = store.manifest.get("job")
     if job and not job["complete"]:
-        raise StoreError(f"{store.path} has an unfinished ingest: run `emllm ingest --resume --store {store.path}` first")
+        raise StoreError(f"{store.path} has an unfinished ingest; finish it first (resume)")
     pending = pending_tokens(store)
     first = store.tokens.rows == 0 and not pending
-    ids: list[int] = []
+    piecewise = cuts_cleanly(tok)
     documents = []
-    stream_pos = store.tokens.rows + len(pending)
-    for i, (name, text) in enumerate(docs):
-        head = encode(tok, store.manifest["stream"]["prefix"]) if first and i == 0 and store.manifest["stream"]["prefix"] else []
-        sep = [] if (first and i == 0) else encode(tok, SEPARATOR)
-        body = encode(tok, text)
-        if not body:
-            raise StoreError(f"{name}: no tokens in the text")
-        start = stream_pos + len(ids) + len(head) + len(sep)
-        ids += head + sep + body
-        documents.append({
-            "name": name, "sha256": hashlib.sha256(text.encode()).hexdigest(), "start": start,
-            "tokens": len(body), "chars": len(text),
-        })
-    store.set_job(torch.tensor(pending + ids, dtype=torch.int32), documents)
-    return len(pending) + len(ids)
+    stream_pos = store.tokens.rows
+    writer = store.begin_job()
+    try:
+        writer.append(torch.tensor(pending, dtype=torch.int32))
+        for i, (name, src) in enumerate(docs):
+            prefix = store.manifest["stream"]["prefix"]
+            head = encode_framing(tok, prefix) if first and i == 0 and prefix else []
+            sep = [] if (first and i == 0) else encode(tok, SEPARATOR)
+            writer.append(torch.tensor(head + sep, dtype=torch.int32))
+            start = writer.rows
+            pieces = iter([src]) if isinstance(src, str) else src.pieces()
+            for ids in token_pieces(lambda t: encode(tok, t), pieces, piecewise and not isinstance(src, str)):
+                writer.append(torch.tensor(ids, dtype=torch.int32))
+            if writer.rows == start:
+                raise StoreError(f"{name}: no tokens in the text")
+            sha, chars = (hashlib.sha256(src.encode()).hexdigest(), len(src)) if isinstance(src, str) else (src.sha256, src.chars)
+            documents.append({"name": name, "sha256": sha, "start": stream_pos + start,
+                              "tokens": writer.rows - start, "chars": chars})
+        store.commit_job(writer, documents)
+    except BaseException:
+        store.abort_job(writer)
+        raise
+    return writer.rows
 
 
 @dataclass
@@ -133,12 +164,11 @@ def run_job(
     if job is None or job["complete"]:
         store.commit_sketch()  # a store written before sketches existed gets one here (--resume)
         return
-    ids = store.job.read().long()  # [n]
     cs = engine.profile.chunk_size
     done, n = job["done"], job["tokens"]
     since = 0
     while n - done >= cs:
-        engine.step(ids[done : done + cs])
+        engine.step(store.job.read_copy(done, done + cs).long())  # a chunk at a time: RAM flat in the job's size
         done += cs
         since += 1
         if since >= commit_every:

@@ -50,6 +50,9 @@ class TrialResult:
     resumed_tokens: int = 0
 
 
+MAX_LENGTH = 1 << 30  # tokens: a haystack past this would not fit in memory to build, nor in a day to read
+
+
 def parse_length(text: str) -> int:
     """'16k' -> 16384, '1m' -> 1048576, '1500000' -> 1500000."""
     t = text.strip().lower()
@@ -61,6 +64,8 @@ def parse_length(text: str) -> int:
         raise ValueError(f"not a length: {text!r} (use e.g. 4k, 16k, 1m or 1500000)") from None
     if value <= 0:
         raise ValueError(f"not a length: {text!r} (must be positive)")
+    if value > MAX_LENGTH:
+        raise ValueError(f"not a length: {text!r} (at most {MAX_LENGTH // (1 << 20)}m tokens)")
     return value
 
 

@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import glob
 import hashlib
 import json
 import mmap
+import re
 import os
 import shutil
+import stat
 import time
 import warnings
 from dataclasses import dataclass
@@ -45,6 +48,7 @@ from .config import Profile
 from .kvcache import EventCache
 from .memory import GrowBuffer, Selection, scores_in_blocks, select_events, token_index
 from . import sketch
+from .safefs import Folder, UnsafePath, check_name
 
 # 2 added the sketch, 3 replaced its outlier lists by per-event norms (exact bounds), 4 refits it
 # as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
@@ -150,36 +154,44 @@ class RowFile:
     The map is refreshed lazily when a read needs rows written since it was made.
     """
 
-    def __init__(self, path: Path, row: tuple[int, ...], dtype: torch.dtype, rows: int, writable: bool) -> None:
-        self.path, self.row, self.dtype, self.rows, self.writable = path, tuple(row), dtype, rows, writable
+    def __init__(self, folder: Folder, name: str, row: tuple[int, ...], dtype: torch.dtype, rows: int, writable: bool) -> None:
+        self.folder, self.name = folder, name
+        self.path, self.row, self.dtype, self.rows, self.writable = folder.path / name, tuple(row), dtype, rows, writable
         self.np_dtype = _DTYPES[dtype][1]
         self.row_bytes = int(np.prod(self.row, dtype=np.int64)) * self.np_dtype.itemsize
-        self._map: np.memmap | None = None
+        self._map: np.ndarray | None = None
+        self._mm: mmap.mmap | None = None
         self._fd: int | None = None
-        self._rfd: int | None = None  # a reader's descriptor for read_block
+        self._rfd: int | None = None  # a reader's descriptor
+        self._trimmed = False  # a writer drops the uncommitted tail at its first append, not at open
         if writable:
+            try:
+                self._fd = folder.open(name, os.O_RDWR | os.O_CREAT, single_link=True)
+            except UnsafePath as e:
+                raise StoreError(f"{e}: the store is refused (emllm writes only files that are its own)") from None
             if rows:
                 self.check_size()  # never extend a truncated file with zeros
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            os.ftruncate(self._fd, rows * self.row_bytes)  # drop an uncommitted tail
-            os.lseek(self._fd, 0, os.SEEK_END)
 
     def check_size(self) -> None:
         try:
-            size = self.path.stat().st_size
+            size = os.fstat(self._reader_fd()).st_size
         except FileNotFoundError:
             if self.rows == 0:
                 return
-            raise StoreError(f"{self.path.name} is missing from the store") from None
+            raise StoreError(f"{self.name} is missing from the store") from None
         if size < self.rows * self.row_bytes:
             raise StoreError(
-                f"{self.path.parent.name}/{self.path.name} is truncated ({size} bytes, the manifest needs "
+                f"{self.name} is truncated ({size} bytes, the manifest needs "
                 f"{self.rows * self.row_bytes}): the store is damaged; re-ingest the document"
             )
 
     def append(self, x: Tensor) -> None:
         """x [n, *row] in this file's dtype."""
         assert self._fd is not None, "read-only"
+        if not self._trimmed:
+            os.ftruncate(self._fd, self.rows * self.row_bytes)  # drop an uncommitted tail
+            os.lseek(self._fd, 0, os.SEEK_END)
+            self._trimmed = True
         data = x.detach().to("cpu", self.dtype).contiguous()
         if self.dtype == torch.bfloat16:
             data = data.view(torch.int16)
@@ -194,14 +206,16 @@ class RowFile:
         if self._fd is not None:
             os.fsync(self._fd)
 
-    def _mapped(self, need: int) -> np.memmap:
+    def _mapped(self, need: int) -> np.ndarray:
         if self._map is None or self._map.shape[0] < need:
             self._map = None
             if self.rows == 0:
-                return np.zeros((0, *self.row), dtype=self.np_dtype)  # type: ignore[return-value]
-            self._map = np.memmap(self.path, dtype=self.np_dtype, mode="r", shape=(self.rows, *self.row))
+                return np.zeros((0, *self.row), dtype=self.np_dtype)
+            # mapped through the descriptor opened safely, never by path
+            self._mm = mmap.mmap(self._reader_fd(), self.rows * self.row_bytes, access=mmap.ACCESS_READ)
             if hasattr(mmap, "MADV_RANDOM"):
-                self._map._mmap.madvise(mmap.MADV_RANDOM)  # faults read their page only (reads ask for the range ahead)
+                self._mm.madvise(mmap.MADV_RANDOM)  # faults read their page only (reads ask for the range ahead)
+            self._map = np.frombuffer(self._mm, dtype=self.np_dtype).reshape(self.rows, *self.row)
         return self._map
 
     def _tensor(self, a: np.ndarray) -> Tensor:
@@ -271,7 +285,10 @@ class RowFile:
 
     def _reader_fd(self) -> int:
         if self._fd is None and self._rfd is None:
-            self._rfd = os.open(self.path, os.O_RDONLY)
+            try:
+                self._rfd = self.folder.open(self.name)
+            except UnsafePath as e:
+                raise StoreError(f"{e}: the store is refused") from None
         return self._fd if self._fd is not None else self._rfd  # type: ignore[return-value]
 
     def _pread(self, out: Tensor, start: int, stop: int) -> Tensor:
@@ -281,7 +298,7 @@ class RowFile:
         while pos < end:
             got = os.preadv(fd, [raw[pos - start * self.row_bytes :]], pos)
             if got == 0:
-                raise StoreError(f"{self.path.parent.name}/{self.path.name} is truncated: the store is damaged; re-ingest the document")
+                raise StoreError(f"{self.name} is truncated: the store is damaged; re-ingest the document")
             pos += got
         return out
 
@@ -290,12 +307,13 @@ class RowFile:
         if stop <= start:
             return torch.zeros((0, *self.row), dtype=self.dtype)
         m = self._mapped(stop)
-        if isinstance(m, np.memmap):  # the map reads no further than a fault: ask for the range at once
+        if self._map is not None:  # the map reads no further than a fault: ask for the range at once
             self._willneed_runs(np.array([start]), np.array([stop]))
         return self._tensor(m[start:stop])
 
     def close(self) -> None:
         self._map = None
+        self._mm = None  # closed when the last array over it goes
         for fd in (self._fd, self._rfd):
             if fd is not None:
                 os.close(fd)
@@ -483,13 +501,32 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """path replaced by data (written beside it, fsynced, renamed; a link at the temporary name is
+    removed, never written through)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _remove_abandoned(path: Path) -> None:
+    """Remove the hidden folders of creates of `path` that were interrupted (their lock is free)."""
+    for p in path.parent.glob(f".{glob.escape(path.name)}.new-*"):
+        if p.is_symlink() or not p.is_dir():
+            continue
+        try:
+            fd = _lock(p)
+        except (StoreError, OSError):
+            continue  # a create under way
+        try:
+            shutil.rmtree(p, ignore_errors=True)  # never follows links
+        finally:
+            os.close(fd)
 
 
 def is_store(path: Path) -> bool:
@@ -499,13 +536,14 @@ def is_store(path: Path) -> bool:
 class Store:
     """One store folder, open for reading (any number of readers) or writing (one writer)."""
 
-    def __init__(self, path: Path, manifest: dict, writable: bool, lock_fd: int | None) -> None:
+    def __init__(self, path: Path, manifest: dict, writable: bool, lock_fd: int | None, folder: Folder | None = None) -> None:
         self.path, self.manifest, self.writable, self._lock_fd = path, manifest, writable, lock_fd
+        self.folder = folder or Folder(path)
         g = manifest["geometry"]
         self.geometry = Geometry(**g)
         rows = manifest["rows"]
         dt = _BY_NAME[self.geometry.dtype][0]
-        f = lambda name, row, dtype, n: RowFile(path / name, row, dtype, n, writable)  # noqa: E731
+        f = lambda name, row, dtype, n, w=writable: RowFile(self.folder, name, row, dtype, n, w)  # noqa: E731
         self.tokens = f("tokens.i32", (), torch.int32, rows["tokens"])
         self.surprise = f("surprise.f32", (), torch.float32, rows["tokens"])
         self.flags = f("flags.u8", (), torch.uint8, rows["tokens"])
@@ -520,7 +558,8 @@ class Store:
             for i in range(self.geometry.layers)
         ]
         job = manifest.get("job")
-        self.job: RowFile | None = f(job["file"], (), torch.int32, job["tokens"]) if job else None
+        # written once when a job starts (set_job), read-only after: never truncated
+        self.job: RowFile | None = f(job["file"], (), torch.int32, job["tokens"], False) if job else None
         sk = manifest.get("sketch") if manifest["version"] >= 3 else None  # older sketches: unused
         self.sketch_files: list[tuple[RowFile, RowFile]] | None = None
         if sk:
@@ -531,6 +570,8 @@ class Store:
         self._basis: dict[str, Tensor] | None = None
         self._retired: list[Path] = []  # files of a replaced sketch: deleted once no manifest names them
         self._state_fd: int | None = None  # a reader's open state file (a commit may delete it meanwhile)
+        self._unpublished: Path | None = None  # a new store's hidden folder, until its first commit
+        self._tidy = False  # leftovers removed (tidy): once, before the first write
 
     # -- files -------------------------------------------------------------------------------
     def all_files(self) -> list[RowFile]:
@@ -547,6 +588,7 @@ class Store:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        self.folder.close()
 
     def __enter__(self) -> "Store":
         return self
@@ -557,14 +599,22 @@ class Store:
     # -- open / create -----------------------------------------------------------------------
     @classmethod
     def create(cls, path: Path, identity: Identity, profile: dict, geometry: Geometry, extra: dict | None = None) -> "Store":
-        """A new, empty store at `path` (which must not exist or be an empty folder)."""
+        """A new, empty store for `path` (which must not exist, or be an empty folder).
+
+        It is built in a hidden folder beside `path` and takes the name at its first commit (its
+        first job, or its first state): a create interrupted before that (killed, Ctrl-C while
+        tokenizing, a full disk, a model refused) leaves the name free, and the next create of the
+        same name removes what it left."""
         path = Path(path)
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             if is_store(path):
-                raise StoreError(f"a store already exists at {path}: use --append to add to it, or choose another --store")
-            raise StoreError(f"{path} exists and is not an empty folder: choose another --store")
-        (path / "layers").mkdir(parents=True, exist_ok=True)
-        lock_fd = _lock(path)
+                raise StoreError(f"a store already exists at {path}")
+            raise StoreError(f"{path} exists and is not an empty folder")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(path)
+        tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{time.monotonic_ns()}")
+        (tmp / "layers").mkdir(parents=True)
+        lock_fd = _lock(tmp)
         now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         manifest = {
             "format": "emllm-store",
@@ -573,7 +623,7 @@ class Store:
             "updated": now,
             "identity": identity.as_dict(),
             "profile": profile,
-            "geometry": geometry.__dict__,
+            "geometry": dict(geometry.__dict__),
             "rows": {"tokens": 0, "events": 0, "event_tokens": 0},
             "state": None,
             "job": None,
@@ -581,12 +631,64 @@ class Store:
             "documents": [],
             **(extra or {}),
         }
-        st = cls(path, manifest, True, lock_fd)
-        st._write_manifest()
+        st = cls(path, manifest, True, lock_fd, Folder(tmp))
+        st._unpublished = tmp
         return st
+
+    def _publish(self) -> None:
+        """Give a new store its name (after its first manifest is written in the hidden folder)."""
+        tmp, self._unpublished = self._unpublished, None
+        try:
+            os.rename(tmp, self.path)  # replaces an empty folder; fails if another store took the name
+        except OSError as e:
+            self._unpublished = tmp
+            raise StoreError(f"cannot create the store at {self.path}: {e.strerror or e}") from None
+        _fsync_dir(self.path.parent)
+        self.folder.path = self.path
+
+    def discard(self) -> None:
+        """Close a store never published (its create was interrupted) and remove its hidden folder."""
+        tmp = self._unpublished
+        self.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @staticmethod
+    def remove_empty(path: Path) -> None:
+        """Remove a store that holds nothing (no rows, job or document: a create interrupted by an
+        earlier emllm, which named the folder at once). Only the files of the layout are removed;
+        a folder holding anything else is refused."""
+        st = Store.open(path, writable=True)
+        try:
+            m = st.manifest
+            if m["rows"]["tokens"] or m.get("job") or m["documents"] or m.get("state"):
+                raise StoreError(f"{path} is not empty: it is kept")
+            names = [MANIFEST, "tokens.i32", "surprise.f32", "flags.u8", "events.i32"]
+            names += [f"layers/{i:02d}.{x}" for i in range(st.geometry.layers) for x in "kvr"]
+            folder = st.folder
+            for name in names:
+                folder.unlink(name)
+            try:
+                os.rmdir("layers", dir_fd=folder.fd)
+            except FileNotFoundError:
+                pass
+            folder.unlink("lock")
+        except OSError as e:
+            raise StoreError(f"cannot remove the empty store at {path}: {e.strerror or e}") from None
+        finally:
+            st.close()
+        try:
+            path.rmdir()
+        except OSError as e:
+            raise StoreError(f"{path} holds files that are not a store's: remove them or choose another --store ({e.strerror})") from None
 
     @classmethod
     def open(cls, path: Path, writable: bool = False) -> "Store":
+        """Open a store, validating its manifest and files before anything is used.
+
+        A writer takes the lock; it changes nothing until it writes (`tidy`, and the rows past the
+        committed counts dropped at each file's first append), so a writer refused after opening
+        (another model) leaves the store as it was."""
         path = Path(path)
         if not path.is_dir():
             raise StoreError(f"no store at {path}")
@@ -594,10 +696,11 @@ class Store:
             raise StoreError(f"{path} is not an emllm store (no {MANIFEST}); give a store made by `emllm ingest`")
         lock_fd = _lock(path) if writable else None
         for attempt in range(3):
-            st = None
+            st = manifest = None
             try:
-                manifest = read_manifest(path)
-                st = cls(path, manifest, writable, lock_fd)
+                folder = Folder(path)
+                manifest = read_manifest(path, folder)
+                st = cls(path, manifest, writable, lock_fd, folder)
                 st._check_files()
                 if not writable:
                     st._hold_files()
@@ -605,8 +708,11 @@ class Store:
             except StoreError:
                 # A reader may read a manifest just before a commit replaces it and deletes what it
                 # named (a state or sketch file): it reads the new one. Otherwise the store is damaged.
-                if st is not None and not writable:
+                if st is not None:
+                    st._lock_fd = None
                     st.close()
+                else:
+                    folder.close()
                 if writable or attempt == 2 or read_manifest(path) == manifest:
                     if lock_fd is not None:
                         os.close(lock_fd)
@@ -615,34 +721,63 @@ class Store:
                 if lock_fd is not None:
                     os.close(lock_fd)
                 raise
-        if writable:
-            st._drop_old_sketch()
-            st._drop_stale_states()
         return st
 
+    def tidy(self) -> None:
+        """Remove a crash's leftovers (files no manifest names, a version-2 sketch). Called before a
+        writer's first write, not at open: a writer refused after opening (another model) has
+        changed nothing."""
+        assert self.writable
+        if not self._tidy:
+            self._tidy = True
+            self._drop_old_sketch()
+            self._drop_stale_states()
+
     def _hold_files(self) -> None:
-        """A reader opens the files its manifest names and a commit may delete (the state file;
-        the sketch's files, and loads its basis) at once: a writer deletes them once its next
-        manifest names others, and open files outlive that."""
-        try:
-            if self.manifest["state"]:
-                self._state_fd = os.open(self.path / self.manifest["state"]["file"], os.O_RDONLY)
-            for p, nrm in self.sketch_files or []:
-                p._reader_fd()
-                nrm._reader_fd()
-        except FileNotFoundError as e:
-            raise StoreError(f"{Path(e.filename).name} is missing from the store: the store is damaged") from None
+        """A reader opens the files its manifest names and a commit may delete (the state file,
+        the job file; the sketch's files, and loads its basis) at once: a writer deletes them once
+        its next manifest names others, and open files outlive that."""
+        if self.manifest["state"]:
+            self._state_fd = self._open(self.manifest["state"]["file"])
+        if self.job is not None:
+            self.job._reader_fd()
+        for p, nrm in self.sketch_files or []:
+            p._reader_fd()
+            nrm._reader_fd()
         if self.sketch_files is not None:
             self.sketch_basis(0)
 
+    def _open(self, name: str) -> int:
+        """A descriptor of one of the store's files, opened without leaving the store."""
+        try:
+            return self.folder.open(name)
+        except FileNotFoundError:
+            raise StoreError(f"{name} is missing from the store: the store is damaged") from None
+        except UnsafePath as e:
+            raise StoreError(f"{e}: the store is refused") from None
+
     def _check_files(self) -> None:
+        """Every file the manifest names is a regular file of the store, long enough for its rows;
+        the events' lengths are positive and add up to the event tokens."""
+        try:
+            st = self.folder.lstat("layers")
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise StoreError("layers in the store is a link or not a folder: the store is refused")
         for rf in self.all_files():
-            if not rf.writable:
-                rf.check_size()
-        if self.manifest["state"] and not (self.path / self.manifest["state"]["file"]).is_file():
-            raise StoreError(f"{self.manifest['state']['file']} is missing from the store: the store is damaged")
-        if self.manifest.get("sketch") and not (self.path / self.manifest["sketch"]["file"]).is_file():
-            raise StoreError(f"{self.manifest['sketch']['file']} is missing from the store: the store is damaged")
+            rf.check_size()
+        for part in ("state", "sketch"):
+            if self.manifest.get(part):
+                os.close(self._open(self.manifest[part]["file"]))
+        lengths = self.events.read()
+        if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.long().sum()) != self.manifest["rows"]["event_tokens"]):
+            raise StoreError("events.i32 does not match the manifest (event lengths that do not add up to its "
+                             "event tokens): the store is damaged")
+        if self.job is not None and self.manifest["job"]["tokens"]:
+            ids = self.job.read()
+            if int(ids.min()) < 0 or int(ids.max()) >= self.geometry.vocab:
+                raise StoreError(f"{self.job.name} holds token ids outside the vocabulary: the store is damaged")
 
     def check_identity(self, identity: Identity) -> None:
         """Refuse a model or tokenizer other than the store's, naming the difference.
@@ -677,19 +812,15 @@ class Store:
         Order: data files fsynced, new state file written and fsynced, then the manifest swapped
         atomically; the previous state file is deleted only after the manifest no longer names it.
         """
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
-        assert self.writable
+        self.tidy()
         self.update_sketch()
         for rf in self.all_files():
             rf.sync()
         gen = (self.manifest["state"] or {}).get("generation", 0) + 1
         name = f"state-{gen}.safetensors"
-        tmp = self.path / (name + ".tmp")
-        save_file({k: v.detach().cpu().contiguous() for k, v in engine_state.items()}, str(tmp))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path / name)
+        self.folder.write_atomic(name, save({k: v.detach().cpu().contiguous() for k, v in engine_state.items()}))
         old = self.manifest["state"]
         self.manifest["state"] = {"file": name, "generation": gen, **meta}
         self.manifest["rows"] = {
@@ -699,7 +830,7 @@ class Store:
         self._write_manifest()
         self._retire()
         if old and old["file"] != name:
-            (self.path / old["file"]).unlink(missing_ok=True)
+            self.folder.unlink(old["file"])
 
     # -- the sketch -----------------------------------------------------------------------------
     def sketch_threshold(self) -> int | None:
@@ -709,11 +840,20 @@ class Store:
     def sketch_basis(self, layer: int) -> tuple[Tensor, Tensor]:
         """(mean [dim], basis [dim, dims]) of a layer's sketch."""
         if self._basis is None:
-            from safetensors.torch import load_file
+            from safetensors.torch import load
 
             name = self.manifest["sketch"]["file"]
+            fd = self._open(name)
             try:
-                self._basis = load_file(str(self.path / name))
+                with os.fdopen(fd, "rb") as f:
+                    self._basis = load(f.read())
+                g = self.geometry
+                for i in range(g.layers):
+                    mean, basis = self._basis[f"{i}.mean"], self._basis[f"{i}.basis"]
+                    if mean.shape != (g.q_heads * g.head_dim,) or basis.shape != (g.q_heads * g.head_dim, self.manifest["sketch"]["dims"]):
+                        raise ValueError(f"layer {i}'s basis has the wrong shape")
+                    if mean.dtype != torch.float32 or basis.dtype != torch.float32:
+                        raise ValueError(f"layer {i}'s basis is not float32")
             except Exception as e:  # noqa: BLE001 - any parse failure is a damaged file
                 raise StoreError(f"cannot read {name}: {e}; the store is damaged") from None
         return self._basis[f"{layer}.mean"], self._basis[f"{layer}.basis"]
@@ -742,7 +882,7 @@ class Store:
         """Sketch the events appended since the last call, fitting the basis first (again) when the
         store has reached `sketch_target`'s next size. Data only: the next manifest commits it, and
         `_retire` deletes a replaced sketch's files after that. Returns whether anything was written."""
-        assert self.writable
+        self.tidy()
         n = self.events.rows
         target = self.sketch_target(n)
         if target is None:
@@ -772,7 +912,7 @@ class Store:
         periodic stream: every 2nd event of the 512k passkey store gave a basis 5x worse than
         all of them). The file is written (atomically) before any manifest names it. A replaced
         sketch's files are retired, not yet deleted."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         m = min(t, self.sketch_threshold() or t)
         idx = torch.arange(t) if m == t else torch.randperm(t, generator=torch.Generator().manual_seed(t))[:m].sort().values
@@ -785,24 +925,19 @@ class Store:
             mean, basis = sketch.fit_blocks(m, sample(r))
             tensors.update({f"{i}.mean": mean, f"{i}.basis": basis})
         name, layer_names = self._sketch_names(t)
-        tmp = self.path / (name + ".tmp")
-        save_file(tensors, str(tmp))
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path / name)
-        _fsync_dir(self.path)
+        self.folder.write_atomic(name, save(tensors))
         old = self.manifest.get("sketch")
         if old is not None and self.sketch_files is not None:
             for p, nrm in self.sketch_files:
                 p.close()
                 nrm.close()
-                self._retired += [p.path, nrm.path]
-            self._retired.append(self.path / old["file"])
+                self._retired += [p.name, nrm.name]
+            self._retired.append(old["file"])
         self._basis = tensors
         dims = tensors["0.basis"].shape[1]
         self.manifest["sketch"] = {"file": name, "dims": dims, "trained_on": t}
         self.manifest["version"] = FORMAT_VERSION
-        mk = lambda name, row, dtype: RowFile(self.path / name, row, dtype, 0, True)  # noqa: E731
+        mk = lambda name, row, dtype: RowFile(self.folder, name, row, dtype, 0, True)  # noqa: E731
         self.sketch_files = [
             (mk(p, (dims,), torch.float16), mk(n, (3,), torch.float32)) for p, n in layer_names
         ]
@@ -810,13 +945,14 @@ class Store:
     def _retire(self) -> None:
         """Delete a replaced sketch's files, now that the manifest names the new one (a reader
         that opened the old one keeps its open files)."""
-        for p in self._retired:
-            p.unlink(missing_ok=True)
+        for name in self._retired:
+            self.folder.unlink(name)
         self._retired = []
 
     def commit_sketch(self) -> bool:
         """Sketch what is committed but not sketched yet (a store written before sketches existed,
         or an ingest stopped between), and commit that alone. Returns whether it did anything."""
+        self.tidy()
         if not self.update_sketch():
             return False
         for rf in self.all_files():
@@ -827,40 +963,66 @@ class Store:
         return True
 
     def set_job(self, tokens: Tensor, documents: list[dict]) -> None:
-        """Start an ingest job: its tokens go to a new job file (so --resume needs no input) and the
-        manifest is committed at once, naming it. The previous job's file (whose pending tail must
-        be part of `tokens`) is deleted only after that."""
-        assert self.writable
+        """Start an ingest job of `tokens` [n] (begin_job, its tokens, commit_job)."""
+        job = self.begin_job()
+        try:
+            job.append(tokens.to(torch.int32))
+            self.commit_job(job, documents)
+        except BaseException:
+            self.abort_job(job)
+            raise
+
+    def begin_job(self) -> RowFile:
+        """A new job file to append the job's tokens to (streamed: nothing is held in RAM);
+        commit_job makes it the store's job, abort_job removes it."""
+        self.tidy()
+        old = self.manifest.get("job")
+        name = f"job-{(old or {}).get('generation', 0) + 1}.i32"
+        self.folder.unlink(name)  # a job file no manifest named yet: a crash's leftover
+        return RowFile(self.folder, name, (), torch.int32, 0, True)
+
+    def abort_job(self, job: RowFile) -> None:
+        job.close()
+        self.folder.unlink(job.name)
+
+    def commit_job(self, job: RowFile, documents: list[dict]) -> None:
+        """Make `job` the current ingest job (so --resume needs no input): its file is synced and
+        the manifest committed at once, naming it. The previous job's file (whose pending tail
+        must be part of the new one) is deleted only after that."""
         old = self.manifest.get("job")
         gen = (old or {}).get("generation", 0) + 1
-        name = f"job-{gen}.i32"
+        assert job.name == f"job-{gen}.i32"
+        job.sync()
         if self.job is not None:
             self.job.close()
-        self.job = RowFile(self.path / name, (), torch.int32, 0, True)
-        self.job.append(tokens.to(torch.int32))
-        self.job.sync()
-        self.manifest["job"] = {"file": name, "generation": gen, "tokens": int(tokens.numel()), "done": 0, "complete": False}
+        self.job = job
+        self.manifest["job"] = {"file": job.name, "generation": gen, "tokens": job.rows, "done": 0,
+                                "complete": False, "documents": len(documents)}
         self.manifest["documents"] = self.manifest["documents"] + documents
         self._write_manifest()
-        if old and old["file"] != name:
-            (self.path / old["file"]).unlink(missing_ok=True)
+        if old and old["file"] != job.name:
+            self.folder.unlink(old["file"])
 
     def load_state(self) -> dict[str, Tensor]:
-        from safetensors.torch import load_file
+        """The tensors that continue the stream (a reader's from the file it opened with its manifest)."""
+        from safetensors.torch import load
 
         if not self.manifest["state"]:
             return {}
-        path = str(self.path / self.manifest["state"]["file"])
-        if self._state_fd is not None and os.path.exists(f"/proc/self/fd/{self._state_fd}"):
-            path = f"/proc/self/fd/{self._state_fd}"  # the file opened with the manifest, deleted or not
+        name = self.manifest["state"]["file"]
+        fd = os.dup(self._state_fd) if self._state_fd is not None else self._open(name)
         try:
-            return load_file(path)
+            with os.fdopen(fd, "rb") as f:
+                f.seek(0)
+                return load(f.read())
         except Exception as e:  # noqa: BLE001 - any parse failure is a damaged file
-            raise StoreError(f"cannot read {self.manifest['state']['file']}: {e}; the store is damaged") from None
+            raise StoreError(f"cannot read {name}: {e}; the store is damaged") from None
 
     def _write_manifest(self) -> None:
         self.manifest["checksum"] = _checksum(self.manifest)
-        _write_atomic(self.path / MANIFEST, (json.dumps(self.manifest, indent=1) + "\n").encode())
+        self.folder.write_atomic(MANIFEST, (json.dumps(self.manifest, indent=1) + "\n").encode())
+        if self._unpublished is not None:
+            self._publish()
 
     def _drop_old_sketch(self) -> None:
         """A version-2 sketch (outlier lists) is not used: the manifest stops naming it first,
@@ -870,41 +1032,53 @@ class Store:
             self._write_manifest()
 
     def _drop_stale_states(self) -> None:
-        keep = (self.manifest["state"] or {}).get("file")
-        job = (self.manifest.get("job") or {}).get("file")
-        for p in [*self.path.glob("state-*.safetensors*"), *self.path.glob("job-*.i32*")]:
-            if p.name not in (keep, job):
-                p.unlink(missing_ok=True)
-        # Sketch files the manifest does not name: a fit that crashed before its commit (refitted
-        # to the same bytes), or a replaced sketch whose deletion a crash cut short.
+        """Remove the files of this store's own layout that no manifest names (a crash's leftovers:
+        a state or job file written before its commit, a sketch fitted or replaced, temporaries).
+        Only names of the layout are touched; a link is removed itself, never followed."""
+        keep = {(self.manifest["state"] or {}).get("file"), (self.manifest.get("job") or {}).get("file")}
         sk = self.manifest.get("sketch")
-        keep = {sk["file"], *(x for t in self._sketch_names(sk["trained_on"])[1] for x in t)} if sk else set()
-        for p in [*self.path.glob("sketch*.safetensors*"), *self.path.glob("layers/*.p"),
-                  *self.path.glob("layers/*.o"), *self.path.glob("layers/*.n")]:
-            if str(p.relative_to(self.path)) not in keep:
-                p.unlink(missing_ok=True)
-        (self.path / (MANIFEST + ".tmp")).unlink(missing_ok=True)
+        if sk:
+            basis, layer_names = self._sketch_names(sk["trained_on"])
+            keep |= {basis, *(x for t in layer_names for x in t)}
+        top = re.compile(r"(state-\d+\.safetensors|job-\d+\.i32|sketch(-\d+)?\.safetensors|manifest\.json)(\.tmp)?")
+        for name in self.folder.names():
+            if top.fullmatch(name) and name not in keep and name != MANIFEST:
+                self.folder.unlink(name)
+        try:
+            layer_files = self.folder.names("layers")
+        except (FileNotFoundError, UnsafePath):
+            layer_files = []
+        for name in layer_files:
+            if re.fullmatch(r"\d+(\.\d+)?\.[pon](\.tmp)?", name) and f"layers/{name}" not in keep:
+                self.folder.unlink(f"layers/{name}")
 
     # -- reading -------------------------------------------------------------------------------
     def bytes_on_disk(self) -> dict[str, int]:
         parts = {"tokens": 0, "events": 0, "keys+values": 0, "representative keys": 0, "sketch": 0, "state": 0, "job": 0}
-        for p in self.path.rglob("*"):
-            if not p.is_file():
+        names = [n for n in self.folder.names()]
+        try:
+            names += [f"layers/{n}" for n in self.folder.names("layers")]
+        except (FileNotFoundError, UnsafePath):
+            pass
+        for rel in names:
+            st = self.folder.lstat(rel)
+            if not stat.S_ISREG(st.st_mode):
                 continue
-            n = p.stat().st_size
-            if p.suffix in (".k", ".v"):
+            n, name = st.st_size, rel.rsplit("/", 1)[-1]
+            suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
+            if suffix in (".k", ".v"):
                 parts["keys+values"] += n
-            elif p.suffix == ".r":
+            elif suffix == ".r":
                 parts["representative keys"] += n
-            elif p.suffix in (".p", ".o", ".n") or p.name.startswith("sketch"):
+            elif suffix in (".p", ".o", ".n") or name.startswith("sketch"):
                 parts["sketch"] += n
-            elif p.name.startswith("state-"):
+            elif name.startswith("state-"):
                 parts["state"] += n
-            elif p.name.startswith("job-"):
+            elif name.startswith("job-"):
                 parts["job"] += n
-            elif p.name == "events.i32":
+            elif name == "events.i32":
                 parts["events"] += n
-            elif p.name in ("tokens.i32", "surprise.f32", "flags.u8"):
+            elif name in ("tokens.i32", "surprise.f32", "flags.u8"):
                 parts["tokens"] += n
         return parts
 
@@ -1002,34 +1176,141 @@ def _tokens_hash(path: Path, manifest: dict) -> str:
     return h.hexdigest()
 
 
-def read_manifest(path: Path) -> dict:
-    """The committed manifest, validated: format, version, checksum, required fields."""
+MANIFEST_LIMIT = 256 << 20  # bytes: a manifest larger than this is refused unread
+MIN_VERSION = 1
+_INT_LIMIT = 1 << 40  # rows, tokens, generations: far above any real store, far below overflow
+
+
+def read_manifest(path: Path, folder: Folder | None = None) -> dict:
+    """The committed manifest, validated: every field's type and range, and every file it names a
+    plain name of this store's layout (it is read without following a link, and never past 256 MiB).
+    A store is untrusted input; the checksum only catches accidents (anyone can recompute it)."""
+    own = folder is None
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise StoreError(f"{path / MANIFEST} is unreadable ({e}): the store is damaged") from None
+        folder = folder or Folder(path)
+    except OSError as e:
+        raise StoreError(f"cannot open the store at {path}: {e.strerror or e}") from None
+    try:
+        raw = folder.read(MANIFEST, MANIFEST_LIMIT)
+        manifest = json.loads(raw.decode("utf-8"))
+    except UnsafePath as e:
+        raise StoreError(f"{e}: the store is refused") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise StoreError(f"{path / MANIFEST} is unreadable ({getattr(e, 'strerror', None) or e}): the store is damaged") from None
+    finally:
+        if own:
+            folder.close()
     if not isinstance(manifest, dict) or manifest.get("format") != "emllm-store":
         raise StoreError(f"{path} is not an emllm store (its {MANIFEST} is of another kind)")
     v = manifest.get("version")
-    if not isinstance(v, int) or v > FORMAT_VERSION:
+    if type(v) is not int or v < MIN_VERSION:
+        raise StoreError(f"{path} has store format version {v!r}, which no emllm wrote: the store is damaged")
+    if v > FORMAT_VERSION:
         raise StoreError(
             f"{path} has store format version {v}, newer than this emllm reads ({FORMAT_VERSION}): upgrade emllm"
         )
     if manifest.get("checksum") != _checksum(manifest):
         raise StoreError(f"{path / MANIFEST} fails its checksum: it was edited or damaged; restore it or re-ingest")
     try:
-        Geometry(**manifest["geometry"])
-        rows = manifest["rows"]
-        assert all(isinstance(rows[k], int) and rows[k] >= 0 for k in ("tokens", "events", "event_tokens"))
-        manifest["identity"]["config_hash"], manifest["profile"]["name"]
-    except (KeyError, TypeError, AssertionError):
-        raise StoreError(f"{path / MANIFEST} lacks required fields: the store is damaged") from None
+        _validate(manifest)
+    except _Invalid as e:
+        raise StoreError(f"{path / MANIFEST}: {e}: the store is damaged or was edited") from None
     return manifest
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise _Invalid(what)
+
+
+def _int(d: Any, key: str, lo: int = 0, hi: int = _INT_LIMIT, at: str = "") -> int:
+    _need(isinstance(d, dict) and key in d, f"no {at}{key}")
+    x = d[key]
+    _need(type(x) is int and lo <= x <= hi, f"{at}{key} is {str(x)[:40]!r}, not an integer in [{lo}, {hi}]")
+    return x
+
+
+def _str(d: Any, key: str, optional: bool = False, at: str = "") -> None:
+    _need(isinstance(d, dict), f"no {at}{key}")
+    if optional and key not in d:
+        return
+    _need(isinstance(d.get(key), str), f"{at}{key} is missing or not a string")
+
+
+def _validate(m: dict) -> None:
+    """Every field a store's readers and writers use, its type and range (raises _Invalid)."""
+    for k in ("created", "updated"):
+        _str(m, k)
+    ident = m.get("identity")
+    for k in ("model", "config_hash", "weights_hash", "tokenizer_hash"):
+        _str(ident, k, at="identity.")
+    _str(ident, "weights_sample", optional=True, at="identity.")
+    prof = m.get("profile")
+    _need(isinstance(prof, dict), "no profile")
+    _str(prof, "name", at="profile.")
+    g = m.get("geometry")
+    _need(isinstance(g, dict) and set(g) == set(Geometry.__dataclass_fields__), "geometry has other fields")
+    for k, hi in (("layers", 1024), ("kv_heads", 1024), ("q_heads", 4096), ("head_dim", 4096), ("vocab", 1 << 24)):
+        _int(g, k, 1, hi, at="geometry.")
+    _need(g["q_heads"] % g["kv_heads"] == 0, "q_heads is not a multiple of kv_heads")
+    _need(g["dtype"] in ("float32", "float16", "bfloat16"), f"dtype {g['dtype']!r} is not one a store holds")
+    rows = m.get("rows")
+    t, e, et = (_int(rows, k, at="rows.") for k in ("tokens", "events", "event_tokens"))
+    _need(e <= et, f"rows do not add up ({e} events of {et} tokens)")
+    st = m.get("state")
+    if st is not None:
+        gen = _int(st, "generation", 1)
+        _need(st.get("file") == f"state-{gen}.safetensors", "state names a file not of this store's layout")
+        if "tokens" in st or "events" in st:  # a stream's state (stores of the tests' own have none)
+            _need(_int(st, "tokens") == t and _int(st, "events") == e, "the state is not the one of these rows")
+            _need(et <= t, f"rows do not add up ({et} event tokens in a stream of {t})")
+    else:
+        _need(t == 0, "rows without a state")
+    job = m.get("job")
+    if job is not None:
+        gen = _int(job, "generation", 1, at="job.")
+        _need(job.get("file") == f"job-{gen}.i32", "job names a file not of this store's layout")
+        n = _int(job, "tokens", at="job.")
+        _int(job, "done", 0, n, at="job.")
+        _need(isinstance(job.get("complete"), bool), "job.complete is not true or false")
+        if "documents" in job:
+            _int(job, "documents")
+    sk = m.get("sketch")
+    if sk is not None:
+        f = _int(sk, "trained_on", 1)
+        _int(sk, "dims", 1, 4096)
+        _need(sk.get("file") in ("sketch.safetensors", f"sketch-{f}.safetensors"), "sketch names a file not of this store's layout")
+    docs = m.get("documents", [])
+    _need(isinstance(docs, list), "documents is not a list")
+    for d in docs:
+        _str(d, "name")
+        _str(d, "sha256", optional=True)
+        for k in ("start", "tokens"):
+            _int(d, k)
+        if "chars" in d:
+            _int(d, "chars")
+    if "stream" in m:
+        s = m["stream"]
+        _need(isinstance(s, dict) and isinstance(s.get("chat"), bool), "stream.chat is not true or false")
+        _str(s, "prefix")
+        _str(s, "suffix")
 
 
 def _lock(path: Path) -> int:
     """Take the store's writer lock (non-blocking); readers never take it."""
-    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StoreError(f"{path / 'lock'} is a symbolic link: the store is refused") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StoreError(f"{path / 'lock'} is not a regular file: the store is refused")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

@@ -65,6 +65,20 @@ class LayerWindow:
         return {**{name: getattr(self, name) for name in self._STATE}, "n_seen": torch.tensor(self.n_seen)}
 
     def load_state(self, state: dict[str, Tensor]) -> None:
+        """Continue from `state` (read from a store: its shapes are checked first, ValueError)."""
+        h, hq, d = self.n_kv_heads, self.n_q_heads, self.head_dim
+        for part in ("init", "local", "rem"):
+            k, v = state.get(f"{part}_k"), state.get(f"{part}_v")
+            if k is None or v is None or k.ndim != 3 or k.shape[0] != h or k.shape[2] != d or v.shape != k.shape:
+                raise ValueError(f"layer {self.layer_idx}: {part} keys/values of the wrong shape")
+        for part in ("local", "rem"):
+            m = state.get(f"{part}_mass")
+            if m is None or tuple(m.shape) != (hq, state[f"{part}_k"].shape[1]):
+                raise ValueError(f"layer {self.layer_idx}: {part} attention mass of the wrong shape")
+        c = state.get("contiguity")
+        if c is not None and (c.ndim != 1 or c.dtype not in (torch.int64, torch.int32) or
+                              (c.numel() and (int(c.min()) < 0 or int(c.max()) >= len(self.events)))):
+            raise ValueError(f"layer {self.layer_idx}: contiguity names events the store does not hold")
         for name in self._STATE:
             if name in state:
                 ref = getattr(self, name)

@@ -42,10 +42,14 @@ def ask(
     t0 = time.perf_counter()
     with Store.open(path) as st:
         name = st.manifest["identity"]["model"]
-        src = models.resolve(name, log=lambda m: render.err.print(f"[dim]{m}[/dim]"))
+        src = models.resolve(name, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
         mdl, tok = models.load(src)
         st.check_identity(ing.identity_of(name, mdl, tok))
         session = Session(st, mdl, tok, kv_cache_mb)
+        if session.unfinished:
+            done, total = session.unfinished
+            render.err.print(f"[yellow]note:[/yellow] the store's last ingest is unfinished ({done} of {total} tokens read: "
+                             "being written, or interrupted); answering from its last commit")
         trace = None
         if show_retrieval:
             from core.trace import Trace

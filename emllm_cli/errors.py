@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
+from pathlib import Path
 from typing import Callable, TypeVar
 
 import click
@@ -26,9 +28,21 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from core.config import ProfileError
     from core.engine import UnsupportedModelError
     from core.models import ModelNotFoundError
+    from core.safefs import UnsafePath
     from core.store import StoreError
+    from core.textstream import InputError
 
-    return (UserError, StoreError, ProfileError, ModelNotFoundError, UnsupportedModelError, FileNotFoundError, IsADirectoryError)
+    return (UserError, StoreError, ProfileError, ModelNotFoundError, UnsupportedModelError, InputError, UnsafePath,
+            FileNotFoundError, IsADirectoryError)
+
+
+def _disk_full(e: BaseException) -> str | None:
+    """The message for a write that found no space (a full disk or quota), else None."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" writing {Path(e.filename).name}" if e.filename else ""
+        return (f"no space left on the device{where}: what was committed before stays intact; "
+                "free some space and run the same command again")
+    return None
 
 
 def guarded(fn: F) -> F:
@@ -49,6 +63,8 @@ def guarded(fn: F) -> F:
                 raise
             known = isinstance(e, _user_errors())
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if (full := _disk_full(e)) is not None:
+                known, msg = True, full
             if not known:
                 msg = f"internal error: {type(e).__name__}: {msg} (run with --debug for the traceback)"
             print(f"emllm: error: {msg}", file=sys.stderr)

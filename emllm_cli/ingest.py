@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
+from typing import Callable
 
 import typer
 from rich.markup import escape
 
 from . import render
 from .errors import UserError, guarded
-from .inputs import read_text
 from .options import ModelOpt, ProfileOpt
 from .stores import store_path
 
@@ -41,7 +40,8 @@ def ingest(
     """
     from core import ingest as ing
     from core import models
-    from core.store import Store, is_store
+    from core.store import Store, is_store, read_manifest
+    from core.textstream import TextSource, file_sha256
 
     paths = paths or []
     if resume and paths:
@@ -50,23 +50,46 @@ def ingest(
         raise typer.BadParameter("give at least one file (or - for stdin)", param_hint="PATH")
     if resume and append:
         raise typer.BadParameter("use --resume or --append, not both", param_hint="--append")
+    if paths.count("-") > 1:
+        raise typer.BadParameter("stdin (-) can be read once", param_hint="PATH")
     if store is None:
         if resume or append:
             raise typer.BadParameter("say which store with --store", param_hint="--store")
         if paths[0] == "-":
             raise typer.BadParameter("reading stdin: name the store with --store", param_hint="--store")
         store = Path(paths[0]).stem
-    docs = [(p if p != "-" else "stdin", read_text(p)) for p in paths]  # bad files fail before any work
 
     path = store_path(store)
     existing = is_store(path)
     if (append or resume) and not existing:
         raise UserError(f"no store at {path} to {'append to' if append else 'resume'}; create it with `emllm ingest FILE --store {store}`")
-    if existing and not (append or resume):
-        where = f"{store!r}" + (f" ({path})" if str(path) != store else "")
-        raise UserError(f"store {where} already exists: add with --append, or choose another --store")
+    if existing:
+        m = read_manifest(path)
+        job = m.get("job")
+        unfinished = bool(job and not job["complete"])
+        if paths and unfinished and _same_documents(m, paths, file_sha256):
+            render.err.print(f"[yellow]note:[/yellow] continuing the interrupted ingest of these documents "
+                             f"({job['done']} of {job['tokens']} tokens read)")
+            paths, resume, append = [], True, False
+        elif append and unfinished:
+            raise UserError(f"store {store!r} has an unfinished ingest ({job['done']} of {job['tokens']} tokens "
+                            f"read): finish it first with `emllm ingest --resume --store {store}`")
+        elif not (append or resume):
+            if _is_empty(m):  # an earlier emllm's create, interrupted before its text was saved
+                render.err.print(f"[yellow]note:[/yellow] {escape(str(path))} held an empty store (an interrupted "
+                                 f"create): it is made anew")
+                Store.remove_empty(path)
+                existing = False
+            else:
+                where = f"{store!r}" + (f" ({path})" if str(path) != store else "")
+                raise UserError(f"store {where} already exists: add with --append, or choose another --store")
+        elif resume and not unfinished and _is_empty(m):
+            raise UserError(f"store {store!r} holds nothing: the ingest that created it was interrupted before its "
+                            f"text was saved; run it again: emllm ingest FILE --store {store}")
+    warn = lambda m: render.err.print(f"[yellow]warning:[/yellow] {escape(m)}")  # noqa: E731
+    docs = [(p if p != "-" else "stdin", TextSource.open(p, warn)) for p in paths]  # bad files fail before any work
 
-    log = lambda m: render.err.print(f"[dim]{m}[/dim]")  # noqa: E731
+    log = lambda m: render.err.print(f"[dim]{escape(m)}[/dim]")  # noqa: E731
     if existing:
         st = Store.open(path, writable=True)
         try:
@@ -87,19 +110,27 @@ def ingest(
         src = models.resolve(model, profile, log=log)
         mdl, tok = models.load(src)
         name = str(src.path.resolve()) if Path(src.name).exists() else src.name
-        path.parent.mkdir(parents=True, exist_ok=True)
         st = ing.create_store(path, name, mdl, tok, src.profile, chat=not raw)
 
     with st:
         engine = ing.open_engine(st, mdl, kv_cache_mb)
         before = st.tokens.rows + len(ing.pending_tokens(st))  # the stream's length before this run
         if docs:
-            seen = {d["sha256"]: d["name"] for d in st.manifest["documents"]}
+            seen = {d.get("sha256"): d["name"] for d in st.manifest["documents"]}
+            try:
+                ing.add_documents(st, tok, docs)
+            except KeyboardInterrupt:
+                st.discard()
+                what = "the store was not created" if not existing else "the store is unchanged"
+                render.err.print(f"emllm: interrupted before the text was saved: {what}; run the same command again")
+                raise typer.Exit(130)
+            except BaseException:
+                st.discard()
+                raise
             for doc_name, text in docs:  # allowed (it may be meant), but rarely what one wants
-                if (was := seen.get(hashlib.sha256(text.encode()).hexdigest())) is not None:
-                    render.err.print(f"[yellow]note:[/yellow] {escape(doc_name)}: the store holds this text already "
-                                     f"(as {escape(was)}); it is added again")
-            ing.add_documents(st, tok, docs)
+                if (was := seen.get(text.sha256)) is not None:
+                    render.err.print(f"[yellow]note:[/yellow] {escape(doc_name)}: the store held this text already "
+                                     f"(as {escape(was)}); it was added again")
         job = st.manifest["job"]
         t0, done0, was_complete = time.perf_counter(), job["done"], job["complete"]
         try:
@@ -114,7 +145,7 @@ def ingest(
         except KeyboardInterrupt:
             j = st.manifest["job"]
             render.err.print(f"emllm: interrupted: the store keeps {j['done']} of {j['tokens']} tokens of this job; "
-                             f"finish with: emllm ingest --resume --store {store}")
+                             f"finish with: emllm ingest --resume --store {escape(store)} (or the same command again)")
             raise typer.Exit(130)
         secs = time.perf_counter() - t0
         m = st.manifest
@@ -138,8 +169,24 @@ def ingest(
         return
     where = f"{summary['tokens']} tokens, {summary['events']} events in {path} ({summary['bytes'] / 2**20:.1f} MiB"
     if resume and was_complete:
-        render.err.print(f"nothing to resume: the last ingest finished; {where})")
+        render.err.print(f"nothing to resume: the last ingest finished; {escape(where)}). An --append interrupted "
+                         "before its text was saved leaves no trace: run that append again")
     elif read:
         render.err.print(f"[green]stored[/green] {where}, {summary['tokens_per_second']:.0f} tok/s)")
     else:  # an append shorter than what completes a chunk: nothing for the model to read yet
         render.err.print(f"[green]stored[/green] {where}; {pending} tokens wait for the next append or question)")
+
+
+def _same_documents(manifest: dict, paths: list[str], sha256: Callable[[str], str | None]) -> bool:
+    """Whether the store's unfinished job is these files (the same texts, in order)."""
+    job = manifest["job"]
+    k = job.get("documents")
+    if not k or k != len(paths):
+        return False
+    theirs = [d.get("sha256") for d in manifest["documents"][-k:]]
+    return all(s is not None and s == t for s, t in zip(map(sha256, paths), theirs))
+
+
+def _is_empty(manifest: dict) -> bool:
+    """A store with nothing in it: no rows, no job, no document."""
+    return not manifest["rows"]["tokens"] and not manifest.get("job") and not manifest["documents"]

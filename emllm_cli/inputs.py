@@ -13,15 +13,17 @@ def read_text(path: str) -> str:
     """The text of `path` ('-' for stdin). Invalid UTF-8 is decoded with replacement characters
     and a warning (the rest of the text stays usable); binary files and empty files are refused."""
     if path == "-":
+        if sys.stdin is None or sys.stdin.closed:
+            raise UserError("stdin is closed: pipe the text in, or give a file")
         data = sys.stdin.buffer.read()
         name = "stdin"
     else:
         p = Path(path)
-        if not p.exists():
-            raise UserError(f"{path}: no such file")
-        if p.is_dir():
-            raise UserError(f"{path}: is a directory, not a text file")
         try:
+            if not p.exists():
+                raise UserError(f"{path}: no such file")
+            if p.is_dir():
+                raise UserError(f"{path}: is a directory, not a text file")
             data = p.read_bytes()
         except OSError as e:
             raise UserError(f"{path}: cannot read: {e.strerror}") from None

@@ -6,7 +6,7 @@ import typer
 
 from . import render
 from .errors import UserError, guarded
-from .stores import existing_store, list_stores
+from .stores import existing_store, folder_bytes, list_stores
 
 BINS = 64
 PREVIEW = 70
@@ -65,7 +65,8 @@ def _list(as_json: bool) -> None:
         rows.append({
             "name": path.name, "path": str(path), "model": m.get("identity", {}).get("model"),
             "tokens": m.get("rows", {}).get("tokens", 0) + _pending(m), "events": m.get("rows", {}).get("events"),
-            "bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file()), "updated": m.get("updated"),
+            "bytes": folder_bytes(path), "updated": m.get("updated"),
+            **({"error": m["error"]} if "error" in m else {}),
         })
     if as_json:
         render.print_json({"stores": rows})
@@ -114,7 +115,7 @@ def _retrieval(st, query: str, layer: int | None, top: int) -> dict:
     from core.trace import Trace
 
     name = st.manifest["identity"]["model"]
-    src = models.resolve(name, log=lambda m: render.err.print(f"[dim]{m}[/dim]"))
+    src = models.resolve(name, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
     mdl, tok = models.load(src)
     st.check_identity(ing.identity_of(name, mdl, tok))
     n_layers = st.geometry.layers

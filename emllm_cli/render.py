@@ -169,6 +169,17 @@ def metrics_table(table: dict, tokens: int) -> Table:
     return t
 
 
+def shown(text: object) -> str:
+    """Text from a store or a user (a document's name, a model's), safe to print: control
+    characters (escape sequences) written as escapes, Rich markup shown as the characters it is."""
+    from rich.markup import escape
+
+    t = str(text)
+    if not t.isprintable():
+        t = "".join(c if c.isprintable() else repr(c)[1:-1] for c in t)
+    return escape(t)
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -182,7 +193,7 @@ def stores_table(rows: list[dict]) -> Table:
     for c, j in (("name", "left"), ("model", "left"), ("tokens", "right"), ("events", "right"), ("size", "right"), ("updated", "left")):
         t.add_column(c, justify=j)
     for r in rows:
-        t.add_row(r["name"], str(r["model"]), str(r["tokens"]), str(r["events"]), _size(r["bytes"]), str(r["updated"])[:19])
+        t.add_row(shown(r["name"]), shown(r["model"]), str(r["tokens"]), str(r["events"]), _size(r["bytes"]), str(r["updated"])[:19])
     return t
 
 
@@ -192,13 +203,13 @@ def store_summary(s: dict):
     t = Table(show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("store", s["store"])
-    t.add_row("model", f"{s['model']}  [dim]config {s['identity']['config_hash']}[/dim]")
-    t.add_row("profile", f"{s['profile']['name']}: {s['profile']['segmentation']}, n_local {s['profile']['n_local']}, "
+    t.add_row("store", shown(s["store"]))
+    t.add_row("model", f"{shown(s['model'])}  [dim]config {shown(s['identity']['config_hash'])}[/dim]")
+    t.add_row("profile", f"{shown(s['profile']['name'])}: {shown(s['profile']['segmentation'])}, n_local {s['profile']['n_local']}, "
               f"n_mem {s['profile']['n_mem']}, chunk {s['profile']['chunk_size']}")
     t.add_row("tokens", f"{s['tokens']}" + ("" if s["complete"] else "  [yellow](ingest unfinished: --resume)[/yellow]"))
     t.add_row("events", f"{s['events']} (mean {s['mean_event_size']} tokens)")
-    t.add_row("documents", ", ".join(d["name"] for d in s["documents"]) or "-")
+    t.add_row("documents", ", ".join(shown(d["name"]) for d in s["documents"]) or "-")
     t.add_row("on disk", ", ".join(f"{k} {_size(v)}" for k, v in s["bytes"].items() if v))
     h = Table(title="event sizes (tokens)", show_edge=False)
     h.add_column("size")
@@ -232,7 +243,7 @@ def retrieval_view(r: dict, tokens: int):
     t.add_column("layers", justify="right")
     t.add_column("text")
     for e in r["top_events"]:
-        t.add_row(str(e["event"]), f"{e['tokens'][0]}-{e['tokens'][1]}", str(e["layers"]), repr(e["preview"])[1:-1])
+        t.add_row(str(e["event"]), f"{e['tokens'][0]}-{e['tokens'][1]}", str(e["layers"]), shown(repr(e["preview"])[1:-1]))
     parts = [lines, t]
     if "layer" in r:
         lt = Table(title=f"layer {r['layer']['index']}")
@@ -242,6 +253,6 @@ def retrieval_view(r: dict, tokens: int):
         lt.add_column("text")
         for s in r["layer"]["steps"]:
             for e in s["events"]:
-                lt.add_row(str(s["step"]), str(e["event"]), f"{e['score']:.3f}", repr(e["preview"])[1:-1])
+                lt.add_row(str(s["step"]), str(e["event"]), f"{e['score']:.3f}", shown(repr(e["preview"])[1:-1]))
         parts.append(lt)
     return Group(*parts)

@@ -54,7 +54,7 @@ def segment(
     if out is not None:
         _check_writable(out)  # before minutes of model work, not after
     text = read_text(path)
-    src = models.resolve(model, profile, log=lambda m: render.err.print(f"[dim]{m}[/dim]"))
+    src = models.resolve(model, profile, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
     prof = src.profile.replace(segmentation="S", **({"gamma": gamma} if gamma is not None else {}))
     mdl, tok = models.load(src)
     if not getattr(tok, "is_fast", False):

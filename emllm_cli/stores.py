@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import json
+import os
+import stat
 from pathlib import Path
 
 import typer
@@ -26,17 +27,31 @@ def store_path(name: str | None) -> Path:
 
 
 def list_stores() -> list[tuple[Path, dict]]:
-    """(path, manifest) of every readable store under the home, most recently updated first."""
+    """(path, manifest) of every store under the home, most recently updated first; a store whose
+    manifest is refused comes with {"error": why} instead."""
+    from core.store import StoreError, read_manifest
+
     out = []
     root = stores_dir()
     if root.is_dir():
         for p in root.iterdir():
-            if is_store(p):
+            if not p.is_symlink() and is_store(p):
                 try:
-                    out.append((p, json.loads((p / MANIFEST).read_text())))
-                except (OSError, ValueError):
-                    out.append((p, {}))
-    return sorted(out, key=lambda x: (x[1].get("updated", ""), (x[0] / MANIFEST).stat().st_mtime), reverse=True)
+                    out.append((p, read_manifest(p)))
+                except StoreError as e:
+                    out.append((p, {"error": str(e)}))
+    return sorted(out, key=lambda x: (str(x[1].get("updated", "")), (x[0] / MANIFEST).lstat().st_mtime), reverse=True)
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the regular files under path (links are not followed)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            st = os.lstat(os.path.join(root, f))
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
 
 
 def existing_store(name: str | None) -> Path:

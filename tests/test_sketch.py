@@ -291,8 +291,9 @@ def test_a_refit_cut_short_before_its_commit_leaves_the_first_sketch(tmp_path, m
         assert st.manifest["rows"]["events"] == 390 and st.manifest["sketch"]["trained_on"] == THRESHOLD
         q = torch.randn(3, 32, generator=torch.Generator().manual_seed(9))
         assert StoredEvents(st, 1).select(q, 40).ids.tolist() == _exact(st, 1, q, 40).ids.tolist()
-    with Store.open(tmp_path / "b", writable=True):  # a writer drops what no manifest names
-        pass
+    with Store.open(tmp_path / "b", writable=True) as st:  # a writer drops what no manifest names, before it writes
+        assert list((tmp_path / "b").glob("sketch-*"))  # not at open: a writer refused then changed nothing
+        st.tidy()
     assert not list((tmp_path / "b").glob("sketch-*")) and not list((tmp_path / "b" / "layers").glob("*.400.*"))
 
 
@@ -352,7 +353,8 @@ def test_a_fit_interrupted_before_its_commit_is_redone_to_the_same_bytes(tmp_pat
             rf.sync()
         st.update_sketch()
         assert (tmp_path / "s" / "sketch.safetensors").exists()
-    with Store.open(tmp_path / "s", writable=True) as st:  # the uncommitted fit is dropped on open
+    with Store.open(tmp_path / "s", writable=True) as st:  # the uncommitted fit is dropped before a write
+        st.tidy()
         assert st.manifest["sketch"] is None and not (tmp_path / "s" / "sketch.safetensors").exists()
     _write(tmp_path / "s2", [120, 120], commit_every=2)
     assert _files(tmp_path / "s2") == _files(tmp_path / "ref")
@@ -389,6 +391,7 @@ def test_a_version_2_sketch_is_not_used_and_is_replaced_when_next_written(tmp_pa
     with Store.open(old) as st:  # readable, scanned
         assert st.sketch_files is None and StoredEvents(st, 0).sketch is None
     with Store.open(old, writable=True) as st:  # the old sketch is dropped from the manifest, then its files
+        st.tidy()
         assert st.manifest["sketch"] is None and not list(old.glob("layers/*.o"))
         assert json.loads((old / "manifest.json").read_text())["sketch"] is None
         assert st.commit_sketch()

@@ -462,7 +462,7 @@ def test_ingest_ask_inspect_through_the_executable(tiny, tmp_path):
     assert r.returncode == 0 and "most retrieved events" in r.stdout
     # the same text again: added, with a note naming where the store has it
     r = run("ingest", str(doc), "--append", "--store", "a", home=tmp_path)
-    assert r.returncode == 0 and f"the store holds this text already (as {doc})" in r.stderr, r.stderr
+    assert r.returncode == 0 and f"the store held this text already (as {doc})" in r.stderr, r.stderr
 
 
 def test_trace_is_deterministic(tiny, tmp_path):
@@ -871,13 +871,14 @@ def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monke
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_rowfile_take_reads_any_rows_in_any_order(tmp_path, dtype):
+    from core.safefs import Folder
     from core.store import RowFile
 
     x = torch.randn(5000, 3, 8).to(dtype)
-    w = RowFile(tmp_path / "x", (3, 8), dtype, 0, writable=True)
+    w = RowFile(Folder(tmp_path), "x", (3, 8), dtype, 0, writable=True)
     w.append(x)
     w.sync()
-    r = RowFile(tmp_path / "x", (3, 8), dtype, 5000, writable=False)
+    r = RowFile(Folder(tmp_path), "x", (3, 8), dtype, 5000, writable=False)
     g = torch.Generator().manual_seed(0)
     cases = [torch.arange(5000), torch.tensor([4999]), torch.tensor([7, 7, 3, 4999, 0, 3]),
              torch.arange(0, 5000, 97), torch.arange(0, 5000, 2), torch.randint(0, 5000, (800,), generator=g),

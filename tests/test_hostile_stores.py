@@ -1,0 +1,184 @@
+"""A store is untrusted input: damaged and hostile stores, each under every command that opens it.
+
+For each case a good store is copied, damaged, and surrounded by decoys outside it (files and a
+folder its links and names point at). Each command must end with exit code 1 and one line on
+stderr (no traceback, no "internal error"); every decoy must keep its bytes and never be opened
+(inotify watches them); the store's own files must be unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from inotify_simple import INotify, flags as inflags
+
+from core.store import _checksum
+
+from .test_store import _files, _ingest, _text, run, tiny  # noqa: F401  (tiny: a fixture)
+
+DECOY = b"decoy: a file outside the store that emllm must never open\n"
+
+
+@pytest.fixture(scope="module")
+def good_store(tiny, tmp_path_factory) -> Path:  # noqa: F811
+    folder, prof, _, _ = tiny
+    root = tmp_path_factory.mktemp("good")
+    _ingest(root / "s", folder, prof, [("doc", _text(3, 300))])
+    return root / "s"
+
+
+def _manifest(store: Path, change) -> None:
+    """Edit the manifest as an attacker would: the checksum recomputed (anyone can)."""
+    m = json.loads((store / "manifest.json").read_text())
+    change(m)
+    m["checksum"] = _checksum(m)
+    (store / "manifest.json").write_text(json.dumps(m))
+
+
+def _link(store: Path, rel: str, target: Path) -> None:
+    (store / rel).unlink()
+    (store / rel).symlink_to(target)
+
+
+def _state_of_other_shapes(store: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    name = json.loads((store / "manifest.json").read_text())["state"]["file"]
+    st = load_file(str(store / name))
+    st["layer0.local_k"] = torch.zeros(7, 3, 5)
+    save_file(st, str(store / name))
+
+
+def _events(store: Path, lengths: list[int]) -> None:
+    (store / "events.i32").write_bytes(torch.tensor(lengths, dtype=torch.int32).numpy().tobytes())
+
+
+def _fifo(store: Path, rel: str) -> None:
+    (store / rel).unlink()
+    os.mkfifo(store / rel)
+
+
+def _hard_link(store: Path, rel: str, target: Path) -> None:
+    (store / rel).unlink()
+    os.link(target, store / rel)
+
+
+# case: (damage(store, outside), commands, words the message must hold)
+READ, WRITE, RESUME, INSPECT = "ask", "append", "resume", "inspect"
+CASES = {
+    "job file ../../x": (lambda s, o: _manifest(s, lambda m: m["job"].update(file="../../outside/decoy")),
+                         (READ, WRITE, RESUME, INSPECT), "not of this store's layout"),
+    "state file by absolute path": (lambda s, o: _manifest(s, lambda m: m["state"].update(file=str(o / "decoy"))),
+                                    (READ, WRITE, INSPECT), "not of this store's layout"),
+    "sketch file ../x": (lambda s, o: _manifest(s, lambda m: m.update(sketch={"file": "../outside/decoy", "dims": 4, "trained_on": 1})),
+                         (READ, WRITE), "not of this store's layout"),
+    "tokens.i32 a link out": (lambda s, o: _link(s, "tokens.i32", o / "decoy"), (READ, WRITE, RESUME), "symbolic link"),
+    "events.i32 a link to passwd": (lambda s, o: _link(s, "events.i32", o / "passwd"), (READ, WRITE, INSPECT), "symbolic link"),
+    "layers/00.k a link out": (lambda s, o: _link(s, "layers/00.k", o / "decoy"), (READ, WRITE), "symbolic link"),
+    "layers a link to a folder": (lambda s, o: (shutil.rmtree(s / "layers"), (s / "layers").symlink_to(o / "dir")),
+                                  (READ, WRITE, INSPECT), "link"),
+    "manifest a link": (lambda s, o: _link(s, "manifest.json", o / "manifest.json"), (READ, WRITE, INSPECT), "symbolic link"),
+    "lock a link": (lambda s, o: _link(s, "lock", o / "decoy"), (WRITE,), "symbolic link"),
+    "tokens.i32 a FIFO": (lambda s, o: _fifo(s, "tokens.i32"), (READ, WRITE), "not a regular file"),
+    "tokens.i32 a hard link out": (lambda s, o: _hard_link(s, "tokens.i32", o / "hard"), (WRITE,), "hard link"),
+    "zero rows, huge head_dim": (lambda s, o: _manifest(s, lambda m: (m["rows"].update(tokens=0, events=0, event_tokens=0),
+                                                                     m.update(state=None), m["geometry"].update(head_dim=4096))),
+                                 (WRITE, READ), "geometry"),
+    "head_dim edited": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(head_dim=8)), (READ, WRITE), "geometry"),
+    "dtype edited": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(dtype="bfloat16")), (READ, WRITE), "geometry"),
+    "dtype unknown": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(dtype="int8")), (READ,), "dtype"),
+    "event lengths huge": (lambda s, o: _events(s, [1 << 30] * (json.loads((s / "manifest.json").read_text())["rows"]["events"])),
+                           (READ, WRITE, INSPECT), "events.i32 does not match"),
+    "event lengths negative": (lambda s, o: _events(s, [-1] * (json.loads((s / "manifest.json").read_text())["rows"]["events"])),
+                               (READ,), "events.i32 does not match"),
+    "rows past the files": (lambda s, o: _manifest(s, lambda m: (m["rows"].update(tokens=m["rows"]["tokens"] * 100),
+                                                                m["state"].update(tokens=m["rows"]["tokens"]))),
+                            (READ, WRITE), "truncated"),
+    "version 0": (lambda s, o: _manifest(s, lambda m: m.update(version=0)), (READ, WRITE, INSPECT), "version 0"),
+    "version from the future": (lambda s, o: _manifest(s, lambda m: m.update(version=99)), (READ,), "upgrade emllm"),
+    "state of other shapes": (lambda s, o: _state_of_other_shapes(s), (READ, WRITE), "state does not fit"),
+    "state not safetensors": (lambda s, o: (s / json.loads((s / "manifest.json").read_text())["state"]["file"]).write_bytes(b"\xff" * 64),
+                              (READ,), "cannot read state"),
+    "profile n_local 10**12": (lambda s, o: _manifest(s, lambda m: m["profile"].update(n_local=10**12)), (READ, WRITE), "n_local"),
+    "identity missing": (lambda s, o: _manifest(s, lambda m: m.pop("identity")), (READ, WRITE, INSPECT), "identity"),
+    "rows not numbers": (lambda s, o: _manifest(s, lambda m: m["rows"].update(tokens="many")), (READ, INSPECT), "tokens"),
+    "job done past its tokens": (lambda s, o: _manifest(s, lambda m: m["job"].update(done=10**9)), (READ, RESUME), "done"),
+    "job tokens outside the vocabulary": (lambda s, o: (s / json.loads((s / "manifest.json").read_text())["job"]["file"]).write_bytes(
+        torch.full((json.loads((s / "manifest.json").read_text())["job"]["tokens"],), 10**8, dtype=torch.int32).numpy().tobytes()),
+        (READ, RESUME), "outside the vocabulary"),
+    "manifest not JSON": (lambda s, o: (s / "manifest.json").write_text("{\"format\": "), (READ, INSPECT), "unreadable"),
+    "manifest nested deep": (lambda s, o: (s / "manifest.json").write_text("[" * 100000 + "]" * 100000), (READ,), "unreadable"),
+    "manifest a list": (lambda s, o: (s / "manifest.json").write_text("[]"), (READ,), "not an emllm store"),
+}
+
+
+def _decoys(outside: Path) -> None:
+    outside.mkdir()
+    for name in ("decoy", "passwd", "hard"):
+        (outside / name).write_bytes(DECOY + name.encode())
+    (outside / "dir").mkdir()
+    for i in range(2):
+        (outside / "dir" / f"{i:02d}.k").write_bytes(DECOY)
+    (outside / "manifest.json").write_text("{}")
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def _args(cmd: str, store: Path, doc: Path) -> list[str]:
+    return {READ: ["ask", "what is it?", "--store", str(store), "-n", "2"],
+            WRITE: ["ingest", str(doc), "--append", "--store", str(store)],
+            RESUME: ["ingest", "--resume", "--store", str(store)],
+            INSPECT: ["inspect", str(store)]}[cmd]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_hostile_store_is_refused_and_nothing_outside_it_is_touched(case, good_store, tmp_path):
+    damage, commands, needle = CASES[case]
+    outside = tmp_path / "outside"
+    _decoys(outside)
+    store = tmp_path / "store"
+    shutil.copytree(good_store, store, symlinks=True)
+    damage(store, outside)
+    doc = tmp_path / "more.txt"
+    doc.write_text(_text(4, 40))
+    before_out = _hashes(outside)
+    before = _files(store) if not (store / "layers").is_symlink() else None
+    watch = INotify()
+    mask = inflags.OPEN | inflags.ACCESS | inflags.MODIFY | inflags.ATTRIB | inflags.DELETE | inflags.CREATE | inflags.MOVED_FROM
+    for d in (outside, outside / "dir"):
+        watch.add_watch(str(d), mask)
+    try:
+        for cmd in commands:
+            r = run(*_args(cmd, store, doc), home=tmp_path / "home", timeout=120)
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 1, (cmd, r.stdout, r.stderr)
+            assert len(lines) == 1 and lines[0].startswith("emllm: error:"), (cmd, r.stderr)
+            assert "internal error" not in r.stderr and "Traceback" not in r.stderr, (cmd, r.stderr)
+            assert needle in r.stderr, (cmd, r.stderr)
+            events = watch.read(timeout=0)
+            assert not events, (cmd, [(e, watch) for e in events])
+    finally:
+        watch.close()
+    assert _hashes(outside) == before_out
+    if before is not None:
+        assert _files(store) == before
+
+
+def test_names_from_a_store_are_shown_escaped(good_store, tmp_path):
+    """A document's name with an escape sequence and Rich markup is printed as the characters it is."""
+    store = tmp_path / "store"
+    shutil.copytree(good_store, store)
+    _manifest(store, lambda m: m["documents"][0].update(name="\x1b[2J\x1b]0;pwned\x07[bold red]x[/]"))
+    r = run("inspect", str(store), home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout and "\x07" not in r.stdout
+    assert "\\x1b[2J" in r.stdout and "[bold red]x[/]" in r.stdout
