@@ -24,7 +24,7 @@ import torch
 from .config import Profile, profile_from_dict
 from .engine import Engine, check_supported
 from .models import config_hash
-from .textstream import TextSource, cuts_cleanly, token_pieces
+from .textstream import TextSource, cut_rules, token_pieces
 from .store import Geometry, Identity, Store, StoreError, StoredEvents, tokenizer_hash, weights_hash, weights_sample
 
 SEPARATOR = "\n\n"
@@ -117,7 +117,7 @@ def add_documents(store: Store, tok: Any, docs: list[tuple[str, str | TextSource
         raise StoreError(f"{store.path} has an unfinished ingest; finish it first (resume)")
     pending = pending_tokens(store)
     first = store.tokens.rows == 0 and not pending
-    piecewise = cuts_cleanly(tok)
+    rules = cut_rules(tok)
     documents = []
     stream_pos = store.tokens.rows
     writer = store.begin_job()
@@ -130,7 +130,7 @@ def add_documents(store: Store, tok: Any, docs: list[tuple[str, str | TextSource
             writer.append(torch.tensor(head + sep, dtype=torch.int32))
             start = writer.rows
             pieces = iter([src]) if isinstance(src, str) else src.pieces()
-            for ids in token_pieces(lambda t: encode(tok, t), pieces, piecewise and not isinstance(src, str)):
+            for ids in token_pieces(lambda t: encode(tok, t), pieces, [] if isinstance(src, str) else rules):
                 writer.append(torch.tensor(ids, dtype=torch.int32))
             if writer.rows == start:
                 raise StoreError(f"{name}: no tokens in the text")
