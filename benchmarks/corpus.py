@@ -11,7 +11,7 @@ import ast
 import inspect
 from pathlib import Path
 
-from core.passkey import FILLER
+from emllm.evals.passkey import FILLER
 
 STDLIB = ["argparse", "typing", "dataclasses", "inspect", "collections", "functools", "email.message",
           "http.client", "logging", "pathlib", "subprocess", "tarfile", "zipfile", "json.decoder",

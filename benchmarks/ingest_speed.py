@@ -24,10 +24,10 @@ import torch
 from transformers import DynamicCache
 
 from benchmarks.corpus import tokens as corpus_tokens
-from core import ingest as ing
-from core import models
-from core.engine import Engine
-from core.passkey import parse_length
+from emllm.app import ingest as ing
+from emllm import models
+from emllm.engine.stream import Engine
+from emllm.evals.passkey import parse_length
 
 
 class Vanilla:

@@ -27,9 +27,10 @@ import json, resource, sys, time
 from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, AutoModelForCausalLM
-from core import ingest as ing, models
-from core.config import load_profile
-from core.textstream import TextSource
+from emllm.app import ingest as ing
+from emllm import models
+from emllm.config import load_profile
+from emllm.app.textinput import TextSource
 
 path, store, whole = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "1"
 tok = AutoTokenizer.from_pretrained(models.resolve("smollm2").path)

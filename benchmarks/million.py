@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from benchmarks import git_commit
-from core import models
-from core.ask import Session
-from core.ingest import create_store, open_engine, run_job
-from core.passkey import build_prompt, parse_length, score
-from core.store import Store
+from emllm import models
+from emllm.app.ask import Session
+from emllm.app.ingest import create_store, open_engine, run_job
+from emllm.evals.passkey import build_prompt, parse_length, score
+from emllm.store import Store
 
 
 def vm(key: str) -> int:

@@ -27,10 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, benchmarks/ is not a package on the path
 from benchmarks import git_commit  # noqa: E402
-from core import models, results_log
-from core.engine import Engine
-from core.passkey import parse_length, run_grid
-from core.scratch import ScratchStores, TrunkStores
+from emllm import models
+from emllm.evals import results_log
+from emllm.engine.stream import Engine
+from emllm.evals.passkey import parse_length, run_grid
+from emllm.evals.scratch import ScratchStores, TrunkStores
 
 
 VARIANTS = {

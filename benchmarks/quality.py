@@ -1,5 +1,5 @@
 """RULER-style quality grid: emllm (segmentations S, SM, F) against the plain model truncated from
-the left to its context and a retrieval-augmented baseline (core/rag.py).
+the left to its context and a retrieval-augmented baseline (core/evals/rag.py).
 
     python benchmarks/quality.py --lengths 8k --samples 2 --out docs/results/quality.jsonl
 
@@ -28,11 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, benchmarks/ is not a package on the path
 from benchmarks import git_commit  # noqa: E402
-from core import models, results_log
-from core.engine import Engine
-from core.passkey import parse_length, run_baseline
-from core.rag import run_rag
-from core.ruler import TASKS, build_prompt, run_task
+from emllm import models
+from emllm.evals import results_log
+from emllm.engine.stream import Engine
+from emllm.evals.passkey import parse_length, run_baseline
+from emllm.evals.rag import run_rag
+from emllm.evals.ruler import TASKS, build_prompt, run_task
 
 METHODS = ("emllm-S", "emllm-SM", "emllm-F", "baseline", "rag")
 

@@ -1,4 +1,4 @@
-"""Retrieval cost per chunk: exact scan against the faiss HNSW path of `core.search.EventIndex`.
+"""Retrieval cost per chunk: exact scan against the faiss HNSW path of `emllm.memory.index.EventIndex`.
 
     python benchmarks/retrieval_cost.py [--sizes 1000 10000 100000] [--layers 30] [--big-layers 4]
 
@@ -29,9 +29,9 @@ import time
 import faiss
 import torch
 
-from core.memory import event_scores, select_events
-from core.search import DEFAULT_EF_CONSTRUCTION, DEFAULT_EF_SEARCH, DEFAULT_ENTRIES, DEFAULT_M, EventIndex
-from tests.test_search import model_like
+from emllm.memory.events import event_scores, select_events
+from emllm.memory.index import DEFAULT_EF_CONSTRUCTION, DEFAULT_EF_SEARCH, DEFAULT_ENTRIES, DEFAULT_M, EventIndex
+from tests.helpers import model_like
 
 H_Q, D = 9, 64
 BUDGET = 1024

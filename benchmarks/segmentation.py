@@ -18,9 +18,10 @@ import time
 import torch
 
 from benchmarks.corpus import tokens as corpus_tokens
-from core import document, models
-from core.engine import Engine
-from core.passkey import parse_length
+from emllm.app import document
+from emllm import models
+from emllm.engine.stream import Engine
+from emllm.evals.passkey import parse_length
 
 
 def lockstep_cost(model, prof, ids) -> tuple[float, float]:

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from core.store import MANIFEST, Store
+from emllm.store import MANIFEST, Store
 
 
 def snapshot(src: Path, dst: Path) -> None:

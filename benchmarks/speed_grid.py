@@ -38,10 +38,10 @@ import torch
 from transformers import DynamicCache
 
 from benchmarks.ingest_speed import Vanilla
-from core import models
-from core.config import load_profile
-from core.passkey import parse_length
-from core.scratch import ScratchStores
+from emllm import models
+from emllm.config import load_profile
+from emllm.evals.passkey import parse_length
+from emllm.evals.scratch import ScratchStores
 
 LLAMA_3_2_1B = dict(
     hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from benchmarks.corpus import code, prose
-from core.passkey import parse_length
+from emllm.evals.passkey import parse_length
 
 EMLLM = str(Path(sys.executable).parent / "emllm")
 
@@ -37,7 +37,7 @@ def main() -> None:
     root = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(dir=Path.cwd()))
     root.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "EMLLM_HOME": str(root), "HF_HUB_OFFLINE": "1"}
-    from core.home import models_dir
+    from emllm.home import models_dir
 
     env["EMLLM_MODELS"] = str(models_dir())
     from transformers import AutoTokenizer

@@ -126,14 +126,14 @@ def load_profile_file(path: str | Path) -> Profile:
 
 
 def builtin_profile_names() -> list[str]:
-    return sorted(p.name[:-5] for p in resources.files("profiles").iterdir() if p.name.endswith(".yaml"))
+    return sorted(p.name[:-5] for p in resources.files("emllm.profiles").iterdir() if p.name.endswith(".yaml"))
 
 
 def load_profile(name_or_path: str) -> Profile:
     """A built-in profile by name (`smollm2`, `llama3.1`, ...) or a YAML file by path."""
     if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
         return load_profile_file(name_or_path)
-    f = resources.files("profiles") / f"{name_or_path}.yaml"
+    f = resources.files("emllm.profiles") / f"{name_or_path}.yaml"
     if not f.is_file():
         raise ProfileError(
             f"unknown profile {name_or_path!r} (built-in: {', '.join(builtin_profile_names())}; or give a .yaml path)"

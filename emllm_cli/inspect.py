@@ -41,7 +41,7 @@ def inspect(
             raise typer.BadParameter("--query needs a store", param_hint="--query")
         _list(as_json)
         return
-    from core.store import Store
+    from emllm.store import Store
 
     path = existing_store(store)
     with Store.open(path) as st:
@@ -71,7 +71,7 @@ def _list(as_json: bool) -> None:
     if as_json:
         render.print_json({"stores": rows})
     elif not rows:
-        from core.home import stores_dir
+        from emllm.home import stores_dir
 
         render.err.print(f"no stores under {stores_dir()}; create one with `emllm ingest FILE`")
     else:
@@ -109,10 +109,10 @@ def _summary(st) -> dict:
 
 
 def _retrieval(st, query: str, layer: int | None, top: int) -> dict:
-    from core import ingest as ing
-    from core import models
-    from core.ask import Session
-    from core.trace import Trace
+    from emllm.app import ingest as ing
+    from emllm import models
+    from emllm.app.ask import Session
+    from emllm.app.trace import Trace
 
     name = st.manifest["identity"]["model"]
     src = models.resolve(name, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))

@@ -23,7 +23,7 @@ def _items(value: str, what: str, example: str) -> list[str]:
 
 
 def _lengths(value: str) -> list[int]:
-    from core.passkey import parse_length
+    from emllm.evals.passkey import parse_length
 
     try:
         return [parse_length(x) for x in _items(value, "lengths", "4k,16k")]
@@ -66,10 +66,11 @@ def passkey(
       emllm passkey -l 4k -d 0.5 -t 1 --json
       emllm passkey -l 1m -d 0.5 -t 1 --memory-dir /var/tmp --resume
     """
-    from core import models, results_log
-    from core.engine import Engine
-    from core.passkey import run_grid
-    from core.scratch import TrunkStores
+    from emllm import models
+    from emllm.evals import results_log
+    from emllm.engine.stream import Engine
+    from emllm.evals.passkey import run_grid
+    from emllm.evals.scratch import TrunkStores
 
     ls, ds = lengths, depths  # parsed by the option callbacks (bad values: usage error, exit 2)
     if resume and memory_dir is None:
@@ -153,8 +154,7 @@ def passkey(
 def _kept_answers(journal: Path, grid: dict) -> list[dict]:
     """The answers a killed run of this grid kept in `journal`, one per trial (the last written).
     A folder keeping another grid's progress is refused: carrying on here would discard it."""
-    from core import results_log
-
+    from emllm.evals import results_log
     other, ours = results_log.last_grid(journal), results_log.normal(grid)
     if other is not None and other != ours:
         differ = ", ".join(k for k in sorted(set(ours) | set(other)) if other.get(k) != ours.get(k))

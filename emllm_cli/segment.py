@@ -38,8 +38,9 @@ def segment(
       emllm segment book.txt --method SM --out boundaries.json
       emllm segment notes.md --metrics --method all
     """
-    from core import document, models
-    from core.engine import Engine
+    from emllm.app import document
+    from emllm import models
+    from emllm.engine.stream import Engine
 
     methods = list(document.METHODS[:-1]) if method == "all" else [method]
     if method == "all" and not with_metrics:
@@ -98,7 +99,7 @@ def segment(
 
 
 def _doc(model, method, prof, text, ids, offsets, starts, a) -> dict:
-    from core.document import char_ranges
+    from emllm.app.document import char_ranges
 
     st = starts.tolist()
     ends = st[1:] + [len(ids)]

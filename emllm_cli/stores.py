@@ -8,8 +8,8 @@ from pathlib import Path
 
 import typer
 
-from core.home import stores_dir
-from core.store import MANIFEST, is_store
+from emllm.home import stores_dir
+from emllm.store import MANIFEST, is_store
 
 from .errors import UserError
 
@@ -29,7 +29,7 @@ def store_path(name: str | None) -> Path:
 def list_stores() -> list[tuple[Path, dict]]:
     """(path, manifest) of every store under the home, most recently updated first; a store whose
     manifest is refused comes with {"error": why} instead."""
-    from core.store import StoreError, read_manifest
+    from emllm.store import StoreError, read_manifest
 
     out = []
     root = stores_dir()

@@ -6,9 +6,10 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
-from core.config import load_profile
+from emllm.config import load_profile
+from .helpers import TINY_PROFILE
 
 # OMP_NUM_THREADS=1 beside a benchmark: two threads on a core already busy run ~30x slower.
 torch.set_num_threads(max(1, min(int(os.environ.get("OMP_NUM_THREADS", 2)), os.cpu_count() or 1)))
@@ -58,8 +59,46 @@ def tiny_profile(**kw):
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer, profile) of the embedded default, converted once per machine."""
-    from core import models
-
+    from emllm import models
     src = models.resolve("smollm2")
     model, tok = models.load(src)
     return model, tok, src.profile
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """(model folder, profile file, second model folder, folder with another tokenizer)."""
+    from emllm import models
+    root = tmp_path_factory.mktemp("tiny")
+    tok = AutoTokenizer.from_pretrained(models.resolve("smollm2").path)
+    dirs = []
+    for i, layers in enumerate((2, 3)):
+        torch.manual_seed(i)
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
+                          tie_word_embeddings=True)
+        d = root / f"model{i}"
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+        tok.save_pretrained(d)
+        dirs.append(d)
+    other_tok = root / "other-tokenizer"
+    AutoModelForCausalLM.from_pretrained(dirs[0]).save_pretrained(other_tok)
+    tok2 = AutoTokenizer.from_pretrained(dirs[0])
+    tok2.add_special_tokens({"additional_special_tokens": ["<|note|>"]})
+    tok2.save_pretrained(other_tok)
+    prof = root / "tiny.yaml"
+    prof.write_text(TINY_PROFILE)
+    return dirs[0], prof, dirs[1], other_tok
+
+
+@pytest.fixture(scope="session")
+def tuned(tiny, tmp_path_factory):
+    """The first tiny model 'fine-tuned': same config, names, shapes and tokenizer, other values."""
+    d = tmp_path_factory.mktemp("tuned") / "model"
+    m = AutoModelForCausalLM.from_pretrained(tiny[0])
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1e-3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+    m.save_pretrained(d)
+    AutoTokenizer.from_pretrained(tiny[0]).save_pretrained(d)
+    return d

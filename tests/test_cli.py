@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
-from pathlib import Path
+
 
 import pytest
+from .helpers import EMLLM, run
 
-EMLLM = shutil.which("emllm", path=str(Path(sys.executable).parent)) or "emllm"
 
 
-def run(*args: str, home: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    from core.home import models_dir
-
-    env = {**os.environ, "EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([EMLLM, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
 @pytest.mark.parametrize("args, code, needle", [
@@ -157,7 +150,7 @@ def test_segment_json_round_trips_and_slices_text(tmp_path, smollm2, method):
 
 def test_segment_stdin_and_metrics_json(tmp_path, smollm2):
     env_home = tmp_path
-    from core.home import models_dir
+    from emllm.home import models_dir
 
     env = {**os.environ, "EMLLM_HOME": str(env_home), "EMLLM_MODELS": str(models_dir())}
     r = subprocess.run([EMLLM, "segment", "-", "--metrics", "--method", "all", "--json"], input=TEXT,
@@ -190,10 +183,10 @@ def test_passkey_resume_carries_on_after_ctrl_c(tmp_path, smollm2, monkeypatch):
     answers of a run never stopped; the folder is left empty."""
     from typer.testing import CliRunner
 
-    import core.passkey
+    import emllm.evals.passkey
     from emllm_cli.main import app
 
-    real, asked, stop = core.passkey.run_emllm, [], {"at": 2}
+    real, asked, stop = emllm.evals.passkey.run_emllm, [], {"at": 2}
 
     def ctrl_c_at(factory, tok, prompt, **kw):
         asked.append(prompt.key)
@@ -201,7 +194,7 @@ def test_passkey_resume_carries_on_after_ctrl_c(tmp_path, smollm2, monkeypatch):
             raise KeyboardInterrupt
         return real(factory, tok, prompt, **kw)
 
-    monkeypatch.setattr(core.passkey, "run_emllm", ctrl_c_at)
+    monkeypatch.setattr(emllm.evals.passkey, "run_emllm", ctrl_c_at)
     mem = tmp_path / "mem"
     args = ["passkey", "-l", "1536", "-d", "1,0.5", "-t", "1", "--memory-dir", str(mem), "--resume", "--json"]
     r1 = CliRunner().invoke(app, args)
@@ -239,7 +232,7 @@ def test_passkey_resume_carries_on_after_ctrl_c(tmp_path, smollm2, monkeypatch):
 def test_passkey_kept_answers_one_per_trial_of_this_grid(tmp_path):
     """What --resume takes from the kept answers: the last one written per trial of this grid, none
     that is malformed or outside the grid; undecodable bytes do not stop it."""
-    from core import results_log
+    from emllm.evals import results_log
     from emllm_cli.passkey import _kept_answers
 
     grid = {"model": "m", "profile": {}, "seed": 0, "lengths": [1024], "depths": [0.0, 1.0], "trials": 1, "baseline": False}
@@ -261,14 +254,14 @@ def test_passkey_interrupted_prints_what_finished(smollm2, monkeypatch):
     line on stderr says so, exit code 130."""
     from typer.testing import CliRunner
 
-    import core.passkey
+    import emllm.evals.passkey
     from emllm_cli.main import app
 
     def one_then_ctrl_c(model, tok, factory, lengths, depths, trials, seed, baseline, on_result, **kw):
-        on_result(core.passkey.TrialResult(lengths[0], depths[0], 0, "12345", "12345.", True, "emllm", 1.5, lengths[0]))
+        on_result(emllm.evals.passkey.TrialResult(lengths[0], depths[0], 0, "12345", "12345.", True, "emllm", 1.5, lengths[0]))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(core.passkey, "run_grid", one_then_ctrl_c)
+    monkeypatch.setattr(emllm.evals.passkey, "run_grid", one_then_ctrl_c)
     r = CliRunner().invoke(app, ["passkey", "-l", "1k,2k", "-d", "0,1", "-t", "1", "--json"])
     assert r.exit_code == 130
     doc = json.loads(r.stdout)

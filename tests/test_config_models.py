@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from core.config import ProfileError, builtin_profile_names, load_profile, load_profile_file
-from core.models import ModelNotFoundError, guess_profile, resolve
+from emllm.config import ProfileError, builtin_profile_names, load_profile, load_profile_file
+from emllm.models import ModelNotFoundError, guess_profile, resolve
 
 
 def test_builtin_profiles_load_with_spec_values():

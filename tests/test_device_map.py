@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from core import ingest as ing
-from core import models
-from core.ask import Session
-from core.config import load_profile_file
-from core.engine import Engine
-from core.store import Store
+from emllm.app import ingest as ing
+from emllm import models
+from emllm.app.ask import Session
+from emllm.config import load_profile_file
+from emllm.engine.stream import Engine
+from emllm.store import Store
+from .helpers import QUESTION, ingest_store, load_tiny, store_arrays, words
 
-from .test_store import QUESTION, _arrays, _ingest, _load, _text, tiny  # noqa: F401 (fixture)
 
 SPLIT = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
          "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}  # lm_head is tied to the embedding
@@ -32,9 +32,9 @@ def test_split_model_equals_the_whole_one(tiny, tmp_path):
     folder, prof, _, _ = tiny
     split, _ = _split(folder, tmp_path)
     assert split.model.layers[1].self_attn.q_proj.weight.device.type == "meta"  # really offloaded
-    whole, tok = _load(folder)
+    whole, tok = load_tiny(folder)
     profile = load_profile_file(prof)
-    ids = torch.tensor(tok(_text(7, 300))["input_ids"])
+    ids = torch.tensor(tok(words(7, 300))["input_ids"])
     assert ids.numel() > 8 * profile.chunk_size  # events reach the memory and are retrieved
     a, b = Engine(whole, profile), Engine(split, profile)
     assert all(w.local_k.device.type == "cpu" for w in b.windows)  # not meta, where the weights wait
@@ -46,16 +46,16 @@ def test_split_model_equals_the_whole_one(tiny, tmp_path):
 
 def test_store_written_by_a_split_model_is_the_same_store(tiny, tmp_path):
     folder, prof, _, _ = tiny
-    docs = [("doc", _text(8, 400))]
-    _ingest(tmp_path / "whole", folder, prof, docs)
+    docs = [("doc", words(8, 400))]
+    ingest_store(tmp_path / "whole", folder, prof, docs)
     split, tok = _split(folder, tmp_path)
     with ing.create_store(tmp_path / "split", str(folder), split, tok, load_profile_file(prof)) as st:
         engine = ing.open_engine(st, split)
         ing.add_documents(st, tok, docs)
         ing.run_job(st, engine, 2)
-    assert _arrays(tmp_path / "split") == _arrays(tmp_path / "whole")
+    assert store_arrays(tmp_path / "split") == store_arrays(tmp_path / "whole")
     # and the split model asks it as the whole one does
-    whole, _ = _load(folder)
+    whole, _ = load_tiny(folder)
     answers = []
     for m in (whole, split):
         with Store.open(tmp_path / "split") as st:

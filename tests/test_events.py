@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.engine import Engine
+from emllm.engine.stream import Engine
 from tests.conftest import tiny_model, tiny_profile
 
 
@@ -46,7 +46,7 @@ def test_refined_events_respect_sizes(seg, sizes):
 
 
 def test_refine_from_layer_beyond_the_model_is_refused():
-    from core.config import ProfileError
+    from emllm.config import ProfileError
 
     model = tiny_model("qwen2")  # 2 layers
     with pytest.raises(ProfileError, match="refine_from_layer = 2 but the model has 2 layers"):

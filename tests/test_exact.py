@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.engine import Engine, UnsupportedModelError
+from emllm.engine.stream import Engine, UnsupportedModelError
 from tests.conftest import ARCHS, tiny_model, tiny_profile
 
 TOL = 1e-4
@@ -115,7 +115,7 @@ def test_rotary_bf16_matches_the_models_rotation():
     # the bf16 table by the exact s (the former code) left a factor bf16(s)/s ~ 0.997 here.
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from core.rope import Rotary, apply_rotary
+    from emllm.math.rope import Rotary, apply_rotary
 
     model = tiny_model_dtype("phi3", torch.bfloat16)
     emb = model.model.rotary_emb
@@ -139,7 +139,7 @@ def test_rotary_bf16_matches_the_models_rotation():
 
 @pytest.mark.parametrize("arch", ["llama3.1", "phi3"])
 def test_rotary_table_cache(arch):
-    from core.rope import Rotary
+    from emllm.math.rope import Rotary
 
     model = tiny_model(arch)
     emb = model.model.rotary_emb

@@ -18,9 +18,9 @@ import pytest
 import torch
 from inotify_simple import INotify, flags as inflags
 
-from core.store import _checksum
+from emllm.store.manifest import checksum as _checksum
+from .helpers import ingest_store, run, words
 
-from .test_store import _ingest, _text, run, tiny  # noqa: F401  (tiny: a fixture)
 
 DECOY = b"decoy: a file outside the store that emllm must never open\n"
 
@@ -29,7 +29,7 @@ DECOY = b"decoy: a file outside the store that emllm must never open\n"
 def good_store(tiny, tmp_path_factory) -> Path:  # noqa: F811
     folder, prof, _, _ = tiny
     root = tmp_path_factory.mktemp("good")
-    _ingest(root / "s", folder, prof, [("doc", _text(3, 300))])
+    ingest_store(root / "s", folder, prof, [("doc", words(3, 300))])
     return root / "s"
 
 
@@ -157,7 +157,7 @@ def test_a_hostile_store_is_refused_and_nothing_outside_it_is_touched(case, good
     shutil.copytree(good_store, store, symlinks=True)
     damage(store, outside)
     doc = tmp_path / "more.txt"
-    doc.write_text(_text(4, 40))
+    doc.write_text(words(4, 40))
     before_out = _hashes(outside)
     before = _hashes(store)
     watch = INotify()

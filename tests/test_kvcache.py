@@ -1,4 +1,4 @@
-"""EventCache (core/kvcache.py) against a brute-force ring written with Python lists, and the
+"""EventCache (core/memory/cache.py) against a brute-force ring written with Python lists, and the
 store's gather with the cache against the same gather without it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from core.kvcache import EventCache
+from emllm.memory.cache import EventCache
 
 
 class RingRef:
@@ -75,7 +75,7 @@ def test_cache_equals_a_brute_force_ring_and_returns_the_right_rows():
 def test_store_gather_with_the_cache_equals_the_rows_written(tmp_path):
     """Through the cache, gather returns exactly the rows written (bit for bit), for a writer and
     for a reader with events of its own in RAM; the cache hits; 0 MiB turns it off."""
-    from core.store import Geometry, Identity, Store, StoredEvents
+    from emllm.store import Geometry, Identity, Store, StoredEvents
 
     g = Geometry(layers=1, kv_heads=2, q_heads=2, head_dim=4, vocab=10, dtype="float32")
     gen = torch.Generator().manual_seed(1)

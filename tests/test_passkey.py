@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from core.engine import Engine
-from core.passkey import build_prompt, parse_length, run_emllm, score
+from emllm.engine.stream import Engine
+from emllm.evals.passkey import build_prompt, parse_length, run_emllm, score
 
 
 def test_parse_length():
@@ -44,8 +44,7 @@ def test_smollm2_passkey_beyond_its_context(smollm2):
 def test_results_log_reads_back_its_grid_only(tmp_path):
     """Results come back for runs of the same grid only (other seeds, older headers without a grid
     are not ours); a line a killed run cut short is ended before the next run writes, and skipped."""
-    from core import results_log
-
+    from emllm.evals import results_log
     log, g0, g1 = tmp_path / "sub" / "r.jsonl", {"model": "m", "seed": 0, "sizes": (1, 2)}, {"model": "m", "seed": 1}
     results_log.start_run(log, g0, argv=["x"])
     results_log.append(log, {"length": 8, "depth": 0.5, "trial": 0})

@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
-from core.engine import Engine
-from tests.test_surprise_memory import brute_contiguity, brute_select
-from core.window import LayerWindow
+from emllm.engine.stream import Engine
+from emllm.engine.window import LayerWindow
 from tests.conftest import tiny_model, tiny_profile
+from .helpers import brute_contiguity, brute_select
 
 
 def rotate(x: torch.Tensor, pos: int, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -101,8 +101,7 @@ def test_fast_path_equals_naive_reference(step, contiguity, monkeypatch):
 def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, mem_scale, path):
     """Output and per-key attention mass with both memory paths against the softmax over the
     concatenated logits in float64 (chunk, decoding, no memory, no older window, MHA and GQA)."""
-    from core import attention
-
+    from emllm.math import attention
     gen = torch.Generator().manual_seed(h_q * 100 + c * 10 + length + m)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     d, scaling = 8, 8**-0.5
@@ -129,8 +128,7 @@ def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, mem
 def test_attention_keeps_the_mass_in_float32_for_bf16_inputs():
     """bf16 queries/keys/values: the window's scores and probabilities stay in float32, so the mass
     (which picks an event's representative tokens) is as exact as the bf16 inputs allow."""
-    from core import attention
-
+    from emllm.math import attention
     if attention._FLASH_CPU is None:
         pytest.skip("this torch has no CPU flash kernel")
     gen = torch.Generator().manual_seed(3)

@@ -1,4 +1,4 @@
-"""RULER-style task generators (core/ruler.py) and the RAG baseline's chunking/retrieval (core/rag.py).
+"""RULER-style task generators (core/evals/ruler.py) and the RAG baseline's chunking/retrieval (core/evals/rag.py).
 Tokenizer only (SmolLM2's); the one model forward is the small sentence embedder."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from core import ruler
-from core.rag import build_context, chunk_spans, sentence_ends
-from core.ruler import TASKS, build_prompt, score
+from emllm.evals import ruler
+from emllm.evals.rag import build_context, chunk_spans, sentence_ends
+from emllm.evals.ruler import TASKS, build_prompt, score
 
 NIAH = [t for t in TASKS if t.startswith("niah")]
 
@@ -19,8 +19,7 @@ NIAH = [t for t in TASKS if t.startswith("niah")]
 def tok():
     from transformers import AutoTokenizer
 
-    from core import models
-
+    from emllm import models
     return AutoTokenizer.from_pretrained(models.resolve("smollm2").path, local_files_only=True)
 
 
@@ -166,7 +165,7 @@ def test_chunk_spans_snap_to_sentences(tok):
 
 def test_rag_retrieves_the_needle(tok):
     try:
-        from core.rag import load_embedder
+        from emllm.evals.rag import load_embedder
 
         emb = load_embedder()
     except Exception as e:  # pragma: no cover - the package is part of the dev install

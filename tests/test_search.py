@@ -1,4 +1,4 @@
-"""EventIndex (core/search.py): the exact path is select_events(event_scores(...)) bit for bit; the
+"""EventIndex (core/memory/index.py): the exact path is select_events(event_scores(...)) bit for bit; the
 faiss path equals it when the graph finds the true top-k, and finds it often on model-like data."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from core.memory import event_scores, select_events
-from core.search import DEFAULT_EF_CONSTRUCTION, DEFAULT_EF_SEARCH, DEFAULT_M, EventIndex
+from emllm.memory.events import event_scores, select_events
+from emllm.memory.index import DEFAULT_EF_CONSTRUCTION, DEFAULT_EF_SEARCH, DEFAULT_M, EventIndex
+from .helpers import model_like
 
 H_Q, H_KV, D = 9, 3, 64  # SmolLM2-135M
 
@@ -19,51 +20,6 @@ def assert_same(a, b):
     assert torch.equal(a.scores, b.scores)
 
 
-def model_like(n_events: int, n_queries: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Representative keys [E, 9, 64] and queries [Q, 9, 64] shaped like SmolLM2's, and lengths [E].
-
-    Measured on SmolLM2-135M (pre-RoPE keys of 8k tokens of code and prose, layers 0..29, events of
-    32 tokens, mean of 4 keys): every event shares one large mean direction (its norm ~3x the RMS
-    deviation), the deviations are low-rank (half the variance in ~6 directions, 90% in ~45 of
-    the 192 key dims), event norms vary little (~7%), and queries too have a mean (~2x their
-    deviation) nearly orthogonal to the keys' (cosine 0.1). The generator copies that:
-    - per KV head (3 x 64 = 192 dims): key = mean + U diag(s) z + noise, with U a random
-      orthonormal 192 x 64 basis, s_i^2 ~ 1/i (power-law spectrum), noise 10% of the variance;
-    - z = centre of the event's topic + its own variation: topics are runs of ~50 consecutive
-      events (a document is read in sections), 400 topic centres;
-    - the 3 query heads of a KV head (GQA) get that head's key plus a small per-head part (their
-      top-4 tokens differ); each event is then scaled by 1 + 0.05 N(0, 1) (norm spread);
-    - queries: their own mean (cosine 0.1 with the keys'), plus U9 diag(s) z for a topic's z,
-      plus noise; so a query is near one topic, as a query about a passage is.
-    Lengths are 8..128 tokens, mean ~32 (min_block and max_block of the profiles).
-    """
-    g = torch.Generator().manual_seed(seed)
-    dkv, r = H_KV * D, 64
-    basis = torch.linalg.qr(torch.randn(dkv, r, generator=g)).Q  # [192, r]
-    s = torch.arange(1, r + 1).float() ** -0.5  # variance ~ 1/i
-    s = s / s.norm()  # RMS deviation of the low-rank part ~1
-    n_topics = 400
-    centres = torch.randn(n_topics, r, generator=g)
-    topic = (torch.arange(n_events) // 50) % n_topics
-    z = 0.8 * centres[topic] + 0.6 * torch.randn(n_events, r, generator=g)
-    mean = torch.randn(dkv, generator=g)
-    mean = 3.0 * mean / mean.norm()
-    keys = mean + (z * s) @ basis.T + (0.1 / math.sqrt(dkv)) * torch.randn(n_events, dkv, generator=g)
-    reprs = keys.reshape(n_events, H_KV, 1, D).expand(n_events, H_KV, H_Q // H_KV, D).reshape(n_events, H_Q, D)
-    reprs = reprs + (0.3 / math.sqrt(H_Q * D)) * torch.randn(n_events, H_Q, D, generator=g)
-    reprs = reprs * (1 + 0.05 * torch.randn(n_events, 1, 1, generator=g))  # norms vary by ~6%, as measured
-
-    qz = 0.8 * centres[torch.randint(0, n_topics, (n_queries,), generator=g)] + 0.6 * torch.randn(n_queries, r, generator=g)
-    basis9 = basis.reshape(H_KV, 1, D, r).expand(H_KV, H_Q // H_KV, D, r).reshape(H_Q * D, r)
-    q_mean = torch.randn(H_Q * D, generator=g)
-    key_mean9 = mean.reshape(H_KV, 1, D).expand(H_KV, H_Q // H_KV, D).reshape(-1)
-    q_mean = q_mean - (q_mean @ key_mean9) / key_mean9.norm() ** 2 * key_mean9  # orthogonal, then
-    q_mean = q_mean / q_mean.norm() * math.sqrt(1 - 0.1**2) + 0.1 * key_mean9 / key_mean9.norm()  # cos 0.1
-    q_dev = (qz * s) @ basis9.T + (0.3 / math.sqrt(H_Q * D)) * torch.randn(n_queries, H_Q * D, generator=g)
-    queries = 2.0 * q_dev.pow(2).sum(1).mean().sqrt() * q_mean + q_dev
-    lengths = torch.randint(8, 129, (n_events,), generator=g)
-    lengths = torch.where(torch.rand(n_events, generator=g) < 0.8, (lengths // 4).clamp_min(8), lengths)  # mean ~30
-    return reprs.contiguous(), queries.reshape(n_queries, H_Q, D), lengths
 
 
 def exact(reprs, query, lengths, budget):

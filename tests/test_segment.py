@@ -8,7 +8,7 @@ import networkx as nx
 import pytest
 import torch
 
-from core.segment import (
+from emllm.math.segmentation import (
     conductance,
     enforce_block_sizes,
     event_conductance,

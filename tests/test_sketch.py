@@ -1,4 +1,4 @@
-"""The sketch of a large store's representative keys (core/sketch.py, Store.update_sketch):
+"""The sketch of a large store's representative keys (core/memory/sketch.py, Store.update_sketch):
 fitted once on the first events, the same bytes however the stream was committed, readers that
 select from it exactly what the scan selects (the bounds make it exact, not likely)."""
 
@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import sketch
-from core.memory import event_scores, select_events
-from core.store import FORMAT_VERSION, Geometry, Identity, Store, StoredEvents, _checksum
+from emllm.memory import sketch
+from emllm.memory.events import event_scores, select_events
+from emllm.store import FORMAT_VERSION, Geometry, Identity, Store, StoredEvents
+from emllm.store.manifest import checksum as _checksum
 
 G = Geometry(layers=2, kv_heads=1, q_heads=3, head_dim=32, vocab=10, dtype="float32")  # 96 dims > the sketch's 64
 IDENT = Identity("m", "c", "w", "t")
@@ -53,7 +54,7 @@ def _write(path: Path, batches: list[int], commit_every: int, seed: int = 0,
     st.close()
 
 
-def _files(path: Path) -> dict[str, bytes]:
+def store_files(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
             if p.is_file() and p.name not in ("lock", "manifest.json") and not p.name.startswith("state-")}
 
@@ -163,7 +164,7 @@ def test_the_sketch_is_the_same_however_the_stream_was_committed(tmp_path):
     _write(tmp_path / "a", batches, commit_every=1)
     _write(tmp_path / "b", batches, commit_every=3)
     _write(tmp_path / "c", batches, commit_every=len(batches))
-    fa, fb, fc = _files(tmp_path / "a"), _files(tmp_path / "b"), _files(tmp_path / "c")
+    fa, fb, fc = store_files(tmp_path / "a"), store_files(tmp_path / "b"), store_files(tmp_path / "c")
     assert "sketch.safetensors" in fa and "layers/01.p" in fa
     assert fa == fb == fc
     m = json.loads((tmp_path / "a" / "manifest.json").read_text())
@@ -336,7 +337,7 @@ def test_a_version_1_store_gets_its_sketch_when_next_written(tmp_path):
     with Store.open(old, writable=True) as st:
         assert st.commit_sketch()
         assert not st.commit_sketch()  # nothing left to do
-    assert _files(old) == _files(tmp_path / "new")
+    assert store_files(old) == store_files(tmp_path / "new")
 
 
 def test_a_fit_interrupted_before_its_commit_is_redone_to_the_same_bytes(tmp_path):
@@ -357,7 +358,7 @@ def test_a_fit_interrupted_before_its_commit_is_redone_to_the_same_bytes(tmp_pat
         st.tidy()
         assert st.manifest["sketch"] is None and not (tmp_path / "s" / "sketch.safetensors").exists()
     _write(tmp_path / "s2", [120, 120], commit_every=2)
-    assert _files(tmp_path / "s2") == _files(tmp_path / "ref")
+    assert store_files(tmp_path / "s2") == store_files(tmp_path / "ref")
 
 
 @pytest.mark.parametrize("what", ["sketch.safetensors", "layers/00.p", "layers/01.n"])
@@ -395,4 +396,4 @@ def test_a_version_2_sketch_is_not_used_and_is_replaced_when_next_written(tmp_pa
         assert st.manifest["sketch"] is None and not list(old.glob("layers/*.o"))
         assert json.loads((old / "manifest.json").read_text())["sketch"] is None
         assert st.commit_sketch()
-    assert _files(old) == _files(tmp_path / "new")
+    assert store_files(old) == store_files(tmp_path / "new")

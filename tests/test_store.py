@@ -21,100 +21,30 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoModelForCausalLM
 
-from core import ingest as ing
-from core.ask import Session
-from core.config import load_profile_file
-from core.engine import Engine
-from core.store import Store, StoreError
-
-from .test_cli import run
-
-TINY_PROFILE = """\
-description: tiny test profile
-chunk_size: 16
-n_init: 4
-n_local: 32
-n_mem: 32
-repr_topk: 2
-min_block: 2
-max_block: 8
-segmentation: S
-"""
-QUESTION = "What is the pass key?"
+from emllm.app import ingest as ing
+from emllm.app.ask import Session
+from emllm.config import load_profile_file
+from emllm.engine.stream import Engine
+from emllm.store import Store, StoreError
+from .helpers import EMLLM, QUESTION, assert_same_state, ingest_store, load_tiny, run, store_arrays, store_files, store_state, words
 
 
-def _text(seed: int, words: int) -> str:
-    rng = random.Random(seed)
-    vocab = "the grass is green sky blue sun yellow key door river stone night bread".split()
-    return " ".join(rng.choice(vocab) for _ in range(words)) + "."
 
 
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    """(model folder, profile file, second model folder, folder with another tokenizer)."""
-    from core import models
-
-    root = tmp_path_factory.mktemp("tiny")
-    tok = AutoTokenizer.from_pretrained(models.resolve("smollm2").path)
-    dirs = []
-    for i, layers in enumerate((2, 3)):
-        torch.manual_seed(i)
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
-                          tie_word_embeddings=True)
-        d = root / f"model{i}"
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
-        tok.save_pretrained(d)
-        dirs.append(d)
-    other_tok = root / "other-tokenizer"
-    AutoModelForCausalLM.from_pretrained(dirs[0]).save_pretrained(other_tok)
-    tok2 = AutoTokenizer.from_pretrained(dirs[0])
-    tok2.add_special_tokens({"additional_special_tokens": ["<|note|>"]})
-    tok2.save_pretrained(other_tok)
-    prof = root / "tiny.yaml"
-    prof.write_text(TINY_PROFILE)
-    return dirs[0], prof, dirs[1], other_tok
 
 
-@pytest.fixture(scope="session")
-def tuned(tiny, tmp_path_factory):
-    """The first tiny model 'fine-tuned': same config, names, shapes and tokenizer, other values."""
-    d = tmp_path_factory.mktemp("tuned") / "model"
-    m = AutoModelForCausalLM.from_pretrained(tiny[0])
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(1e-3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
-    m.save_pretrained(d)
-    AutoTokenizer.from_pretrained(tiny[0]).save_pretrained(d)
-    return d
 
 
-def _load(folder: Path):
-    m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    m.eval()
-    return m, AutoTokenizer.from_pretrained(folder)
 
 
-def _ingest(path: Path, folder: Path, prof: Path, docs: list[tuple[str, str]], commit_every: int = 2) -> None:
-    model, tok = _load(folder)
-    with ing.create_store(path, str(folder), model, tok, load_profile_file(prof)) as st:
-        engine = ing.open_engine(st, model)
-        ing.add_documents(st, tok, docs)
-        ing.run_job(st, engine, commit_every)
 
 
-def _files(store: Path) -> dict[str, bytes]:
-    """Every file's bytes, the lock file aside (flock needs it; its content is empty)."""
-    return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*")) if p.is_file() and p.name != "lock"}
 
 
-def _arrays(store: Path) -> dict[str, bytes]:
-    """The arrays, the sketch's included."""
-    return {k: v for k, v in _files(store).items()
-            if k.endswith((".i32", ".f32", ".u8", ".k", ".v", ".r", ".p", ".n", ".o")) and not k.startswith("job")
-            or k.startswith("sketch") and k.endswith(".safetensors")}
+
+
 
 
 def _sketching(prof: Path, tmp_path: Path) -> Path:
@@ -124,26 +54,16 @@ def _sketching(prof: Path, tmp_path: Path) -> Path:
     return out
 
 
-def _state(store: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    m = json.loads((store / "manifest.json").read_text())
-    return load_file(str(store / m["state"]["file"]))
 
 
-def _same_state(a: Path, b: Path) -> None:
-    sa, sb = _state(a), _state(b)
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), k
 
 
 def test_ask_equals_the_in_ram_engine_in_this_and_a_new_process(tiny, tmp_path):
     folder, prof, _, _ = tiny
-    doc = _text(0, 700)
+    doc = words(0, 700)
     store = tmp_path / "s"
-    _ingest(store, folder, prof, [("doc", doc)])
-    model, tok = _load(folder)
+    ingest_store(store, folder, prof, [("doc", doc)])
+    model, tok = load_tiny(folder)
 
     # Reference: the plain in-RAM engine over the same stream, chunked the same way.
     with Store.open(store) as st:
@@ -169,7 +89,7 @@ def test_ask_equals_the_in_ram_engine_in_this_and_a_new_process(tiny, tmp_path):
     code = (
         "import sys, numpy as np, torch\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        "from core.store import Store\nfrom core.ask import Session\n"
+        "from emllm.store import Store\nfrom emllm.app.ask import Session\n"
         f"m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, dtype=torch.float32).eval()\n"
         f"t = AutoTokenizer.from_pretrained({str(folder)!r})\n"
         f"s = Session(Store.open({str(store)!r}), m, t)\n"
@@ -185,37 +105,36 @@ def test_ask_equals_the_in_ram_engine_in_this_and_a_new_process(tiny, tmp_path):
 def test_asking_leaves_the_store_unchanged(tiny, tmp_path):
     folder, prof, _, _ = tiny
     store = tmp_path / "s"
-    _ingest(store, folder, prof, [("doc", _text(1, 300))])
-    before = _files(store)
-    model, tok = _load(folder)
+    ingest_store(store, folder, prof, [("doc", words(1, 300))])
+    before = store_files(store)
+    model, tok = load_tiny(folder)
     for _ in range(2):
         with Store.open(store) as st:
             answer = list(Session(st, model, tok).answer(QUESTION, 40))  # long enough to close events
     assert len(answer) > 0
-    assert _files(store) == before
+    assert store_files(store) == before
 
 
 @pytest.mark.parametrize("fit_block", [None, 16])
 def test_append_equals_one_call(tiny, tmp_path, monkeypatch, fit_block):
-    from core import sketch
-
+    from emllm.memory import sketch
     if fit_block:  # the sketch fitted and projected in blocks of 16 events: bytes that do not depend on the blocks
         monkeypatch.setattr(sketch, "FIT_BLOCK_ROWS", fit_block)
     folder, prof, _, _ = tiny
     prof = _sketching(prof, tmp_path)
-    a, b = _text(2, 300), _text(3, 250)
-    _ingest(tmp_path / "one", folder, prof, [("a", a), ("b", b)])
-    _ingest(tmp_path / "two", folder, prof, [("a", a)])
-    model, tok = _load(folder)
+    a, b = words(2, 300), words(3, 250)
+    ingest_store(tmp_path / "one", folder, prof, [("a", a), ("b", b)])
+    ingest_store(tmp_path / "two", folder, prof, [("a", a)])
+    model, tok = load_tiny(folder)
     with Store.open(tmp_path / "two", writable=True) as st:
         engine = ing.open_engine(st, model)
         ing.add_documents(st, tok, [("b", b)])
         ing.run_job(st, engine, 2)
-    assert _arrays(tmp_path / "one") == _arrays(tmp_path / "two")
+    assert store_arrays(tmp_path / "one") == store_arrays(tmp_path / "two")
     # fitted (and refitted as the store doubled) during the second document in one, at its append in two
     sk = json.loads((tmp_path / "one" / "manifest.json").read_text())["sketch"]
-    assert sk["trained_on"] >= 80 and f"layers/01.{sk['trained_on']}.p" in _arrays(tmp_path / "one")
-    _same_state(tmp_path / "one", tmp_path / "two")
+    assert sk["trained_on"] >= 80 and f"layers/01.{sk['trained_on']}.p" in store_arrays(tmp_path / "one")
+    assert_same_state(tmp_path / "one", tmp_path / "two")
     m1, m2 = (json.loads((tmp_path / n / "manifest.json").read_text()) for n in ("one", "two"))
     assert m1["documents"] == m2["documents"] and m1["rows"] == m2["rows"]
 
@@ -225,13 +144,13 @@ def test_a_reader_keeps_its_commit_while_a_writer_commits(tiny, tmp_path):
     # still loads that state (it opened the file with the manifest).
     folder, prof, _, _ = tiny
     store = tmp_path / "s"
-    _ingest(store, folder, prof, [("a", _text(11, 200))])
-    model, tok = _load(folder)
-    want = _state(store)
+    ingest_store(store, folder, prof, [("a", words(11, 200))])
+    model, tok = load_tiny(folder)
+    want = store_state(store)
     with Store.open(store) as reader:
         with Store.open(store, writable=True) as st:
             engine = ing.open_engine(st, model)
-            ing.add_documents(st, tok, [("b", _text(12, 200))])
+            ing.add_documents(st, tok, [("b", words(12, 200))])
             ing.run_job(st, engine, 2)
         assert not (store / reader.manifest["state"]["file"]).exists()
         got = reader.load_state()
@@ -257,7 +176,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_ingest(tiny, tmp_path):
     folder, prof, _, _ = tiny
     prof = _sketching(prof, tmp_path)
     doc = tmp_path / "doc.txt"
-    doc.write_text(_text(4, 3000))
+    doc.write_text(words(4, 3000))
     ref = tmp_path / "ref"
     r = run("ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", str(ref), "--commit-every", "1", home=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -266,7 +185,6 @@ def test_kill_9_then_resume_equals_an_uninterrupted_ingest(tiny, tmp_path):
     store = tmp_path / "crashed"
     rng = random.Random(0)
     env = {**os.environ, "EMLLM_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    from .test_cli import EMLLM
 
     kills = 0
     first = [EMLLM, "ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", str(store), "--commit-every", "1"]
@@ -287,10 +205,10 @@ def test_kill_9_then_resume_equals_an_uninterrupted_ingest(tiny, tmp_path):
     assert committed < total
     r = subprocess.run(resume, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    got, want = _arrays(store), _arrays(ref)
+    got, want = store_arrays(store), store_arrays(ref)
     assert sorted(got) == sorted(want) and any(k.startswith("sketch") for k in want)
     assert [k for k in want if got[k] != want[k]] == []
-    _same_state(store, ref)
+    assert_same_state(store, ref)
 
 
 # -- errors: one line, exit 1, store untouched ----------------------------------------------------
@@ -298,14 +216,14 @@ def test_kill_9_then_resume_equals_an_uninterrupted_ingest(tiny, tmp_path):
 def stored(tiny, tmp_path):
     folder, prof, _, _ = tiny
     doc = tmp_path / "doc.txt"
-    doc.write_text(_text(5, 200))
+    doc.write_text(words(5, 200))
     r = run("ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", "s", home=tmp_path)
     assert r.returncode == 0, r.stderr
     return tmp_path / "stores" / "s"
 
 
 def _edit_manifest(store: Path, change, fix_checksum: bool) -> None:
-    from core.store import _checksum
+    from emllm.store.manifest import checksum as _checksum
 
     m = json.loads((store / "manifest.json").read_text())
     change(m)
@@ -346,7 +264,7 @@ def test_store_errors(case, tiny, tuned, stored, tmp_path):
         fcntl.flock(lock, fcntl.LOCK_EX)
     else:
         damage(stored, tmp_path)
-    before = _files(stored)
+    before = store_files(stored)
     fill = {"doc": str(tmp_path / "doc.txt"), "other_model": str(other_model), "other_tok": str(other_tok),
             "plain": str(tmp_path / "plain"), "tuned": str(tuned)}
     r = run(*[a.format(**fill) for a in args], home=tmp_path)
@@ -355,20 +273,20 @@ def test_store_errors(case, tiny, tuned, stored, tmp_path):
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert needle in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert _files(stored) == before
+    assert store_files(stored) == before
 
 
 def test_weights_sample_tells_a_fine_tune_and_passes_what_it_cannot_compare(tiny, tuned, tmp_path):
     """The metadata hash cannot tell a fine-tune of the same shape; the sampled values do. A store
     written before the sample (no key) and weights offloaded to meta ("") are not compared."""
-    from core.store import Geometry, Identity, weights_sample
+    from emllm.store import Geometry, Identity, weights_sample
 
-    base, tok = _load(tiny[0])
-    ft, _ = _load(tuned)
+    base, tok = load_tiny(tiny[0])
+    ft, _ = load_tiny(tuned)
     mine, theirs = ing.identity_of("m", base, tok), ing.identity_of("m", ft, tok)
     assert mine.weights_hash == theirs.weights_hash and mine.config_hash == theirs.config_hash
     assert mine.weights_sample != theirs.weights_sample and len(mine.weights_sample) == 16
-    assert mine == ing.identity_of("m", _load(tiny[0])[0], tok)  # the same weights loaded again: equal
+    assert mine == ing.identity_of("m", load_tiny(tiny[0])[0], tok)  # the same weights loaded again: equal
     st = Store.create(tmp_path / "s", mine, {"name": "t"}, Geometry(2, 2, 4, 16, len(tok), "float32"))
     st.check_identity(mine)
     with pytest.raises(StoreError, match="weights differ from those the store was written with .'m': same shapes"):
@@ -390,12 +308,12 @@ def test_ask_without_any_store(tmp_path):
 def test_library_refuses_a_truncated_file_before_writing(tiny, tmp_path):
     folder, prof, _, _ = tiny
     store = tmp_path / "s"
-    _ingest(store, folder, prof, [("doc", _text(6, 200))])
+    ingest_store(store, folder, prof, [("doc", words(6, 200))])
     _truncate(store)
-    before = _files(store)
+    before = store_files(store)
     with pytest.raises(StoreError, match="truncated"):
         Store.open(store, writable=True)
-    assert _files(store) == before
+    assert store_files(store) == before
 
 
 # -- the commands' normal paths, JSON schemas (README), stdin, Ctrl-C -----------------------------
@@ -413,13 +331,13 @@ def _check(doc: dict, schema: dict) -> None:
 def test_ingest_ask_inspect_through_the_executable(tiny, tmp_path):
     folder, prof, _, _ = tiny
     doc = tmp_path / "a.txt"
-    doc.write_text(_text(7, 400))
+    doc.write_text(words(7, 400))
     r = run("ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--json", home=tmp_path)
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert s["store"] == str(tmp_path / "stores" / "a") and s["events"] > 0 and s["tokens"] == s["ingested_tokens"]
     # stdin, appended
-    r = subprocess.run([*_cmd(), "ingest", "-", "--append", "--store", "a", "--json"], input=_text(8, 100),
+    r = subprocess.run([*_cmd(), "ingest", "-", "--append", "--store", "a", "--json"], input=words(8, 100),
                        capture_output=True, text=True, env=_env(tmp_path))
     assert r.returncode == 0, r.stderr
     s2 = json.loads(r.stdout)
@@ -466,12 +384,12 @@ def test_ingest_ask_inspect_through_the_executable(tiny, tmp_path):
 
 
 def test_trace_is_deterministic(tiny, tmp_path):
-    from core.trace import Trace
+    from emllm.app.trace import Trace
 
     folder, prof, _, _ = tiny
     store = tmp_path / "s"
-    _ingest(store, folder, prof, [("doc", _text(9, 400))])
-    model, tok = _load(folder)
+    ingest_store(store, folder, prof, [("doc", words(9, 400))])
+    model, tok = load_tiny(folder)
     runs = []
     for _ in range(2):
         with Store.open(store) as st:
@@ -487,13 +405,12 @@ def test_trace_is_deterministic(tiny, tmp_path):
 
 
 def _cmd() -> list[str]:
-    from .test_cli import EMLLM
 
     return [EMLLM]
 
 
 def _env(home: Path) -> dict:
-    from core.home import models_dir
+    from emllm.home import models_dir
 
     return {**os.environ, "EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
 
@@ -502,7 +419,7 @@ def _env(home: Path) -> dict:
 def test_ctrl_c_stops_cleanly_and_resume_completes(tiny, tmp_path):
     folder, prof, _, _ = tiny
     doc = tmp_path / "doc.txt"
-    doc.write_text(_text(10, 8000))  # long enough that the interrupt lands mid-job on a loaded machine (3000 once finished first)
+    doc.write_text(words(10, 8000))  # long enough that the interrupt lands mid-job on a loaded machine (3000 once finished first)
     store = tmp_path / "s"
     p = subprocess.Popen([*_cmd(), "ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", str(store),
                           "--commit-every", "1"], env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -537,9 +454,9 @@ def test_store_scan_equals_the_in_ram_exact_path(tmp_path, monkeypatch):
     """A store scores representative keys from its files a block at a time (never resident):
     the selection and its scores are bit for bit the in-RAM exact path's, for a writer, for a
     reader, and for a reader's own events in RAM, including a block that straddles file and RAM."""
-    from core import memory
-    from core.search import EventIndex
-    from core.store import Geometry, Identity, StoredEvents
+    from emllm.memory import events as memory
+    from emllm.memory.index import EventIndex
+    from emllm.store import Geometry, Identity, StoredEvents
 
     monkeypatch.setattr(memory, "SCORE_BLOCK_BYTES", 64 * 6 * 4)  # 64 events per block: several blocks
     g = Geometry(layers=1, kv_heads=1, q_heads=3, head_dim=2, vocab=10, dtype="float32")
@@ -589,13 +506,13 @@ def test_store_scan_equals_the_in_ram_exact_path(tmp_path, monkeypatch):
 def test_scratch_stores_equal_the_in_ram_engine_and_leave_nothing(tiny, tmp_path):
     """`passkey --memory-dir`: an engine over a throwaway store computes what the in-RAM engine
     does (same logits, bit for bit, and the same greedy tokens), and its folder is removed."""
-    from core.passkey import Prompt, run_emllm
-    from core.scratch import ScratchStores
+    from emllm.evals.passkey import Prompt, run_emllm
+    from emllm.evals.scratch import ScratchStores
 
     folder, prof, _, _ = tiny
-    model, tok = _load(folder)
+    model, tok = load_tiny(folder)
     profile = load_profile_file(prof)
-    ids = tok(_text(3, 400), add_special_tokens=False)["input_ids"]
+    ids = tok(words(3, 400), add_special_tokens=False)["input_ids"]
     ram = Engine(model, profile)
     want = ram.feed(ids)
     with ScratchStores(model, tok, profile, tmp_path / "mem") as make:
@@ -618,15 +535,15 @@ def test_trunk_stores_share_the_prefix_and_equal_separate_engines(tiny, tmp_path
     nothing is left behind."""
     import shutil as sh
 
-    from core.passkey import build_prompt, run_grid
-    from core.scratch import TrunkStores
+    from emllm.evals.passkey import build_prompt, run_grid
+    from emllm.evals.scratch import TrunkStores
 
     folder, prof, _, _ = tiny
-    model, tok = _load(folder)
+    model, tok = load_tiny(folder)
     profile = load_profile_file(prof)
     prompts = sorted((build_prompt(tok, n, d, random.Random(f"{n}/{d}")) for n in (300, 520) for d in (0.3, 0.7, 1.0)),
                      key=lambda p: p.needle_at)
-    other = tok(_text(5, 200), add_special_tokens=False)["input_ids"]
+    other = tok(words(5, 200), add_special_tokens=False)["input_ids"]
     cs = profile.chunk_size
     with TrunkStores(model, tok, profile, tmp_path / "mem") as make:
         for doc, shared, q in [(p.document, p.needle_at, p.question) for p in prompts] + [(other, 100, other[:9])]:
@@ -681,11 +598,11 @@ def test_kept_trunk_stores_resume_where_a_killed_process_stopped(tiny, tmp_path,
     at any step (here by an exception from a step, inside `with`), are carried on by a new
     TrunkStores on the same folder, and the answers are bit for bit those of an engine that read
     the prompt without stopping; a store of another text starts again; close removes them all."""
-    from core.passkey import build_prompt, run_grid
-    from core.scratch import TrunkStores
+    from emllm.evals.passkey import build_prompt, run_grid
+    from emllm.evals.scratch import TrunkStores
 
     folder, prof, _, _ = tiny
-    model, tok = _load(folder)
+    model, tok = load_tiny(folder)
     profile = load_profile_file(prof)
     cs = profile.chunk_size
     p = build_prompt(tok, 700, 0.6, random.Random("resume"))
@@ -738,7 +655,7 @@ def test_kept_trunk_stores_resume_where_a_killed_process_stopped(tiny, tmp_path,
     with TrunkStores(model, tok, profile, root, name="other", keep=True, log=logs.append) as make:
         make.engine_for(p.document, p.needle_at)
         assert make.resumed_tokens == 0 and len(logs) == 1 and "not what this run needs" in logs.pop()
-    other = tok(_text(6, 300), add_special_tokens=False)["input_ids"]
+    other = tok(words(6, 300), add_special_tokens=False)["input_ids"]
     assert stopped(3) == {"trunk": 2 * cs}
     with TrunkStores(model, tok, profile, root, keep=True, log=logs.append) as make:
         eng, n = make.engine_for(other, 200)
@@ -766,17 +683,17 @@ def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monke
     full disk during a cut, or a kill before a mark names its branch, throws no trunk away."""
     import shutil as sh
 
-    from core.passkey import build_prompt
-    from core.scratch import TrunkStores, _size
-    from core.store import cut_back
+    from emllm.evals.passkey import build_prompt
+    from emllm.evals.scratch import TrunkStores, _size
+    from emllm.store import cut_back
 
     folder, prof, _, _ = tiny
-    model, tok = _load(folder)
+    model, tok = load_tiny(folder)
     profile = load_profile_file(prof)
     cs = profile.chunk_size
     a, b = (build_prompt(tok, 700, d, random.Random(f"mark{d}")) for d in (0.3, 0.8))
     assert a.document[: a.needle_at] == b.document[: a.needle_at]
-    text = tok(_text(7, 400), add_special_tokens=False)["input_ids"]
+    text = tok(words(7, 400), add_special_tokens=False)["input_ids"]
     c = SimpleNamespace(document=text[:-9], needle_at=200, question=text[-9:], key="c")  # another text
     want = {}
     for p in (a, b, c):
@@ -823,10 +740,10 @@ def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monke
         run([a], stop_after=True)
     assert left() == ["branch", "trunk-mark"]
     other = tmp_path / "other"
-    _ingest(other, folder, prof, [("x", _text(1, 100))])
+    ingest_store(other, folder, prof, [("x", words(1, 100))])
     with pytest.raises(StoreError, match="was not saved from"):
         cut_back(other, kept / "trunk-mark")
-    for fail in ("os.link", "core.store._write_atomic"):  # the disk fills while the state, then the manifest, is put back
+    for fail in ("os.link", "emllm.store.marks.write_atomic"):  # the disk fills while the state, then the manifest, is put back
         with monkeypatch.context() as m:
             m.setattr(fail, _no_space)
             with pytest.raises(StoreError, match="cannot cut .*No space left"):
@@ -859,7 +776,7 @@ def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monke
     assert read[-1] == nb and len(logs) == 1 and "incomplete or damaged" in logs[0]
     assert not kept.exists()
     with monkeypatch.context() as m:  # killed between the mark and the note naming its branch
-        m.setattr("core.scratch._write_atomic", _interrupt)
+        m.setattr("emllm.evals.scratch.write_atomic", _interrupt)
         with pytest.raises(KeyboardInterrupt):
             run([a])
     assert left() == ["trunk", "trunk-mark"]
@@ -871,8 +788,8 @@ def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monke
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_rowfile_take_reads_any_rows_in_any_order(tmp_path, dtype):
-    from core.safefs import Folder
-    from core.store import RowFile
+    from emllm.store.files import Folder
+    from emllm.store import RowFile
 
     x = torch.randn(5000, 3, 8).to(dtype)
     w = RowFile(Folder(tmp_path), "x", (3, 8), dtype, 0, writable=True)

@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from core.memory import (EventMemory, event_scores, gamma, representative_keys, score_error, score_groups, scores_in_blocks,
+from emllm.memory.events import (EventMemory, event_scores, gamma, representative_keys, score_error, score_groups, scores_in_blocks,
                          select_events, token_index)
-import core.surprise as surprise_mod
-from core.surprise import boundary_flags, token_surprise
+import emllm.math.surprise as surprise_mod
+from emllm.math.surprise import boundary_flags, token_surprise
+from .helpers import brute_contiguity, brute_select
 
 
 def brute_flags(s: list[float], start: int, tau: int, gamma: float) -> list[bool]:
@@ -57,15 +58,6 @@ def test_threshold_uses_only_preceding_tokens():
     assert boundary_flags(s, 0, 30, 1.0)[:120].tolist() == boundary_flags(t, 0, 30, 1.0)[:120].tolist()
 
 
-def brute_select(scores: list[float], lengths: list[int], budget: int) -> list[int]:
-    order = sorted(range(len(scores)), key=lambda e: (-scores[e], e))
-    out, used = [], 0
-    for e in order:
-        if used + lengths[e] > budget:
-            break
-        out.append(e)
-        used += lengths[e]
-    return sorted(out)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -162,19 +154,11 @@ def test_scores_stay_within_their_rounding_bound(dim):
     assert score_groups(576) == 24 and score_error(576) == gamma(47) and score_error(7) == gamma(7)
 
 
-def brute_contiguity(queue, selected, lengths, n, budget):
-    q = list(queue)
-    for c in sorted({e + o for e in selected for o in range(-n, n + 1) if o}):
-        if 0 <= c < len(lengths) and c not in selected and c not in q:
-            q.append(c)
-    while q and sum(lengths[e] for e in q) > budget:
-        q.pop(0)
-    return q
 
 
 @pytest.mark.parametrize("seed", range(30))
 def test_contiguity_queue_matches_brute_force(seed):
-    from core.memory import update_contiguity
+    from emllm.memory.events import update_contiguity
 
     g = torch.Generator().manual_seed(seed)
     e = int(torch.randint(1, 30, (1,), generator=g))
@@ -191,7 +175,7 @@ def test_contiguity_queue_matches_brute_force(seed):
 
 
 def test_contiguity_keeps_old_entries_while_they_fit():
-    from core.memory import update_contiguity
+    from emllm.memory.events import update_contiguity
 
     lengths = torch.full((20,), 4)
     q = update_contiguity(torch.zeros(0, dtype=torch.long), torch.tensor([5]), lengths, 1, 12)

@@ -28,17 +28,19 @@ from typing import Any, Callable
 
 import torch
 
-from .config import Profile
-from .engine import ChunkReport, Engine
-from .ingest import Progress, _profile_dict, create_store, geometry_of, identity_of, open_engine, pending_tokens, run_job
-from .store import CutBackFailed, Store, StoreError, _fsync_dir, _lock, _write_atomic, cut_back, save_mark
+from emllm.config import Profile
+from emllm.engine.stream import ChunkReport, Engine
+from emllm.app.ingest import Progress, _profile_dict, create_store, geometry_of, identity_of, open_engine, pending_tokens, run_job
+from emllm.store import CutBackFailed, Store, StoreError, cut_back, save_mark
+from emllm.store.errors import lock_store
+from emllm.store.files import fsync_dir, write_atomic
 
 
 class ScratchStores:
     """A factory of engines, each over a new temporary store under `root` (one alive at a time)."""
 
     def __init__(self, model: Any, tok: Any, profile: Profile, root: Path | str, name: str = "scratch") -> None:
-        # Retrieval by a store's writer is an exact scan whatever its sketch (core/store.StoredEvents),
+        # Retrieval by a store's writer is an exact scan whatever its sketch (emllm.store.StoredEvents),
         # and nobody reads these stores but their writer: no sketch to fit and refit.
         self.model, self.tok, self.profile, self.name = model, tok, profile.replace(faiss_threshold=None), name
         self.root = Path(root)
@@ -84,7 +86,7 @@ class TrunkStores(ScratchStores):
     for the `last` engine, on the trunk itself) and reads the rest of the whole chunks as a store
     job. Calls with ever longer shared prefixes of one stream read each token of it once. Without
     the disk for a copy beside what the document adds, the engine takes the trunk with a mark
-    (core/store.save_mark, a few MB): when it is done, its store is cut back to the trunk it was,
+    (emllm.store.save_mark, a few MB): when it is done, its store is cut back to the trunk it was,
     and later engines continue that, nothing read twice. Without the disk for the document, it
     refuses (StoreError) before reading.
 
@@ -108,7 +110,7 @@ class TrunkStores(ScratchStores):
         self._base = self.root / self.KEPT if keep else Path(tempfile.mkdtemp(prefix="emllm-grid-", dir=self.root))
         self._base.mkdir(exist_ok=True)
         # Ours alone while we live: what we find in it that we do not need was left by a dead run.
-        self._lock_fd = _lock(self._base) if keep else None
+        self._lock_fd = lock_store(self._base) if keep else None
         self._trunk: Store | None = None
         self._trunk_engine: Engine | None = None
         self._trunk_ids = torch.zeros(0, dtype=torch.long)  # [k] what the trunk has read
@@ -177,9 +179,9 @@ class TrunkStores(ScratchStores):
             self._close_trunk(remove=False)
             if mark:
                 save_mark(self._trunk_dir / "store", self._base / self.MARK)
-                _write_atomic(self._base / self.MARK / "branch", branch.name.encode())  # whose store holds the trunk
+                write_atomic(self._base / self.MARK / "branch", branch.name.encode())  # whose store holds the trunk
             self._trunk_dir.rename(branch)
-            _fsync_dir(self._base)
+            fsync_dir(self._base)
         elif k > 0:
             tmp = branch.with_name(branch.name + ".tmp")  # a copy cut short is never taken for a branch
             shutil.rmtree(tmp, ignore_errors=True)
@@ -242,7 +244,7 @@ class TrunkStores(ScratchStores):
             return False
         try:
             branch.rename(self._trunk_dir)
-            _fsync_dir(self._base)
+            fsync_dir(self._base)
         except OSError as e:
             raise CutBackFailed(f"cannot rename {branch} to {self._trunk_dir}: {e.strerror or e}; run again") from None
         self._drop_mark()

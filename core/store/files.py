@@ -11,6 +11,7 @@ on open; the check refuses them).
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 from pathlib import Path
@@ -151,3 +152,50 @@ class Folder:
 
     def sync(self) -> None:
         os.fsync(self.fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """path replaced by data (written beside it, fsynced, renamed; a link at the temporary name is
+    removed, never written through)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def lock_folder(path: Path) -> int:
+    """Take the store's writer lock (non-blocking); readers never take it."""
+    try:
+        fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePath(f"{path / 'lock'} is a symbolic link: the store is refused") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafePath(f"{path / 'lock'} is not a regular file: the store is refused")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise FolderLocked(f"{path} is being written by another emllm process; wait for it to finish") from None
+        raise
+    return fd
+
+
+class FolderLocked(OSError):
+    """Another process holds the folder's lock."""

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .engine import Engine
-from .segment import (
+from emllm.engine.stream import Engine
+from emllm.math.segmentation import (
     conductance,
     enforce_block_sizes,
     fixed_starts,

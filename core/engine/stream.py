@@ -18,14 +18,14 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from . import attention
-from .config import Profile
-from .memory import EventMemory, GrowBuffer, Selection
-from .models import device_of, input_device
-from .rope import Rotary
-from .segment import enforce_block_sizes, key_adjacency, refine, surprise_starts
-from .surprise import boundary_flags, token_surprise
-from .window import LayerWindow, StepInfo
+from emllm.math import attention
+from emllm.config import Profile
+from emllm.memory.events import EventMemory, GrowBuffer, Selection
+from emllm.models import device_of, input_device
+from emllm.math.rope import Rotary
+from emllm.math.segmentation import enforce_block_sizes, key_adjacency, refine, surprise_starts
+from emllm.math.surprise import boundary_flags, token_surprise
+from emllm.engine.window import LayerWindow, StepInfo
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
@@ -72,7 +72,7 @@ class Engine:
         if profile.refine_from_layer is not None and profile.refine_from_layer >= n_layers:
             # the profile cannot check this (it does not know the model); refinement would have
             # no layers to build its similarity graph from
-            from .config import ProfileError
+            from emllm.config import ProfileError
 
             raise ProfileError(
                 f"profile {profile.name!r}: refine_from_layer = {profile.refine_from_layer} but the model "

@@ -1,6 +1,6 @@
 """RULER-style long-context tasks (Hsieh et al., 2024), generated deterministically over a tokenizer.
 
-Same shape as `core.passkey`: every generator is `build(tok, length, depth, rng) -> Prompt`, with
+Same shape as `emllm.evals.passkey`: every generator is `build(tok, length, depth, rng) -> Prompt`, with
 the document (instructions + haystack with the needles: the stream to ingest) and the question
 (its own chunk, ending with the answer prefix) as token-id lists, plain text without a chat
 template. `len(document) + len(question)` equals `length` (unless `length` is smaller than the
@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .passkey import FILLER, _stop_ids
+from emllm.evals.passkey import FILLER, _stop_ids
 
 # -- vocabularies (disjoint: no key or value word occurs in the essay filler or the templates) ---------------
 

@@ -12,7 +12,7 @@ from typing import Callable, Collection
 
 import torch
 
-from .models import input_device
+from emllm.models import input_device
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 INTRO = (
@@ -43,7 +43,7 @@ class TrialResult:
     method: str  # "emllm" or "baseline"
     seconds: float
     tokens: int
-    # Of the document, read by a trunk shared with other trials (core/scratch.TrunkStores): in the
+    # Of the document, read by a trunk shared with other trials (emllm.evals.scratch.TrunkStores): in the
     # seconds of the first trial that needed them only.
     trunk_tokens: int = 0
     # Of the document, read by an earlier process whose store this trial continued (resumed grid).
@@ -98,7 +98,7 @@ def score(answer: str, key: str) -> bool:
 
 def run_emllm(engine_factory: Callable[[], "object"], tok, prompt: Prompt, max_new_tokens: int = 10,
               progress: Callable | None = None, last: bool = False) -> str:
-    # A factory that shares prefixes (core/scratch.TrunkStores) hands over an engine that has read
+    # A factory that shares prefixes (emllm.evals.scratch.TrunkStores) hands over an engine that has read
     # the document's whole chunks, the haystack before the needle (the same for every key and
     # depth) from its trunk; `last`: no later prompt will need that trunk.
     make = getattr(engine_factory, "engine_for", None)
@@ -123,7 +123,7 @@ def run_baseline(model, tok, prompt: Prompt, max_new_tokens: int = 10) -> str:
 
 
 def _stop_ids(tok, model) -> list[int]:
-    from .models import stop_token_ids
+    from emllm.models import stop_token_ids
 
     return stop_token_ids(tok, model)
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .engine import Engine
-from .memory import Selection, token_index
+from emllm.engine.stream import Engine
+from emllm.memory.events import Selection, token_index
 
 
 @dataclass

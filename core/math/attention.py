@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from transformers import AttentionInterface
 
-from .rope import apply_rotary
+from emllm.math.rope import apply_rotary
 
 NAME = "emllm"
 

@@ -15,9 +15,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .attention import attend
-from .memory import EventMemory, Selection, representative_keys, update_contiguity
-from .rope import apply_rotary
+from emllm.math.attention import attend
+from emllm.memory.events import EventMemory, Selection, representative_keys, update_contiguity
+from emllm.math.rope import apply_rotary
 
 
 @dataclass

@@ -54,7 +54,7 @@ class EventMemory:
         self, n_kv_heads: int, n_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
         faiss_threshold: int | None = None,
     ):
-        from .search import EventIndex  # search builds on this module's selection rule
+        from emllm.memory.index import EventIndex  # search builds on this module's selection rule
 
         self.keys = GrowBuffer((n_kv_heads, 0, head_dim), 1, dtype, device)
         self.values = GrowBuffer((n_kv_heads, 0, head_dim), 1, dtype, device)

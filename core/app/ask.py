@@ -15,10 +15,10 @@ from typing import Any, Iterator
 
 from torch import Tensor
 
-from .engine import Engine
-from .ingest import SEPARATOR, encode, encode_framing, open_engine, pending_tokens
-from .models import stop_token_ids
-from .store import Store, StoreError
+from emllm.engine.stream import Engine
+from emllm.app.ingest import SEPARATOR, encode, encode_framing, open_engine, pending_tokens
+from emllm.models import stop_token_ids
+from emllm.store import Store, StoreError
 
 
 class Session:

@@ -1,0 +1,27 @@
+"""The errors of the store layer: what is wrong, and what to do, without naming CLI flags."""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """A store that cannot be used as asked; the message says what is wrong and what to do."""
+
+
+class CutBackFailed(StoreError):
+    """A cut back whose writes failed (a full disk): the store and its mark stay, for a later cut."""
+
+
+class StoreLockedError(StoreError):
+    pass
+
+
+def lock_store(path):  # -> int
+    """Take the store's writer lock (non-blocking; readers never take it), or a StoreError."""
+    from .files import FolderLocked, UnsafePath, lock_folder
+
+    try:
+        return lock_folder(path)
+    except FolderLocked as e:
+        raise StoreLockedError(str(e)) from None
+    except UnsafePath as e:
+        raise StoreError(str(e)) from None

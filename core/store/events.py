@@ -1,0 +1,186 @@
+"""One layer's events, backed by a store's files: the `EventMemory` interface on disk."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from emllm.config import Profile
+from emllm.memory import sketch
+from emllm.memory.cache import EventCache
+from emllm.memory.events import GrowBuffer, Selection, scores_in_blocks, select_events, token_index
+from emllm.store.rows import _BY_NAME, RowFile
+
+if TYPE_CHECKING:
+    from emllm.store.store import Store
+
+# 2 added the sketch, 3 replaced its outlier lists by per-event norms (exact bounds), 4 refits it
+# as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
+# a version-2 sketch is not used); a version-3 sketch is a version-4 one fitted once.
+
+# -- the event memory of one layer, backed by the store --------------------------------------------
+class StoredEvents:
+    """`EventMemory` for one layer whose keys, values and representative keys live in the store's files.
+
+    Nothing that grows with the store stays resident but the event sizes (16 bytes per event):
+    - retrieval scores every event's representative key exactly at every step, reading
+      `layers/NN.r` a block at a time into one reused buffer (pread, from the page cache once
+      warm), so neither a writer nor a reader holds the keys, whatever the store's size; a reader
+      of a store with a sketch scans the sketches instead and scores exactly only the events
+      that can be selected (the same selection);
+    - keys and values are read per step for the retrieved events only: from an `EventCache` of
+      the events read last (fixed size: the profile's `kv_cache_mb`, or `--kv-cache-mb`), else
+      from the files (`RowFile.take`: pread, nothing mapped).
+    A read-only store (asking) keeps events closed after opening in RAM instead, so asking never
+    changes the files. No faiss graph over a store: it would need RAM and upkeep per event.
+    """
+
+    def __init__(self, store: "Store", layer: int, kv_cache_mb: int | None = None) -> None:
+        """kv_cache_mb: RAM of the event cache, all layers together (None: the store's profile's)."""
+        self.store, self.layer = store, layer
+        g = store.geometry
+        dt = _BY_NAME[g.dtype][0]
+        self.dim = g.q_heads * g.head_dim
+        self.k, self.v, self.r = store.layer_files[layer]
+        # A reader of a store that has a sketch scores the sketches, then exactly only the events
+        # that can be selected (core/memory/sketch.py); a writer always scans (its selections are part of the bytes
+        # it writes, so they must not depend on when the sketch was fitted).
+        self.sketch: tuple[RowFile, RowFile, Tensor, Tensor] | None = None  # coords, norms, mean, basis
+        if store.sketch_files is not None and not store.writable:
+            p, nrm = store.sketch_files[layer]
+            self.sketch = (p, nrm, *store.sketch_basis(layer))
+        self.lengths = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
+        self.starts = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
+        lengths = store.events.read().long()
+        if lengths.numel():
+            self.lengths.append(lengths)
+            self.starts.append(torch.cumsum(lengths, 0) - lengths)
+        self.n_disk = int(lengths.sum())  # event tokens in the files
+        self.ram_k = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
+        self.ram_v = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
+        self.ram_r = GrowBuffer((0, g.q_heads, g.head_dim), 0, dt, torch.device("cpu"))
+        mb = store.manifest["profile"].get("kv_cache_mb", Profile.kv_cache_mb) if kv_cache_mb is None else kv_cache_mb
+        cap = (mb << 20) // (g.layers * 2 * self.k.row_bytes)  # tokens per layer
+        # A ring smaller than one step's retrieval would only churn: no cache then.
+        n_mem = store.manifest["profile"].get("n_mem", 0)
+        self.cache = EventCache(cap, self.k.row, dt) if cap > 0 and cap >= n_mem else None
+
+    def __len__(self) -> int:
+        return self.lengths.n
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_disk + self.ram_k.n
+
+    def append(self, keys: Tensor, values: Tensor, lengths: Tensor, reprs: Tensor) -> None:
+        """keys/values [H_kv, n, D], lengths [e], reprs [e, H_q, D]."""
+        lengths = lengths.cpu()
+        offsets = torch.cumsum(lengths, 0) - lengths + self.n_tokens
+        k, v = keys.transpose(0, 1).cpu(), values.transpose(0, 1).cpu()  # [n, H_kv, D] rows
+        if self.store.writable:
+            self.k.append(k)
+            self.v.append(v)
+            self.r.append(reprs)
+            self.n_disk += k.shape[0]
+        else:
+            self.ram_k.append(k)
+            self.ram_v.append(v)
+            self.ram_r.append(reprs.cpu())  # in the store's dtype, as a writer would have stored it
+        self.starts.append(offsets)
+        self.lengths.append(lengths)
+
+    def _repr_block(self, start: int, stop: int) -> Tensor:
+        """Representative keys of events start..stop-1, [n, H_q * D] in the store's dtype."""
+        n_file = self.r.rows
+        if stop <= n_file:
+            x = self.r.read_block(start, stop)
+        elif start >= n_file:
+            x = self.ram_r.view()[start - n_file : stop - n_file]
+        else:
+            x = torch.cat((self.r.read_block(start, n_file), self.ram_r.view()[: stop - n_file]))
+        return x.reshape(stop - start, self.dim)
+
+    def repr_keys(self) -> Tensor:
+        """[E, H_q, D] float32, all of them (for inspection and tests: reads the whole file)."""
+        return torch.cat((self.r.read().float(), self.ram_r.view().float()))
+
+    def select(self, query: Tensor, budget: int) -> Selection:
+        """As `EventMemory.select` on the exact path, bit for bit (a score depends on its row alone)."""
+        if len(self) == 0 or budget <= 0:
+            return select_events(torch.zeros(0), self.event_lengths(), 0)
+        if self.sketch is not None:
+            return self._select_sketched(query.cpu(), budget)
+        scores = scores_in_blocks(len(self), self.dim, self._repr_block, query.cpu())
+        return select_events(scores, self.event_lengths(), budget)
+
+    def _select_sketched(self, query: Tensor, budget: int) -> Selection:
+        """The scan's selection, reading a few events' keys: exact scores for the best-sketched
+        events and the events without a sketch (a reader's own), then for every other event whose
+        bound reaches the score where the selection stops (`sketch.exact_selection`)."""
+        p, nrm, mean, basis = self.sketch
+        n_s = p.rows
+        est = sketch.estimate(n_s, p.read_block, query, mean, basis)  # [n_s]
+        ub = sketch.upper_bound(est, nrm.read_copy(0, n_s), query, mean, basis)
+        return sketch.exact_selection(est, ub, self.event_lengths(), budget,
+                                      lambda ids: self._exact_scores(ids, query), torch.arange(n_s, len(self)))
+
+    def _exact_scores(self, ids: Tensor, query: Tensor) -> Tensor:
+        """Scores of events ids [m] (increasing; files, then a reader's RAM) -> [m]."""
+        disk = ids[ids < self.r.rows]
+        rows = self.r.take(disk).reshape(disk.numel(), self.dim)
+        if disk.numel() < ids.numel():
+            rows = torch.cat((rows, self.ram_r.view()[ids[disk.numel() :] - self.r.rows].reshape(-1, self.dim)))
+        return scores_in_blocks(ids.numel(), self.dim, lambda a, b: rows[a:b], query)
+
+    def event_lengths(self) -> Tensor:
+        return self.lengths.view()
+
+    def gather(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of events `ids`: [H_kv, n, D] each, on the ids' device.
+
+        Cached events are copied from the cache; the others are read (map or RAM) and the ones
+        read from the files are cached."""
+        dev = ids.device
+        ids = ids.cpu()
+        starts, lengths = self.starts.view()[ids], self.lengths.view()[ids]
+        if self.cache is None:
+            k, v = self._read(token_index(starts, lengths))
+            return k.transpose(0, 1).to(dev), v.transpose(0, 1).to(dev)
+        on_disk = starts + lengths <= self.n_disk  # an event is wholly in the files or wholly in RAM
+        offsets = torch.full_like(ids, -1)
+        offsets[on_disk] = self.cache.lookup(ids[on_disk])
+        hit = offsets >= 0
+        out_at = torch.cumsum(lengths, 0) - lengths  # each event's first row in the result
+        total = int(lengths.sum())
+        k = torch.empty((total, *self.k.row), dtype=self.cache.k.dtype)
+        v = torch.empty_like(k)
+        if bool(hit.any()):  # copied out before inserting overwrites any of them
+            rows = token_index(out_at[hit], lengths[hit])
+            k[rows], v[rows] = self.cache.read(offsets[hit], lengths[hit])
+        need = ~hit
+        if bool(need.any()):
+            k_new, v_new = self._read(token_index(starts[need], lengths[need]))
+            rows = token_index(out_at[need], lengths[need])
+            k[rows], v[rows] = k_new, v_new
+            fresh = need & on_disk
+            if bool(fresh.any()):
+                if bool(fresh[need].all()):
+                    self.cache.insert(ids[fresh], lengths[fresh], k_new, v_new)
+                else:
+                    src = token_index(out_at[fresh], lengths[fresh])
+                    self.cache.insert(ids[fresh], lengths[fresh], k[src], v[src])
+        return k.transpose(0, 1).to(dev), v.transpose(0, 1).to(dev)
+
+    def _read(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        """Token rows idx [n] of the layer's events (files, then a reader's RAM): [n, H_kv, D] each."""
+        disk = idx < self.n_disk
+        if bool(disk.all()):
+            return self.k.take(idx), self.v.take(idx)
+        k = torch.empty((idx.numel(), *self.k.row), dtype=self.ram_k.buf.dtype)
+        v = torch.empty_like(k)
+        k[disk], v[disk] = self.k.take(idx[disk]), self.v.take(idx[disk])
+        ram = idx[~disk] - self.n_disk
+        k[~disk], v[~disk] = self.ram_k.view()[ram], self.ram_v.view()[ram]
+        return k, v

@@ -1,0 +1,154 @@
+"""The manifest: what a store commits, and its validation (a store is untrusted input)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from emllm.store.errors import StoreError
+from emllm.store.files import Folder, UnsafePath
+from emllm.store.identity import Geometry
+
+# 2 added the sketch, 3 replaced its outlier lists by per-event norms (exact bounds), 4 refits it
+# as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
+# a version-2 sketch is not used); a version-3 sketch is a version-4 one fitted once.
+
+FORMAT_VERSION = 4
+MANIFEST = "manifest.json"
+
+def checksum(manifest: dict) -> str:
+    """SHA-256 of the manifest without its checksum: catches accidents (anyone can recompute it)."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+
+def is_store(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+
+MANIFEST_LIMIT = 256 << 20  # bytes: a manifest larger than this is refused unread
+MIN_VERSION = 1
+_INT_LIMIT = 1 << 40  # rows, tokens, generations: far above any real store, far below overflow
+
+
+def read_manifest(path: Path, folder: Folder | None = None) -> dict:
+    """The committed manifest, validated: every field's type and range, and every file it names a
+    plain name of this store's layout (it is read without following a link, and never past 256 MiB).
+    A store is untrusted input; the checksum only catches accidents (anyone can recompute it)."""
+    own = folder is None
+    try:
+        folder = folder or Folder(path)
+    except OSError as e:
+        raise StoreError(f"cannot open the store at {path}: {e.strerror or e}") from None
+    try:
+        raw = folder.read(MANIFEST, MANIFEST_LIMIT)
+        manifest = json.loads(raw.decode("utf-8"))
+    except UnsafePath as e:
+        raise StoreError(f"{e}: the store is refused") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise StoreError(f"{path / MANIFEST} is unreadable ({getattr(e, 'strerror', None) or e}): the store is damaged") from None
+    finally:
+        if own:
+            folder.close()
+    if not isinstance(manifest, dict) or manifest.get("format") != "emllm-store":
+        raise StoreError(f"{path} is not an emllm store (its {MANIFEST} is of another kind)")
+    v = manifest.get("version")
+    if type(v) is not int or v < MIN_VERSION:
+        raise StoreError(f"{path} has store format version {v!r}, which no emllm wrote: the store is damaged")
+    if v > FORMAT_VERSION:
+        raise StoreError(
+            f"{path} has store format version {v}, newer than this emllm reads ({FORMAT_VERSION}): upgrade emllm"
+        )
+    if manifest.get("checksum") != checksum(manifest):
+        raise StoreError(f"{path / MANIFEST} fails its checksum: it was edited or damaged; restore it or re-ingest")
+    try:
+        _validate(manifest)
+    except _Invalid as e:
+        raise StoreError(f"{path / MANIFEST}: {e}: the store is damaged or was edited") from None
+    return manifest
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise _Invalid(what)
+
+
+def _int(d: Any, key: str, lo: int = 0, hi: int = _INT_LIMIT, at: str = "") -> int:
+    _need(isinstance(d, dict) and key in d, f"no {at}{key}")
+    x = d[key]
+    _need(type(x) is int and lo <= x <= hi, f"{at}{key} is {str(x)[:40]!r}, not an integer in [{lo}, {hi}]")
+    return x
+
+
+def _str(d: Any, key: str, optional: bool = False, at: str = "") -> None:
+    _need(isinstance(d, dict), f"no {at}{key}")
+    if optional and key not in d:
+        return
+    _need(isinstance(d.get(key), str), f"{at}{key} is missing or not a string")
+
+
+def _validate(m: dict) -> None:
+    """Every field a store's readers and writers use, its type and range (raises _Invalid)."""
+    for k in ("created", "updated"):
+        _str(m, k)
+    ident = m.get("identity")
+    for k in ("model", "config_hash", "weights_hash", "tokenizer_hash"):
+        _str(ident, k, at="identity.")
+    _str(ident, "weights_sample", optional=True, at="identity.")
+    prof = m.get("profile")
+    _need(isinstance(prof, dict), "no profile")
+    _str(prof, "name", at="profile.")
+    g = m.get("geometry")
+    _need(isinstance(g, dict) and set(g) == set(Geometry.__dataclass_fields__), "geometry has other fields")
+    for k, hi in (("layers", 1024), ("kv_heads", 1024), ("q_heads", 4096), ("head_dim", 4096), ("vocab", 1 << 24)):
+        _int(g, k, 1, hi, at="geometry.")
+    _need(g["q_heads"] % g["kv_heads"] == 0, "q_heads is not a multiple of kv_heads")
+    _need(g["dtype"] in ("float32", "float16", "bfloat16"), f"dtype {g['dtype']!r} is not one a store holds")
+    rows = m.get("rows")
+    t, e, et = (_int(rows, k, at="rows.") for k in ("tokens", "events", "event_tokens"))
+    _need(e <= et, f"rows do not add up ({e} events of {et} tokens)")
+    st = m.get("state")
+    if st is not None:
+        gen = _int(st, "generation", 1)
+        _need(st.get("file") == f"state-{gen}.safetensors", "state names a file not of this store's layout")
+        if "tokens" in st or "events" in st:  # a stream's state (stores of the tests' own have none)
+            _need(_int(st, "tokens") == t and _int(st, "events") == e, "the state is not the one of these rows")
+            _need(et <= t, f"rows do not add up ({et} event tokens in a stream of {t})")
+    else:
+        _need(t == 0, "rows without a state")
+    job = m.get("job")
+    if job is not None:
+        gen = _int(job, "generation", 1, at="job.")
+        _need(job.get("file") == f"job-{gen}.i32", "job names a file not of this store's layout")
+        n = _int(job, "tokens", at="job.")
+        _int(job, "done", 0, n, at="job.")
+        _need(isinstance(job.get("complete"), bool), "job.complete is not true or false")
+        if "documents" in job:
+            _int(job, "documents")
+    sk = m.get("sketch")
+    if sk is not None:
+        f = _int(sk, "trained_on", 1)
+        _int(sk, "dims", 1, 4096)
+        _need(sk.get("file") in ("sketch.safetensors", f"sketch-{f}.safetensors"), "sketch names a file not of this store's layout")
+    docs = m.get("documents", [])
+    _need(isinstance(docs, list), "documents is not a list")
+    for d in docs:
+        _str(d, "name")
+        _str(d, "sha256", optional=True)
+        for k in ("start", "tokens"):
+            _int(d, k)
+        if "chars" in d:
+            _int(d, "chars")
+    if "stream" in m:
+        s = m["stream"]
+        _need(isinstance(s, dict) and isinstance(s.get("chat"), bool), "stream.chat is not true or false")
+        _str(s, "prefix")
+        _str(s, "suffix")

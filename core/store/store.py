@@ -1,0 +1,615 @@
+"""The on-disk store: the episodic memory of a stream, outliving the process (spec §5, design.md).
+
+A store is a folder:
+
+    manifest.json            what is committed: version, identity, profile, geometry, row counts
+    tokens.i32 surprise.f32 flags.u8          one row per processed token of the stream
+    events.i32                                one row per event: its length in tokens
+    layers/NN.k layers/NN.v                   per layer, one row [H_kv, D] per event token (pre-RoPE)
+    layers/NN.r                               per layer, one row [H_q, D] per event (representative key)
+    sketch{-F}.safetensors   per layer, the basis of the sketches (once the store has faiss_threshold events;
+                             F: the events it was fitted on, refitted as the store doubles)
+    layers/NN{.F}.p layers/NN{.F}.n           per layer, each event's sketch [dims] and its norms [3]
+    job-G.i32                the tokens of the current ingest job (so --resume needs no input)
+    state-G.safetensors      what continues the stream: windows, remainder, masses, last logits
+    lock                     held (flock) by the one writer
+
+Arrays are raw little-endian rows, append-only. A commit writes data first, fsyncs it, writes the
+new state file, then replaces the manifest atomically (temporary file, fsync, rename, fsync of
+the folder). Rows past the manifest's counts are an uncommitted tail: readers ignore it, a writer
+truncates it on open. So a crash at any moment, `kill -9` included, leaves the last commit
+readable. The manifest carries a checksum of its own content: an edited manifest is refused.
+No pickles: JSON, raw arrays and safetensors only. Format: docs/store-format.md.
+"""
+
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import stat
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from emllm.memory import sketch
+from emllm.store.errors import StoreError, lock_store
+from emllm.store.files import Folder, UnsafePath, fsync_dir
+from emllm.store.identity import Geometry, Identity
+from emllm.store.manifest import FORMAT_VERSION, MANIFEST, checksum, is_store, read_manifest
+from emllm.store.rows import _BY_NAME, RowFile
+
+# 2 added the sketch, 3 replaced its outlier lists by per-event norms (exact bounds), 4 refits it
+# as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
+# a version-2 sketch is not used); a version-3 sketch is a version-4 one fitted once.
+
+def _remove_abandoned(path: Path) -> None:
+    """Remove the hidden folders of creates of `path` that were interrupted (their lock is free)."""
+    for p in path.parent.glob(f".{glob.escape(path.name)}.new-*"):
+        if p.is_symlink() or not p.is_dir():
+            continue
+        try:
+            fd = lock_store(p)
+        except (StoreError, OSError):
+            continue  # a create under way
+        try:
+            shutil.rmtree(p, ignore_errors=True)  # never follows links
+        finally:
+            os.close(fd)
+
+
+
+class Store:
+    """One store folder, open for reading (any number of readers) or writing (one writer)."""
+
+    def __init__(self, path: Path, manifest: dict, writable: bool, lock_fd: int | None, folder: Folder | None = None) -> None:
+        self.path, self.manifest, self.writable, self._lock_fd = path, manifest, writable, lock_fd
+        self.folder = folder or Folder(path)
+        g = manifest["geometry"]
+        self.geometry = Geometry(**g)
+        rows = manifest["rows"]
+        dt = _BY_NAME[self.geometry.dtype][0]
+        f = lambda name, row, dtype, n, w=writable: RowFile(self.folder, name, row, dtype, n, w)  # noqa: E731
+        self.tokens = f("tokens.i32", (), torch.int32, rows["tokens"])
+        self.surprise = f("surprise.f32", (), torch.float32, rows["tokens"])
+        self.flags = f("flags.u8", (), torch.uint8, rows["tokens"])
+        self.events = f("events.i32", (), torch.int32, rows["events"])
+        h, hq, d = self.geometry.kv_heads, self.geometry.q_heads, self.geometry.head_dim
+        self.layer_files = [
+            (
+                f(f"layers/{i:02d}.k", (h, d), dt, rows["event_tokens"]),
+                f(f"layers/{i:02d}.v", (h, d), dt, rows["event_tokens"]),
+                f(f"layers/{i:02d}.r", (hq, d), dt, rows["events"]),
+            )
+            for i in range(self.geometry.layers)
+        ]
+        job = manifest.get("job")
+        # written once when a job starts (set_job), read-only after: never truncated
+        self.job: RowFile | None = f(job["file"], (), torch.int32, job["tokens"], False) if job else None
+        sk = manifest.get("sketch") if manifest["version"] >= 3 else None  # older sketches: unused
+        self.sketch_files: list[tuple[RowFile, RowFile]] | None = None
+        if sk:
+            self.sketch_files = [
+                (f(p, (sk["dims"],), torch.float16, rows["events"]), f(n, (3,), torch.float32, rows["events"]))
+                for p, n in self._sketch_names(sk["trained_on"])[1]
+            ]
+        self._basis: dict[str, Tensor] | None = None
+        self._retired: list[Path] = []  # files of a replaced sketch: deleted once no manifest names them
+        self._state_fd: int | None = None  # a reader's open state file (a commit may delete it meanwhile)
+        self._unpublished: Path | None = None  # a new store's hidden folder, until its first commit
+        self._tidy = False  # leftovers removed (tidy): once, before the first write
+
+    # -- files -------------------------------------------------------------------------------
+    def all_files(self) -> list[RowFile]:
+        job = [self.job] if self.job is not None else []
+        sk = [x for t in self.sketch_files for x in t] if self.sketch_files is not None else []
+        return [self.tokens, self.surprise, self.flags, self.events, *job] + [x for t in self.layer_files for x in t] + sk
+
+    def close(self) -> None:
+        for rf in self.all_files():
+            rf.close()
+        if self._state_fd is not None:
+            os.close(self._state_fd)
+            self._state_fd = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self.folder.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- open / create -----------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: Path, identity: Identity, profile: dict, geometry: Geometry, extra: dict | None = None) -> "Store":
+        """A new, empty store for `path` (which must not exist, or be an empty folder).
+
+        It is built in a hidden folder beside `path` and takes the name at its first commit (its
+        first job, or its first state): a create interrupted before that (killed, Ctrl-C while
+        tokenizing, a full disk, a model refused) leaves the name free, and the next create of the
+        same name removes what it left."""
+        path = Path(path)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            if is_store(path):
+                raise StoreError(f"a store already exists at {path}")
+            raise StoreError(f"{path} exists and is not an empty folder")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(path)
+        tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{time.monotonic_ns()}")
+        (tmp / "layers").mkdir(parents=True)
+        lock_fd = lock_store(tmp)
+        now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        manifest = {
+            "format": "emllm-store",
+            "version": FORMAT_VERSION,
+            "created": now,
+            "updated": now,
+            "identity": identity.as_dict(),
+            "profile": profile,
+            "geometry": dict(geometry.__dict__),
+            "rows": {"tokens": 0, "events": 0, "event_tokens": 0},
+            "state": None,
+            "job": None,
+            "sketch": None,
+            "documents": [],
+            **(extra or {}),
+        }
+        st = cls(path, manifest, True, lock_fd, Folder(tmp))
+        st._unpublished = tmp
+        return st
+
+    def _publish(self) -> None:
+        """Give a new store its name (after its first manifest is written in the hidden folder)."""
+        tmp, self._unpublished = self._unpublished, None
+        try:
+            os.rename(tmp, self.path)  # replaces an empty folder; fails if another store took the name
+        except OSError as e:
+            self._unpublished = tmp
+            raise StoreError(f"cannot create the store at {self.path}: {e.strerror or e}") from None
+        fsync_dir(self.path.parent)
+        self.folder.path = self.path
+
+    def discard(self) -> None:
+        """Close a store never published (its create was interrupted) and remove its hidden folder."""
+        tmp = self._unpublished
+        self.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @staticmethod
+    def remove_empty(path: Path) -> None:
+        """Remove a store that holds nothing (no rows, job or document: a create interrupted by an
+        earlier emllm, which named the folder at once). Only the files of the layout are removed;
+        a folder holding anything else is refused."""
+        st = Store.open(path, writable=True)
+        try:
+            m = st.manifest
+            if m["rows"]["tokens"] or m.get("job") or m["documents"] or m.get("state"):
+                raise StoreError(f"{path} is not empty: it is kept")
+            names = [MANIFEST, "tokens.i32", "surprise.f32", "flags.u8", "events.i32"]
+            names += [f"layers/{i:02d}.{x}" for i in range(st.geometry.layers) for x in "kvr"]
+            folder = st.folder
+            for name in names:
+                folder.unlink(name)
+            try:
+                os.rmdir("layers", dir_fd=folder.fd)
+            except FileNotFoundError:
+                pass
+            folder.unlink("lock")
+        except OSError as e:
+            raise StoreError(f"cannot remove the empty store at {path}: {e.strerror or e}") from None
+        finally:
+            st.close()
+        try:
+            path.rmdir()
+        except OSError as e:
+            raise StoreError(f"{path} holds files that are not a store's: remove them or choose another --store ({e.strerror})") from None
+
+    @classmethod
+    def open(cls, path: Path, writable: bool = False) -> "Store":
+        """Open a store, validating its manifest and files before anything is used.
+
+        A writer takes the lock; it changes nothing until it writes (`tidy`, and the rows past the
+        committed counts dropped at each file's first append), so a writer refused after opening
+        (another model) leaves the store as it was."""
+        path = Path(path)
+        if not path.is_dir():
+            raise StoreError(f"no store at {path}")
+        if not is_store(path):
+            raise StoreError(f"{path} is not an emllm store (no {MANIFEST}); give a store made by `emllm ingest`")
+        lock_fd = lock_store(path) if writable else None
+        for attempt in range(3):
+            st = manifest = None
+            try:
+                folder = Folder(path)
+                manifest = read_manifest(path, folder)
+                st = cls(path, manifest, writable, lock_fd, folder)
+                st._check_files()
+                if not writable:
+                    st._hold_files()
+                break
+            except StoreError:
+                # A reader may read a manifest just before a commit replaces it and deletes what it
+                # named (a state or sketch file): it reads the new one. Otherwise the store is damaged.
+                if st is not None:
+                    st._lock_fd = None
+                    st.close()
+                else:
+                    folder.close()
+                if writable or attempt == 2 or read_manifest(path) == manifest:
+                    if lock_fd is not None:
+                        os.close(lock_fd)
+                    raise
+            except BaseException:
+                if lock_fd is not None:
+                    os.close(lock_fd)
+                raise
+        return st
+
+    def tidy(self) -> None:
+        """Remove a crash's leftovers (files no manifest names, a version-2 sketch). Called before a
+        writer's first write, not at open: a writer refused after opening (another model) has
+        changed nothing."""
+        assert self.writable
+        if not self._tidy:
+            self._tidy = True
+            self._drop_old_sketch()
+            self._drop_stale_states()
+
+    def _hold_files(self) -> None:
+        """A reader opens the files its manifest names and a commit may delete (the state file,
+        the job file; the sketch's files, and loads its basis) at once: a writer deletes them once
+        its next manifest names others, and open files outlive that."""
+        if self.manifest["state"]:
+            self._state_fd = self._open(self.manifest["state"]["file"])
+        if self.job is not None:
+            self.job._reader_fd()
+        for p, nrm in self.sketch_files or []:
+            p._reader_fd()
+            nrm._reader_fd()
+        if self.sketch_files is not None:
+            self.sketch_basis(0)
+
+    def _open(self, name: str) -> int:
+        """A descriptor of one of the store's files, opened without leaving the store."""
+        try:
+            return self.folder.open(name)
+        except FileNotFoundError:
+            raise StoreError(f"{name} is missing from the store: the store is damaged") from None
+        except UnsafePath as e:
+            raise StoreError(f"{e}: the store is refused") from None
+
+    def _check_files(self) -> None:
+        """Every file the manifest names is a regular file of the store, long enough for its rows;
+        the events' lengths are positive and add up to the event tokens."""
+        try:
+            st = self.folder.lstat("layers")
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise StoreError("layers in the store is a link or not a folder: the store is refused")
+        for rf in self.all_files():
+            rf.check_size()
+        for part in ("state", "sketch"):
+            if self.manifest.get(part):
+                os.close(self._open(self.manifest[part]["file"]))
+        lengths = self.events.read()
+        if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.long().sum()) != self.manifest["rows"]["event_tokens"]):
+            raise StoreError("events.i32 does not match the manifest (event lengths that do not add up to its "
+                             "event tokens): the store is damaged")
+        if self.job is not None and self.manifest["job"]["tokens"]:
+            ids = self.job.read()
+            if int(ids.min()) < 0 or int(ids.max()) >= self.geometry.vocab:
+                raise StoreError(f"{self.job.name} holds token ids outside the vocabulary: the store is damaged")
+
+    def check_identity(self, identity: Identity) -> None:
+        """Refuse a model or tokenizer other than the store's, naming the difference.
+
+        Checked in order: config, weight names and shapes, sampled weight values, tokenizer."""
+        have = self.manifest["identity"]
+
+        def differs(key: str, what: str) -> None:
+            mine, theirs = getattr(identity, key), have.get(key, "")
+            if mine != theirs:
+                raise StoreError(
+                    f"the store was written with model {have['model']!r}; this {what} "
+                    f"({mine} != {theirs}): use -m {have['model']} or another --store"
+                )
+
+        differs("config_hash", "model config differs")
+        differs("weights_hash", "model weights differ")
+        # Compared only when both sides have one: a store older than the sample, or weights
+        # offloaded to meta, leave it to the metadata hash above.
+        mine, theirs = identity.weights_sample, have.get("weights_sample", "")
+        if mine and theirs and mine != theirs:  # a fine-tune, or the checkpoint replaced in place
+            raise StoreError(
+                f"this model's weights differ from those the store was written with ({have['model']!r}: same "
+                f"shapes, other values, {mine} != {theirs}): load that checkpoint, or use another --store"
+            )
+        differs("tokenizer_hash", "tokenizer differs")
+
+    # -- commit ------------------------------------------------------------------------------
+    def commit(self, engine_state: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        """Make everything appended so far durable, with the state that continues the stream.
+
+        Order: data files fsynced, new state file written and fsynced, then the manifest swapped
+        atomically; the previous state file is deleted only after the manifest no longer names it.
+        """
+        from safetensors.torch import save
+
+        self.tidy()
+        self.update_sketch()
+        for rf in self.all_files():
+            rf.sync()
+        gen = (self.manifest["state"] or {}).get("generation", 0) + 1
+        name = f"state-{gen}.safetensors"
+        self.folder.write_atomic(name, save({k: v.detach().cpu().contiguous() for k, v in engine_state.items()}))
+        old = self.manifest["state"]
+        self.manifest["state"] = {"file": name, "generation": gen, **meta}
+        self.manifest["rows"] = {
+            "tokens": self.tokens.rows, "events": self.events.rows, "event_tokens": self.layer_files[0][0].rows,
+        }
+        self.manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self._write_manifest()
+        self._retire()
+        if old and old["file"] != name:
+            self.folder.unlink(old["file"])
+
+    # -- the sketch -----------------------------------------------------------------------------
+    def sketch_threshold(self) -> int | None:
+        """Events per layer from which the store keeps a sketch: the profile's faiss_threshold."""
+        return self.manifest["profile"].get("faiss_threshold")
+
+    def sketch_basis(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(mean [dim], basis [dim, dims]) of a layer's sketch."""
+        if self._basis is None:
+            from safetensors.torch import load
+
+            name = self.manifest["sketch"]["file"]
+            fd = self._open(name)
+            try:
+                with os.fdopen(fd, "rb") as f:
+                    self._basis = load(f.read())
+                g = self.geometry
+                for i in range(g.layers):
+                    mean, basis = self._basis[f"{i}.mean"], self._basis[f"{i}.basis"]
+                    if mean.shape != (g.q_heads * g.head_dim,) or basis.shape != (g.q_heads * g.head_dim, self.manifest["sketch"]["dims"]):
+                        raise ValueError(f"layer {i}'s basis has the wrong shape")
+                    if mean.dtype != torch.float32 or basis.dtype != torch.float32:
+                        raise ValueError(f"layer {i}'s basis is not float32")
+            except Exception as e:  # noqa: BLE001 - any parse failure is a damaged file
+                raise StoreError(f"cannot read {name}: {e}; the store is damaged") from None
+        return self._basis[f"{layer}.mean"], self._basis[f"{layer}.basis"]
+
+    def _sketch_names(self, trained_on: int) -> tuple[str, list[tuple[str, str]]]:
+        """The basis file and each layer's (coordinates, norms) files of a sketch fitted on
+        `trained_on` events. The first fit (on exactly the threshold) keeps version 3's names; a
+        refit's files carry its size, so a reader still reading the previous sketch keeps its files
+        until the manifest stops naming them."""
+        first = trained_on == self.sketch_threshold()
+        basis, tag = ("sketch.safetensors", "") if first else (f"sketch-{trained_on}.safetensors", f".{trained_on}")
+        return basis, [(f"layers/{i:02d}{tag}.p", f"layers/{i:02d}{tag}.n") for i in range(self.geometry.layers)]
+
+    def sketch_target(self, n: int) -> int | None:
+        """The events the sketch of a store of n events is fitted on: the threshold t, doubled while
+        the store holds twice as many (t, 2t, 4t, ...), so the basis follows a stream that drifts
+        (measured on a 512k passkey store: a basis fitted on the first 20,000 events left 10k-11k
+        of 41.7k events within reach of the selection in 7 layers, one fitted on all of them
+        23-747), at a cost that doubles only when the store does."""
+        t = self.sketch_threshold()
+        if t is None or n < t:
+            return None
+        return t << ((n // t).bit_length() - 1)
+
+    def update_sketch(self) -> bool:
+        """Sketch the events appended since the last call, fitting the basis first (again) when the
+        store has reached `sketch_target`'s next size. Data only: the next manifest commits it, and
+        `_retire` deletes a replaced sketch's files after that. Returns whether anything was written."""
+        self.tidy()
+        n = self.events.rows
+        target = self.sketch_target(n)
+        if target is None:
+            return False
+        sk = self.manifest.get("sketch")
+        if sk is None or sk["trained_on"] < target:
+            self._fit_sketch(target)
+        assert self.sketch_files is not None
+        wrote = False
+        for i, (p, nrm) in enumerate(self.sketch_files):
+            if p.rows == n:
+                continue
+            mean, basis = self.sketch_basis(i)
+            r = self.layer_files[i][2]
+            for a in range(p.rows, n, sketch.FIT_BLOCK_ROWS):  # a block at a time: a (re)fit sketches every event
+                b = min(n, a + sketch.FIT_BLOCK_ROWS)
+                coords, norms = sketch.project(r.read_copy(a, b).float().reshape(b - a, -1), mean, basis)
+                p.append(coords)
+                nrm.append(norms)
+            wrote = True
+        return wrote
+
+    def _fit_sketch(self, t: int) -> None:
+        """Fit every layer's basis on the first t events (all of them at the first fit; at a
+        refit, `threshold` of them drawn at random with a seed fixed by t, so a fit always costs
+        the same and fitting again after a crash gives the same bytes; a stride would alias with a
+        periodic stream: every 2nd event of the 512k passkey store gave a basis 5x worse than
+        all of them). The file is written (atomically) before any manifest names it. A replaced
+        sketch's files are retired, not yet deleted."""
+        from safetensors.torch import save
+
+        m = min(t, self.sketch_threshold() or t)
+        idx = torch.arange(t) if m == t else torch.randperm(t, generator=torch.Generator().manual_seed(t))[:m].sort().values
+
+        def sample(r: RowFile) -> Callable[[int, int], Tensor]:
+            return lambda a, b: r.take(idx[a:b]).float().reshape(b - a, -1)
+
+        tensors: dict[str, Tensor] = {}
+        for i, (_, _, r) in enumerate(self.layer_files):
+            mean, basis = sketch.fit_blocks(m, sample(r))
+            tensors.update({f"{i}.mean": mean, f"{i}.basis": basis})
+        name, layer_names = self._sketch_names(t)
+        self.folder.write_atomic(name, save(tensors))
+        old = self.manifest.get("sketch")
+        if old is not None and self.sketch_files is not None:
+            for p, nrm in self.sketch_files:
+                p.close()
+                nrm.close()
+                self._retired += [p.name, nrm.name]
+            self._retired.append(old["file"])
+        self._basis = tensors
+        dims = tensors["0.basis"].shape[1]
+        self.manifest["sketch"] = {"file": name, "dims": dims, "trained_on": t}
+        self.manifest["version"] = FORMAT_VERSION
+        mk = lambda name, row, dtype: RowFile(self.folder, name, row, dtype, 0, True)  # noqa: E731
+        self.sketch_files = [
+            (mk(p, (dims,), torch.float16), mk(n, (3,), torch.float32)) for p, n in layer_names
+        ]
+
+    def _retire(self) -> None:
+        """Delete a replaced sketch's files, now that the manifest names the new one (a reader
+        that opened the old one keeps its open files)."""
+        for name in self._retired:
+            self.folder.unlink(name)
+        self._retired = []
+
+    def commit_sketch(self) -> bool:
+        """Sketch what is committed but not sketched yet (a store written before sketches existed,
+        or an ingest stopped between), and commit that alone. Returns whether it did anything."""
+        self.tidy()
+        if not self.update_sketch():
+            return False
+        for rf in self.all_files():
+            rf.sync()
+        self.manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self._write_manifest()
+        self._retire()
+        return True
+
+    def set_job(self, tokens: Tensor, documents: list[dict]) -> None:
+        """Start an ingest job of `tokens` [n] (begin_job, its tokens, commit_job)."""
+        job = self.begin_job()
+        try:
+            job.append(tokens.to(torch.int32))
+            self.commit_job(job, documents)
+        except BaseException:
+            self.abort_job(job)
+            raise
+
+    def begin_job(self) -> RowFile:
+        """A new job file to append the job's tokens to (streamed: nothing is held in RAM);
+        commit_job makes it the store's job, abort_job removes it."""
+        self.tidy()
+        old = self.manifest.get("job")
+        name = f"job-{(old or {}).get('generation', 0) + 1}.i32"
+        self.folder.unlink(name)  # a job file no manifest named yet: a crash's leftover
+        return RowFile(self.folder, name, (), torch.int32, 0, True)
+
+    def abort_job(self, job: RowFile) -> None:
+        job.close()
+        self.folder.unlink(job.name)
+
+    def commit_job(self, job: RowFile, documents: list[dict]) -> None:
+        """Make `job` the current ingest job (so --resume needs no input): its file is synced and
+        the manifest committed at once, naming it. The previous job's file (whose pending tail
+        must be part of the new one) is deleted only after that."""
+        old = self.manifest.get("job")
+        gen = (old or {}).get("generation", 0) + 1
+        assert job.name == f"job-{gen}.i32"
+        job.sync()
+        if self.job is not None:
+            self.job.close()
+        self.job = job
+        self.manifest["job"] = {"file": job.name, "generation": gen, "tokens": job.rows, "done": 0,
+                                "complete": False, "documents": len(documents)}
+        self.manifest["documents"] = self.manifest["documents"] + documents
+        self._write_manifest()
+        if old and old["file"] != job.name:
+            self.folder.unlink(old["file"])
+
+    def load_state(self) -> dict[str, Tensor]:
+        """The tensors that continue the stream (a reader's from the file it opened with its manifest)."""
+        from safetensors.torch import load
+
+        if not self.manifest["state"]:
+            return {}
+        name = self.manifest["state"]["file"]
+        fd = os.dup(self._state_fd) if self._state_fd is not None else self._open(name)
+        try:
+            with os.fdopen(fd, "rb") as f:
+                f.seek(0)
+                return load(f.read())
+        except Exception as e:  # noqa: BLE001 - any parse failure is a damaged file
+            raise StoreError(f"cannot read {name}: {e}; the store is damaged") from None
+
+    def _write_manifest(self) -> None:
+        self.manifest["checksum"] = checksum(self.manifest)
+        self.folder.write_atomic(MANIFEST, (json.dumps(self.manifest, indent=1) + "\n").encode())
+        if self._unpublished is not None:
+            self._publish()
+
+    def _drop_old_sketch(self) -> None:
+        """A version-2 sketch (outlier lists) is not used: the manifest stops naming it first,
+        then its files go (by _drop_stale_states), and the next commit fits a current one."""
+        if self.manifest["version"] < 3 and self.manifest.get("sketch"):
+            self.manifest["sketch"] = None
+            self._write_manifest()
+
+    def _drop_stale_states(self) -> None:
+        """Remove the files of this store's own layout that no manifest names (a crash's leftovers:
+        a state or job file written before its commit, a sketch fitted or replaced, temporaries).
+        Only names of the layout are touched; a link is removed itself, never followed."""
+        keep = {(self.manifest["state"] or {}).get("file"), (self.manifest.get("job") or {}).get("file")}
+        sk = self.manifest.get("sketch")
+        if sk:
+            basis, layer_names = self._sketch_names(sk["trained_on"])
+            keep |= {basis, *(x for t in layer_names for x in t)}
+        top = re.compile(r"(state-\d+\.safetensors|job-\d+\.i32|sketch(-\d+)?\.safetensors|manifest\.json)(\.tmp)?")
+        for name in self.folder.names():
+            if top.fullmatch(name) and name not in keep and name != MANIFEST:
+                self.folder.unlink(name)
+        try:
+            layer_files = self.folder.names("layers")
+        except (FileNotFoundError, UnsafePath):
+            layer_files = []
+        for name in layer_files:
+            if re.fullmatch(r"\d+(\.\d+)?\.[pon](\.tmp)?", name) and f"layers/{name}" not in keep:
+                self.folder.unlink(f"layers/{name}")
+
+    # -- reading -------------------------------------------------------------------------------
+    def bytes_on_disk(self) -> dict[str, int]:
+        parts = {"tokens": 0, "events": 0, "keys+values": 0, "representative keys": 0, "sketch": 0, "state": 0, "job": 0}
+        names = [n for n in self.folder.names()]
+        try:
+            names += [f"layers/{n}" for n in self.folder.names("layers")]
+        except (FileNotFoundError, UnsafePath):
+            pass
+        for rel in names:
+            st = self.folder.lstat(rel)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            n, name = st.st_size, rel.rsplit("/", 1)[-1]
+            suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
+            if suffix in (".k", ".v"):
+                parts["keys+values"] += n
+            elif suffix == ".r":
+                parts["representative keys"] += n
+            elif suffix in (".p", ".o", ".n") or name.startswith("sketch"):
+                parts["sketch"] += n
+            elif name.startswith("state-"):
+                parts["state"] += n
+            elif name.startswith("job-"):
+                parts["job"] += n
+            elif name == "events.i32":
+                parts["events"] += n
+            elif name in ("tokens.i32", "surprise.f32", "flags.u8"):
+                parts["tokens"] += n
+        return parts
