@@ -29,7 +29,7 @@ import time
 import faiss
 import torch
 
-from emllm.memory.events import event_scores, select_events
+from emllm.memory.selection import event_scores, select_events
 from emllm.memory.index import DEFAULT_EF_CONSTRUCTION, DEFAULT_EF_SEARCH, DEFAULT_ENTRIES, DEFAULT_M, EventIndex
 from tests.helpers import model_like
 

@@ -40,7 +40,11 @@ class Profile:
     contiguity_ratio: float = 0.3
     neighbours: int = 1
     refine_from_layer: int | None = None  # None: the last third of the layers
-    faiss_threshold: int | None = 20000  # events per layer from which retrieval is approximate (null: never): in RAM a faiss graph; a store keeps a sketch from there (its readers' selections stay exact)
+    faiss_threshold: int | None = 20000  # events per layer from which in-RAM retrieval searches a faiss graph (approximate; null: never)
+    # events per layer from which a store keeps a sketch of its representative keys (its readers'
+    # selections stay exact; null: never). Unset in a profile: the same as faiss_threshold, as
+    # profiles and stores written before the two were separate meant.
+    sketch_threshold: int | None = 20000
     kv_cache_mb: int = 128  # RAM for recently read events' keys and values, all layers (stores; 0: none)
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
@@ -78,9 +82,10 @@ def validate(p: Profile, where: str = "") -> Profile:
         raise bad("tau", f"must be an integer >= 2 or null, got {p.tau!r}")
     if p.refine_from_layer is not None and (not isinstance(p.refine_from_layer, int) or p.refine_from_layer < 0):
         raise bad("refine_from_layer", f"must be an integer >= 0 or null, got {p.refine_from_layer!r}")
-    if p.faiss_threshold is not None and (not isinstance(p.faiss_threshold, int) or isinstance(p.faiss_threshold, bool)
-                                          or p.faiss_threshold < 1):
-        raise bad("faiss_threshold", f"must be an integer >= 1 or null, got {p.faiss_threshold!r}")
+    for key in ("faiss_threshold", "sketch_threshold"):
+        v = getattr(p, key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= _INT_MAX):
+            raise bad(key, f"must be an integer in [1, {_INT_MAX}] or null, got {v!r}")
     if not isinstance(p.gamma, (int, float)) or isinstance(p.gamma, bool) or p.gamma != p.gamma:
         raise bad("gamma", f"must be a number, got {p.gamma!r}")
     if not isinstance(p.contiguity_ratio, (int, float)) or not 0.0 <= p.contiguity_ratio < 1.0:
@@ -109,6 +114,8 @@ def profile_from_dict(data: Any, name: str, where: str = "") -> Profile:
         )
     data = dict(data)
     data.setdefault("name", name)
+    if "sketch_threshold" not in data:  # written before the key existed: the sketch followed faiss_threshold
+        data["sketch_threshold"] = data.get("faiss_threshold", Profile.faiss_threshold)
     if "aliases" in data:
         data["aliases"] = tuple(data["aliases"] or ())
     return validate(Profile(**data), where)

@@ -57,3 +57,21 @@ def test_guess_profile():
     assert guess_profile({"model_type": "llama", "rope_parameters": {"rope_type": "llama3"}}) == "llama3.1"
     assert guess_profile({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope"}}) == "phi3.5"
     assert guess_profile({"model_type": "qwen2"}) == "qwen2.5"
+
+
+def test_faiss_and_sketch_thresholds_are_separate_keys_and_old_profiles_keep_their_meaning(tmp_path):
+    from emllm.config import load_profile_file, profile_from_dict
+
+    old = tmp_path / "old.yaml"
+    old.write_text("faiss_threshold: 40\n")  # written when one key governed both
+    assert load_profile_file(old).sketch_threshold == 40 == load_profile_file(old).faiss_threshold
+    both = tmp_path / "both.yaml"
+    both.write_text("faiss_threshold: 40\nsketch_threshold: null\n")
+    p = load_profile_file(both)
+    assert (p.faiss_threshold, p.sketch_threshold) == (40, None)
+    stored = {"name": "t", "faiss_threshold": 7}  # a store's profile from before the split
+    assert profile_from_dict(stored, "t").sketch_threshold == 7
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sketch_threshold: 0\n")
+    with pytest.raises(Exception, match="sketch_threshold"):
+        load_profile_file(bad)

@@ -4,6 +4,7 @@ spec §1 explicitly, one query and one head at a time, with brute-force retrieva
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -69,13 +70,11 @@ def test_fast_path_equals_naive_reference(step, contiguity, monkeypatch):
     seen = {}
     real_forward = LayerWindow.forward
 
-    def spy(self, q, k, v, scaling):
+    def spy(self, q, k, v, scaling, st):
         snap = copy.deepcopy(self)
         picked = {}
-        cb = self.step.on_retrieval
-        self.step.on_retrieval = lambda layer, sel: picked.setdefault("ids", sel.ids.tolist())
-        out = real_forward(self, q, k, v, scaling)
-        self.step.on_retrieval = cb
+        st = dataclasses.replace(st, on_retrieval=lambda layer, sel: picked.setdefault("ids", sel.ids.tolist()))
+        out = real_forward(self, q, k, v, scaling, st)
         seen[self.layer_idx] = (snap, q.clone(), k.clone(), v.clone(), scaling, out.clone(), picked["ids"])
         assert not contiguity or self.contiguity.numel() > 0  # the queue is really in play
         return out

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from emllm.memory.events import event_scores, select_events
+from emllm.memory.selection import event_scores, select_events
 from emllm.memory.index import DEFAULT_EF_CONSTRUCTION, DEFAULT_EF_SEARCH, DEFAULT_M, EventIndex
 from .helpers import model_like
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from emllm.memory import sketch
-from emllm.memory.events import event_scores, select_events
+from emllm.memory.selection import event_scores, select_events
 from emllm.store import FORMAT_VERSION, Geometry, Identity, Store, StoredEvents
 from emllm.store.manifest import checksum as _checksum
 

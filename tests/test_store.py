@@ -50,7 +50,7 @@ from .helpers import EMLLM, QUESTION, assert_same_state, ingest_store, load_tiny
 def _sketching(prof: Path, tmp_path: Path) -> Path:
     """The tiny profile with a sketch from 40 events on (the stores below reach more)."""
     out = tmp_path / "tiny-sketch.yaml"
-    out.write_text(prof.read_text() + "faiss_threshold: 40\n")
+    out.write_text(prof.read_text() + "sketch_threshold: 40\n")
     return out
 
 

@@ -7,8 +7,11 @@ import math
 import pytest
 import torch
 
-from emllm.memory.events import (EventMemory, event_scores, gamma, representative_keys, score_error, score_groups, scores_in_blocks,
-                         select_events, token_index)
+from emllm.memory.buffers import token_index
+
+from emllm.memory.events import EventMemory
+
+from emllm.memory.selection import event_scores, gamma, representative_keys, score_error, score_groups, scores_in_blocks, select_events
 import emllm.math.surprise as surprise_mod
 from emllm.math.surprise import boundary_flags, token_surprise
 from .helpers import brute_contiguity, brute_select
@@ -158,7 +161,7 @@ def test_scores_stay_within_their_rounding_bound(dim):
 
 @pytest.mark.parametrize("seed", range(30))
 def test_contiguity_queue_matches_brute_force(seed):
-    from emllm.memory.events import update_contiguity
+    from emllm.memory.selection import update_contiguity
 
     g = torch.Generator().manual_seed(seed)
     e = int(torch.randint(1, 30, (1,), generator=g))
@@ -175,7 +178,7 @@ def test_contiguity_queue_matches_brute_force(seed):
 
 
 def test_contiguity_keeps_old_entries_while_they_fit():
-    from emllm.memory.events import update_contiguity
+    from emllm.memory.selection import update_contiguity
 
     lengths = torch.full((20,), 4)
     q = update_contiguity(torch.zeros(0, dtype=torch.long), torch.tensor([5]), lengths, 1, 12)

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from emllm.engine.stream import Engine
-from emllm.memory.events import Selection, token_index
+from emllm.memory.buffers import token_index
+from emllm.memory.selection import Selection
 
 
 @dataclass

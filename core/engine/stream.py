@@ -20,7 +20,9 @@ from transformers import PreTrainedModel
 
 from emllm.math import attention
 from emllm.config import Profile
-from emllm.memory.events import EventMemory, GrowBuffer, Selection
+from emllm.memory.buffers import GrowBuffer
+from emllm.memory.events import EventMemory
+from emllm.memory.selection import Selection
 from emllm.models import device_of, input_device
 from emllm.math.rope import Rotary
 from emllm.math.segmentation import enforce_block_sizes, key_adjacency, refine, surprise_starts
@@ -44,6 +46,14 @@ def check_supported(model: PreTrainedModel) -> None:
         )
     if getattr(getattr(model, "model", None), "rotary_emb", None) is None:
         raise UnsupportedModelError(f"model type {mt!r}: no shared rotary embedding found at model.model.rotary_emb")
+
+
+@dataclass
+class Hooks:
+    """The `emllm` keyword of one forward: each layer's window, and what they share this step."""
+
+    layers: list[LayerWindow]
+    step: StepInfo
 
 
 @dataclass
@@ -89,14 +99,12 @@ class Engine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # Each layer's memory lives on its layer's device (a model split with accelerate's device_map).
         layer_devices = [device_of(layer, self.device) for layer in model.model.layers]
+        memory = memory or (lambda i: EventMemory(cfg.num_key_value_heads, cfg.num_attention_heads, head_dim,
+                                                   self.dtype, layer_devices[i], profile.faiss_threshold))
         self.windows = [
-            LayerWindow(i, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, self.dtype, layer_devices[i],
-                        faiss_threshold=profile.faiss_threshold)
+            LayerWindow(i, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, self.dtype, layer_devices[i], memory(i))
             for i in range(cfg.num_hidden_layers)
         ]
-        if memory is not None:
-            for w in self.windows:
-                w.events = memory(w.layer_idx)
         self.ids = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         self.surprise = GrowBuffer((0,), 0, torch.float32, torch.device("cpu"))  # NaN: none
         self.flags = GrowBuffer((0,), 0, torch.bool, torch.device("cpu"))
@@ -143,8 +151,6 @@ class Engine:
         cos, sin = self.rotary.table(max(window, pr.n_local), self.device, self.dtype)
         cont = int(pr.n_mem * pr.contiguity_ratio) if pr.contiguity else 0
         step = StepInfo(cos, sin, pr.n_local, pr.n_init, pr.n_mem - cont, cont, pr.neighbours, self.on_retrieval)
-        for w in self.windows:
-            w.step = step
         if self.model.config._attn_implementation != attention.NAME:  # someone ran the plain model meanwhile
             self.model.set_attn_implementation(attention.NAME)
         x = chunk.to(self.device)[None]
@@ -152,7 +158,7 @@ class Engine:
             input_ids=x,
             position_ids=torch.zeros_like(x),  # identity rotation: the attention gets keys before RoPE
             use_cache=False,
-            emllm=self.windows,
+            emllm=Hooks(self.windows, step),  # reaches the attention function of every layer
         )
         logits = out.logits[0]  # [c, V]
         if with_surprise:

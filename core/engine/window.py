@@ -9,14 +9,15 @@ Events themselves live in an `EventMemory` (RAM or the on-disk store).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from emllm.math.attention import attend
-from emllm.memory.events import EventMemory, Selection, representative_keys, update_contiguity
+from emllm.memory.events import EventMemory
+from emllm.memory.selection import Selection, representative_keys, update_contiguity
 from emllm.math.rope import apply_rotary
 
 
@@ -42,9 +43,7 @@ class LayerWindow:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
-    events: EventMemory = field(init=False)
-    step: StepInfo | None = None
-    faiss_threshold: int | None = None  # events from which retrieval searches a faiss index
+    events: EventMemory  # this layer's events: in RAM, or the store's (given, never built here)
     n_seen: int = 0  # tokens of the stream this layer has processed
 
     def __post_init__(self) -> None:
@@ -55,7 +54,6 @@ class LayerWindow:
         self.local_mass = z(self.n_q_heads, 0, dt=torch.float32)
         self.rem_k, self.rem_v = z(h, 0, d), z(h, 0, d)
         self.rem_mass = z(self.n_q_heads, 0, dt=torch.float32)
-        self.events = EventMemory(h, self.n_q_heads, d, self.dtype, self.device, self.faiss_threshold)
         self.contiguity = torch.zeros(0, dtype=torch.long, device=self.device)  # event ids, oldest first
 
     _STATE = ("init_k", "init_v", "local_k", "local_v", "local_mass", "rem_k", "rem_v", "rem_mass", "contiguity")
@@ -86,9 +84,9 @@ class LayerWindow:
         self.n_seen = int(state.get("n_seen", 0))
 
     # -- the attention call ------------------------------------------------------------------
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float) -> Tensor:
-        """q [H_q, c, D], k/v [H_kv, c, D], all pre-RoPE. Returns [H_q, c, D]."""
-        st = self.step
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float, st: StepInfo) -> Tensor:
+        """q [H_q, c, D], k/v [H_kv, c, D], all pre-RoPE; st: what this forward's layers share.
+        Returns [H_q, c, D]."""
         c = q.shape[1]
         k_loc = torch.cat((self.local_k, k), dim=1)  # [H_kv, L, D]
         v_loc = torch.cat((self.local_v, v), dim=1)
@@ -104,7 +102,7 @@ class LayerWindow:
             q_mem = apply_rotary(q, st.cos[p : p + 1].to(q.device), st.sin[p : p + 1].to(q.device))
             parts_k, parts_v = [self.init_k], [self.init_v]
             if len(self.events):
-                ids = self.retrieve(q_mem.mean(1), st.budget).ids.to(self.contiguity.device)
+                ids = self.retrieve(q_mem.mean(1), st.budget, st.on_retrieval).ids.to(self.contiguity.device)
                 if st.contiguity_budget:
                     self.contiguity = update_contiguity(
                         self.contiguity, ids, self.events.event_lengths().to(ids.device), st.neighbours,
@@ -120,22 +118,22 @@ class LayerWindow:
             k_mem, v_mem = torch.cat(parts_k, 1), torch.cat(parts_v, 1)
 
         out, mass = attend(q_loc, k_rot, v_loc, q_mem, k_mem, v_mem, scaling)
-        self._slide(k_loc, v_loc, mass)
+        self._slide(k_loc, v_loc, mass, st)
         return out
 
-    def retrieve(self, query: Tensor, budget: int) -> Selection:
+    def retrieve(self, query: Tensor, budget: int,
+                 on_retrieval: Callable[[int, Selection], None] | None = None) -> Selection:
         """query [H_q, D] (rotated at the memory position) -> the events to attend to."""
         sel = self.events.select(query, budget)
-        if self.step is not None and self.step.on_retrieval is not None:
-            self.step.on_retrieval(self.layer_idx, sel)
+        if on_retrieval is not None:
+            on_retrieval(self.layer_idx, sel)
         return sel
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def _slide(self, k_loc: Tensor, v_loc: Tensor, mass: Tensor) -> None:
+    def _slide(self, k_loc: Tensor, v_loc: Tensor, mass: Tensor, st: StepInfo) -> None:
         """Keep the last n_local tokens; evicted ones go to the initial tokens or the remainder.
 
         mass [H_q, L]: attention drawn by each window token in this step, added to what it had."""
-        st = self.step
         n_old = self.local_mass.shape[1]
         total_mass = mass.clone()
         total_mass[:, :n_old] += self.local_mass

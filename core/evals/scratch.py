@@ -42,7 +42,7 @@ class ScratchStores:
     def __init__(self, model: Any, tok: Any, profile: Profile, root: Path | str, name: str = "scratch") -> None:
         # Retrieval by a store's writer is an exact scan whatever its sketch (emllm.store.StoredEvents),
         # and nobody reads these stores but their writer: no sketch to fit and refit.
-        self.model, self.tok, self.profile, self.name = model, tok, profile.replace(faiss_threshold=None), name
+        self.model, self.tok, self.profile, self.name = model, tok, profile.replace(sketch_threshold=None), name
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._store: Store | None = None

@@ -8,7 +8,7 @@ at the window's end, memory keys left at position 0 with the query rotated at `n
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -20,7 +20,15 @@ NAME = "emllm"
 
 
 class LayerHook(Protocol):
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float) -> Tensor: ...
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float, step: Any) -> Tensor: ...
+
+
+class Hooks(Protocol):
+    """What the model's forward carries to this function (keyword `emllm`): per layer its hook,
+    and what the layers of this forward share (passed to each hook)."""
+
+    layers: Sequence[LayerHook]
+    step: Any
 
 
 def attend(
@@ -125,8 +133,8 @@ def emllm_attention(
         raise ValueError("emllm processes one stream at a time (batch size 1)")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    layer: LayerHook = hooks[module.layer_idx]
-    out = layer.forward(query[0], key[0], value[0], float(scaling))  # [H_q, c, D]
+    layer: LayerHook = hooks.layers[module.layer_idx]
+    out = layer.forward(query[0], key[0], value[0], float(scaling), hooks.step)  # [H_q, c, D]
     return out.transpose(0, 1).unsqueeze(0), None  # [1, c, H_q, D], as transformers expects
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from emllm.memory.events import token_index
+from emllm.memory.buffers import token_index
 
 
 class EventCache:

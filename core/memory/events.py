@@ -1,45 +1,18 @@
-"""One layer's episodic memory: events (blocks of past tokens) with their representative keys.
+"""One layer's episodic memory in RAM: events (blocks of past tokens) with their representative keys.
 
 `EventMemory` is the storage seam: an append-only set of events, each a run of tokens with pre-RoPE
 keys and values, plus one representative key per query head. This module keeps it in RAM; the
-on-disk store implements the same methods. `select_events` is the retrieval policy, pure math.
+on-disk store (emllm.store.events) implements the same methods.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 from torch import Tensor
 
-
-class GrowBuffer:
-    """An append-only tensor along dim `dim`, capacity doubled as needed (amortised O(1) append)."""
-
-    def __init__(self, shape: tuple[int, ...], dim: int, dtype: torch.dtype, device: torch.device, cap: int = 256):
-        self.dim = dim
-        cap_shape = list(shape)
-        cap_shape[dim] = cap
-        self.buf = torch.empty(cap_shape, dtype=dtype, device=device)
-        self.n = 0
-
-    def append(self, x: Tensor) -> None:
-        m = x.shape[self.dim]
-        cap = self.buf.shape[self.dim]
-        if self.n + m > cap:
-            new_cap = max(2 * cap, self.n + m)
-            shape = list(self.buf.shape)
-            shape[self.dim] = new_cap
-            grown = torch.empty(shape, dtype=self.buf.dtype, device=self.buf.device)
-            grown.narrow(self.dim, 0, self.n).copy_(self.view())
-            self.buf = grown
-        self.buf.narrow(self.dim, self.n, m).copy_(x)
-        self.n += m
-
-    def view(self) -> Tensor:
-        return self.buf.narrow(self.dim, 0, self.n)
+from emllm.memory.buffers import GrowBuffer, token_index
+from emllm.memory.index import EventIndex
+from emllm.memory.selection import Selection
 
 
 class EventMemory:
@@ -54,8 +27,6 @@ class EventMemory:
         self, n_kv_heads: int, n_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
         faiss_threshold: int | None = None,
     ):
-        from emllm.memory.index import EventIndex  # search builds on this module's selection rule
-
         self.keys = GrowBuffer((n_kv_heads, 0, head_dim), 1, dtype, device)
         self.values = GrowBuffer((n_kv_heads, 0, head_dim), 1, dtype, device)
         self.index = EventIndex(n_q_heads, head_dim, device, threshold=faiss_threshold)  # reprs, float32
@@ -93,174 +64,3 @@ class EventMemory:
         """Keys and values of events `ids` (in that order), concatenated: [H_kv, n, D] each."""
         idx = token_index(self.starts.view()[ids], self.lengths.view()[ids])
         return self.keys.view()[:, idx], self.values.view()[:, idx]
-
-
-def token_index(starts: Tensor, lengths: Tensor) -> Tensor:
-    """Concatenation of arange(s, s + l) for each (s, l), without a Python loop."""
-    total = lengths.sum()
-    base = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=int(total))
-    return base + torch.arange(int(total), device=starts.device)
-
-
-SCORE_BLOCK_BYTES = 4 << 20  # float32 bytes of representative keys scored per matrix-vector product
-
-
-def score_block_rows(dim: int) -> int:
-    """Events per scoring block for vectors of `dim` floats: a power of two, about 4 MiB of float32."""
-    return 1 << max(6, (SCORE_BLOCK_BYTES // (4 * dim)).bit_length() - 1)
-
-
-_WORK: dict[tuple[torch.device, int], Tensor] = {}
-
-
-def work_buffer(rows: int, dim: int, device: torch.device, slot: int = 0) -> Tensor:
-    """A float32 buffer [rows, dim], one per device and slot, reused by every scoring call (grown
-    as needed).
-
-    A fresh process pays for new memory in page faults: a question against a large store scores
-    a few MiB per layer, and allocating its temporaries anew for every block cost as much as the
-    arithmetic (measured on the sketch of a 512k store: 64-136 ms for 30 layers, 40-71 ms with
-    one reused buffer). Callers use it at once, one at a time (the engine is single-threaded)."""
-    buf = _WORK.get((device, slot))
-    if buf is None or buf.numel() < rows * dim:
-        buf = _WORK[(device, slot)] = torch.empty(max(rows * dim, 1 << 16), dtype=torch.float32, device=device)
-    return buf[: rows * dim].view(rows, dim)
-
-
-def score_groups(dim: int) -> int:
-    """Terms per group when scoring vectors of `dim` floats: the divisor of dim nearest below its
-    square root (g + dim / g, the rounding bound's length, is then smallest; 24 for 576)."""
-    return max(g for g in range(1, math.isqrt(dim) + 1) if dim % g == 0)
-
-
-def gamma(n: int) -> float:
-    """The relative error bound of a float32 sum of n products, in any order of summation:
-    |fl(x . y) - x . y| <= gamma(n) * sum |x_i y_i| (Higham, Accuracy and Stability, 3.1)."""
-    nu = n * 2.0**-24
-    return nu / (1 - nu)
-
-
-def score_error(dim: int) -> float:
-    """e with |score - q . x| <= e * sum |q_i x_i| <= e |q| |x| for every score `scores_in_blocks`
-    computes: dim / g sums of g products each (gamma(g)), then those sums summed, each level in
-    any order: gamma(g + dim / g - 1)."""
-    g = score_groups(dim)
-    return gamma(g + dim // g - 1)
-
-
-def scores_in_blocks(n: int, dim: int, block: Callable[[int, int], Tensor], query: Tensor) -> Tensor:
-    """Scores of events 0..n-1, a block of `score_block_rows(dim)` events at a time.
-
-    block(start, stop) returns those events' representative keys [stop - start, dim] (float16,
-    bfloat16 or float32; scored in float32). Each score is a product, then dim / g sums of
-    g = `score_groups(dim)` terms each (terms j, j + dim / g, j + 2 dim / g, ...: the sums run down
-    contiguous lanes, 1.4x faster than summing contiguous groups; measured at 41.7k x 576 events,
-    1 thread: 18 ms against 25, torch.mv 11 ms), then a sum of those, along the row only, so its
-    bits depend on that row alone: scoring any subset of the events, from any source, in any block, at any
-    address, gives the same bits as the scan (a matrix-vector product does not: BLAS rounds a row
-    differently with the number of rows it is given and their alignment; measured, most scores of
-    a random subset differ in the last bit). Readers of a sketched store rely on it to select
-    exactly what the scan selects, and on the two levels for a tight rounding bound
-    (`score_error`: gamma(47) instead of gamma(576) for SmolLM2). query [dim] -> [n] float32.
-    """
-    q = query.reshape(-1).float()
-    out = torch.empty(n, dtype=torch.float32, device=q.device)
-    step = score_block_rows(dim)
-    g = score_groups(dim)
-    for start in range(0, n, step):
-        stop = min(n, start + step)
-        m = stop - start
-        w = work_buffer(m, dim, q.device)
-        torch.mul(block(start, stop), q, out=w)  # (a half row is widened exactly, as .float() would)
-        if g > 1:
-            w2 = work_buffer(m, dim // g, q.device, slot=1)
-            torch.sum(w.view(m, g, dim // g), 1, out=w2)  # [m, dim / g] lanes, each a sum of g strided terms
-            w = w2
-        torch.sum(w, 1, out=out[start:stop])
-    return out
-
-
-def event_scores(reprs: Tensor, query: Tensor) -> Tensor:
-    """Score of each event: sum over query heads of dot(query_h, repr_h). reprs [E, H, D], query [H, D] -> [E]."""
-    flat = reprs.reshape(reprs.shape[0], -1)
-    return scores_in_blocks(flat.shape[0], flat.shape[1], lambda a, b: flat[a:b], query)
-
-
-@dataclass(frozen=True)
-class Selection:
-    ids: Tensor  # [k] event ids, in stream order
-    scores: Tensor  # [k] their scores
-
-
-def select_events(scores: Tensor, lengths: Tensor, budget: int) -> Selection:
-    """Similarity buffer: the best-scoring events, best first, while their tokens fit in `budget`.
-
-    Filling stops at the first event that does not fit (a prefix of the ranking), so the result
-    is the top of one sort, the same whichever search produced the ranking. Ties break by event
-    id (earlier first): the sort is stable.
-    """
-    if scores.numel() == 0 or budget <= 0:
-        empty = torch.empty(0, dtype=torch.long, device=scores.device)
-        return Selection(empty, scores[:0])
-    n = scores.numel()
-    shortest = int(lengths.min())
-    k = n if shortest <= 0 else min(n, budget // shortest + 1)  # k events hold more than the budget
-    if k < n and not bool(torch.isnan(scores).any()):  # (NaN sorts first: leave it to the full sort)
-        # Only the best k can be in the prefix: sort the events scoring at least the k-th best
-        # (ties at that score included, in id order), not all of them. Same order, same prefix.
-        t = torch.topk(scores, k, sorted=False).values.min()
-        cand = torch.nonzero(scores >= t).squeeze(1)
-        order = cand[torch.sort(scores[cand], descending=True, stable=True).indices]
-    else:
-        order = torch.sort(scores, descending=True, stable=True).indices
-    fits = torch.cumsum(lengths[order], 0) <= budget
-    k = int(fits.sum())  # fits is a prefix: cumsum of positive lengths is increasing
-    ids = torch.sort(order[:k]).values
-    return Selection(ids, scores[ids])
-
-
-def representative_keys(keys: Tensor, mass: Tensor, lengths: Tensor, topk: int) -> Tensor:
-    """Per event and query head, the mean pre-RoPE key of the `topk` tokens that drew most attention.
-
-    keys: [H_kv, n, D] tokens of consecutive events; mass: [H_q, n] accumulated attention;
-    lengths: [e] with sum == n. Returns [e, H_q, D]. GQA keys are expanded to query heads.
-    """
-    h_kv, n, d = keys.shape
-    h_q = mass.shape[0]
-    e = lengths.numel()
-    width = int(lengths.max())
-    starts = torch.cumsum(lengths, 0) - lengths
-    col = torch.arange(width, device=keys.device)
-    valid = col[None, :] < lengths[:, None]  # [e, width]
-    idx = (starts[:, None] + col[None, :]).clamp_max(n - 1)  # [e, width]
-    m = mass[:, idx].masked_fill(~valid, float("-inf"))  # [H_q, e, width]
-    k = min(topk, width)
-    top = m.topk(k, dim=-1)  # [H_q, e, k]
-    picked = torch.gather(idx.expand(h_q, e, width), 2, top.indices)  # [H_q, e, k] token index
-    ok = torch.isfinite(top.values).to(keys.dtype)  # events shorter than k: fewer picks
-    kv_head = torch.arange(h_q, device=keys.device) // (h_q // h_kv)
-    gathered = keys[kv_head[:, None, None], picked]  # [H_q, e, k, D]
-    summed = (gathered * ok[..., None]).sum(2)  # [H_q, e, D]
-    return (summed / ok.sum(2, keepdim=True)).transpose(0, 1).contiguous()
-
-
-def update_contiguity(queue: Tensor, selected: Tensor, lengths: Tensor, neighbours: int, budget: int) -> Tensor:
-    """Contiguity buffer (spec §4): a queue of event ids, oldest first.
-
-    The neighbours (±1..±neighbours) of the selected events that are neither selected nor queued
-    join at the back, in id order; then the oldest entries are dropped until the queue's tokens fit
-    in `budget`. Entries stay while they fit, even when no longer next to a selected event.
-    queue, selected: long [q], [k]; lengths: [E] all events' sizes. Returns the new queue.
-    """
-    n_events = lengths.numel()
-    if selected.numel() and neighbours > 0:
-        off = torch.cat((torch.arange(-neighbours, 0), torch.arange(1, neighbours + 1))).to(selected.device)
-        cand = torch.unique((selected[:, None] + off).flatten())  # sorted
-        cand = cand[(cand >= 0) & (cand < n_events)]
-        cand = cand[~torch.isin(cand, selected) & ~torch.isin(cand, queue)]
-        queue = torch.cat((queue, cand))
-    if queue.numel() == 0:
-        return queue
-    # Keep the newest suffix whose tokens fit.
-    from_back = torch.cumsum(lengths[queue].flip(0), 0).flip(0)  # tokens of entries i..end
-    return queue[from_back <= budget]

@@ -53,7 +53,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from emllm.memory.events import GrowBuffer, Selection, event_scores, select_events
+from emllm.memory.buffers import GrowBuffer
+
+from emllm.memory.selection import Selection, event_scores, select_events
 
 # Defaults chosen with tests/test_search.py (recall) and benchmarks/retrieval_cost.py (cost).
 DEFAULT_THRESHOLD = 20_000  # events per layer from which the faiss path pays off

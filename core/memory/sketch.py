@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from emllm.memory.events import Selection, gamma, score_error, select_events, work_buffer
+from emllm.memory.selection import Selection, gamma, score_error, select_events, work_buffer
 
 DIMS = 64
 FACTOR = 1

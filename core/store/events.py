@@ -10,7 +10,8 @@ from torch import Tensor
 from emllm.config import Profile
 from emllm.memory import sketch
 from emllm.memory.cache import EventCache
-from emllm.memory.events import GrowBuffer, Selection, scores_in_blocks, select_events, token_index
+from emllm.memory.buffers import GrowBuffer, token_index
+from emllm.memory.selection import Selection, scores_in_blocks, select_events
 from emllm.store.rows import _BY_NAME, RowFile
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ A store is a folder:
     events.i32                                one row per event: its length in tokens
     layers/NN.k layers/NN.v                   per layer, one row [H_kv, D] per event token (pre-RoPE)
     layers/NN.r                               per layer, one row [H_q, D] per event (representative key)
-    sketch{-F}.safetensors   per layer, the basis of the sketches (once the store has faiss_threshold events;
+    sketch{-F}.safetensors   per layer, the basis of the sketches (once the store has sketch_threshold events;
                              F: the events it was fitted on, refitted as the store doubles)
     layers/NN{.F}.p layers/NN{.F}.n           per layer, each event's sketch [dims] and its norms [3]
     job-G.i32                the tokens of the current ingest job (so --resume needs no input)
@@ -366,8 +366,10 @@ class Store:
 
     # -- the sketch -----------------------------------------------------------------------------
     def sketch_threshold(self) -> int | None:
-        """Events per layer from which the store keeps a sketch: the profile's faiss_threshold."""
-        return self.manifest["profile"].get("faiss_threshold")
+        """Events per layer from which the store keeps a sketch: the profile's sketch_threshold (in
+        stores written before that key, faiss_threshold, which then governed both)."""
+        prof = self.manifest["profile"]
+        return prof["sketch_threshold"] if "sketch_threshold" in prof else prof.get("faiss_threshold")
 
     def sketch_basis(self, layer: int) -> tuple[Tensor, Tensor]:
         """(mean [dim], basis [dim, dims]) of a layer's sketch."""
