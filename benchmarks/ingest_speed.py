@@ -25,6 +25,7 @@ from transformers import DynamicCache
 
 from benchmarks.corpus import tokens as corpus_tokens
 from emllm.app import ingest as ing
+from emllm.app import stream
 from emllm import models
 from emllm.engine.stream import Engine
 from emllm.evals.passkey import parse_length
@@ -67,8 +68,8 @@ def main() -> None:
     tmp = None
     if a.store:
         tmp = tempfile.TemporaryDirectory(dir=Path.cwd())
-        st = ing.create_store(Path(tmp.name) / "s", a.model, model, tok, prof)
-        store_eng = ing.open_engine(st, model)
+        st = stream.create_store(Path(tmp.name) / "s", a.model, model, tok, prof)
+        store_eng = stream.open_engine(st, model)
         st.set_job(ids.to(torch.int32), [{"name": "bench", "start": 0, "tokens": n}])
         k = {"chunks": 0}
 

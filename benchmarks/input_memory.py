@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, AutoModelForCausalLM
 from emllm.app import ingest as ing
+from emllm.app import stream
 from emllm import models
 from emllm.config import load_profile
 from emllm.app.textinput import TextSource
@@ -39,7 +40,7 @@ cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 model = AutoModelForCausalLM.from_config(cfg).eval()
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
-with ing.create_store(store, "tiny", model, tok, load_profile("smollm2")) as st:
+with stream.create_store(store, "tiny", model, tok, load_profile("smollm2")) as st:
     doc = Path(path).read_text() if whole else TextSource.open(path)
     n = ing.add_documents(st, tok, [("doc", doc)])
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

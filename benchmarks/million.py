@@ -27,7 +27,8 @@ import torch
 from benchmarks import git_commit
 from emllm import models
 from emllm.app.ask import Session
-from emllm.app.ingest import create_store, open_engine, run_job
+from emllm.app.ingest import run_job
+from emllm.app.stream import create_store, open_engine
 from emllm.evals.passkey import build_prompt, parse_length, score
 from emllm.store import Store
 

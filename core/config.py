@@ -21,6 +21,10 @@ class ProfileError(ValueError):
     """A profile that cannot be used; the message is meant for the user."""
 
 
+class ProfileMismatchError(ProfileError):
+    """A profile other than the one a store keeps."""
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str

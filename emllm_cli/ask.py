@@ -29,10 +29,8 @@ def ask(
       emllm ask "who hid the key?"
       echo "summarise chapter 2" | emllm ask - --store book --json
     """
-    from emllm.app import ingest as ing
-    from emllm import models
     from emllm.app.ask import Session
-    from emllm.store import Store
+    from emllm.app.stream import open_store
 
     if question == "-":
         question = sys.stdin.read()
@@ -40,12 +38,9 @@ def ask(
         raise UserError("the question is empty")
     path = existing_store(store)
     t0 = time.perf_counter()
-    with Store.open(path) as st:
-        name = st.manifest["identity"]["model"]
-        src = models.resolve(name, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
-        mdl, tok = models.load(src)
-        st.check_identity(ing.identity_of(name, mdl, tok))
-        session = Session(st, mdl, tok, kv_cache_mb)
+    with open_store(path, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]")) as o:
+        st, tok = o.store, o.tok
+        session = Session(st, o.model, tok, kv_cache_mb)
         if session.unfinished:
             done, total = session.unfinished
             render.err.print(f"[yellow]note:[/yellow] the store's last ingest is unfinished ({done} of {total} tokens read: "
@@ -72,7 +67,7 @@ def ask(
             first = time.perf_counter() - t0
         answer = tok.decode(out, skip_special_tokens=True)
         if trace is not None:
-            from .inspect import retrieval_doc
+            from emllm.app.report import retrieval_doc
 
             retrieval = retrieval_doc(trace, st, tok, question)
     if not as_json:

@@ -36,6 +36,17 @@ def _user_errors() -> tuple[type[BaseException], ...]:
             FileNotFoundError, IsADirectoryError)
 
 
+def _hint(e: BaseException) -> str:
+    """What to type next, for library errors that name no flags themselves. (Their modules are
+    loaded if such an error was raised: looked up, not imported, so an error costs no torch import.)"""
+    errs, cfg = sys.modules.get("emllm.store.errors"), sys.modules.get("emllm.config")
+    if errs is not None and isinstance(e, errs.ModelMismatchError):
+        return f": use -m {e.store_model} or another --store"
+    if cfg is not None and isinstance(e, cfg.ProfileMismatchError):
+        return " (omit --profile)"
+    return ""
+
+
 def _disk_full(e: BaseException) -> str | None:
     """The message for a write that found no space (a full disk or quota), else None."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -65,6 +76,7 @@ def guarded(fn: F) -> F:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             if (full := _disk_full(e)) is not None:
                 known, msg = True, full
+            msg += _hint(e)
             if not known:
                 msg = f"internal error: {type(e).__name__}: {msg} (run with --debug for the traceback)"
             print(f"emllm: error: {msg}", file=sys.stderr)

@@ -39,6 +39,7 @@ def ingest(
       emllm ingest --resume --store book            # after an interruption
     """
     from emllm.app import ingest as ing
+    from emllm.app import stream
     from emllm import models
     from emllm.store import Store, is_store, read_manifest
     from emllm.app.textinput import TextSource, file_sha256
@@ -91,30 +92,20 @@ def ingest(
 
     log = lambda m: render.err.print(f"[dim]{escape(m)}[/dim]")  # noqa: E731
     if existing:
-        st = Store.open(path, writable=True)
-        try:
-            if raw and st.manifest["stream"]["chat"]:  # the layout is the store's, fixed when it was made
-                raise typer.BadParameter("this store's stream is in the model's chat template (set when it was "
-                                         "created): omit --raw, or ingest into a new store", param_hint="--raw")
-            name = st.manifest["identity"]["model"]
-            src = models.resolve(model or name, log=log)
-            prof = ing.store_profile(st)
-            if profile is not None and models.load_profile(profile) != prof:
-                raise UserError(f"the store uses profile {prof.name!r}; a store keeps one profile (omit --profile)")
-            mdl, tok = models.load(src)
-            st.check_identity(ing.identity_of(name, mdl, tok))
-        except BaseException:
-            st.close()
-            raise
+        if raw and m.get("stream", {}).get("chat"):  # the layout is the store's, fixed when it was made
+            raise typer.BadParameter("this store's stream is in the model's chat template (set when it was "
+                                     "created): omit --raw, or ingest into a new store", param_hint="--raw")
+        opened = stream.open_store(path, writable=True, model=model, profile=profile, log=log)
+        st, mdl, tok = opened.store, opened.model, opened.tok
     else:
         src = models.resolve(model, profile, log=log)
         mdl, tok = models.load(src)
         name = str(src.path.resolve()) if Path(src.name).exists() else src.name
-        st = ing.create_store(path, name, mdl, tok, src.profile, chat=not raw)
+        st = stream.create_store(path, name, mdl, tok, src.profile, chat=not raw)
 
     with st:
-        engine = ing.open_engine(st, mdl, kv_cache_mb)
-        before = st.tokens.rows + len(ing.pending_tokens(st))  # the stream's length before this run
+        engine = stream.open_engine(st, mdl, kv_cache_mb)
+        before = st.tokens.rows + len(stream.pending_tokens(st))  # the stream's length before this run
         if docs:
             seen = {d.get("sha256"): d["name"] for d in st.manifest["documents"]}
             try:
@@ -149,7 +140,7 @@ def ingest(
             raise typer.Exit(130)
         secs = time.perf_counter() - t0
         m = st.manifest
-        pending = len(ing.pending_tokens(st))
+        pending = len(stream.pending_tokens(st))
         tokens = m["rows"]["tokens"] + pending
         read = m["job"]["done"] - done0  # tokens the model read this run (the rate's numerator)
         summary = {

@@ -18,6 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from emllm.app import ingest as ing
+
+from emllm.app import stream
 from emllm.config import load_profile_file
 
 H_Q, H_KV, D = 9, 3, 64  # SmolLM2-135M's heads and head size (model_like)
@@ -62,8 +64,8 @@ def load_tiny(folder: Path):
 
 def ingest_store(path: Path, folder: Path, prof: Path, docs: list[tuple[str, str]], commit_every: int = 2) -> None:
     model, tok = load_tiny(folder)
-    with ing.create_store(path, str(folder), model, tok, load_profile_file(prof)) as st:
-        engine = ing.open_engine(st, model)
+    with stream.create_store(path, str(folder), model, tok, load_profile_file(prof)) as st:
+        engine = stream.open_engine(st, model)
         ing.add_documents(st, tok, docs)
         ing.run_job(st, engine, commit_every)
 

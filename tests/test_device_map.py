@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from emllm.app import ingest as ing
+
+from emllm.app import stream
 from emllm import models
 from emllm.app.ask import Session
 from emllm.config import load_profile_file
@@ -49,8 +51,8 @@ def test_store_written_by_a_split_model_is_the_same_store(tiny, tmp_path):
     docs = [("doc", words(8, 400))]
     ingest_store(tmp_path / "whole", folder, prof, docs)
     split, tok = _split(folder, tmp_path)
-    with ing.create_store(tmp_path / "split", str(folder), split, tok, load_profile_file(prof)) as st:
-        engine = ing.open_engine(st, split)
+    with stream.create_store(tmp_path / "split", str(folder), split, tok, load_profile_file(prof)) as st:
+        engine = stream.open_engine(st, split)
         ing.add_documents(st, tok, docs)
         ing.run_job(st, engine, 2)
     assert store_arrays(tmp_path / "split") == store_arrays(tmp_path / "whole")

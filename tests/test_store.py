@@ -24,6 +24,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from emllm.app import ingest as ing
+
+from emllm.app import stream
 from emllm.app.ask import Session
 from emllm.config import load_profile_file
 from emllm.engine.stream import Engine
@@ -68,7 +70,7 @@ def test_ask_equals_the_in_ram_engine_in_this_and_a_new_process(tiny, tmp_path):
     # Reference: the plain in-RAM engine over the same stream, chunked the same way.
     with Store.open(store) as st:
         job = st.job.read().long()
-        tail = ing.pending_tokens(st)
+        tail = stream.pending_tokens(st)
         session = Session(st, model, tok)
         q_ids = session.question_ids(QUESTION)
         got = session.read_question(QUESTION)
@@ -127,7 +129,7 @@ def test_append_equals_one_call(tiny, tmp_path, monkeypatch, fit_block):
     ingest_store(tmp_path / "two", folder, prof, [("a", a)])
     model, tok = load_tiny(folder)
     with Store.open(tmp_path / "two", writable=True) as st:
-        engine = ing.open_engine(st, model)
+        engine = stream.open_engine(st, model)
         ing.add_documents(st, tok, [("b", b)])
         ing.run_job(st, engine, 2)
     assert store_arrays(tmp_path / "one") == store_arrays(tmp_path / "two")
@@ -149,7 +151,7 @@ def test_a_reader_keeps_its_commit_while_a_writer_commits(tiny, tmp_path):
     want = store_state(store)
     with Store.open(store) as reader:
         with Store.open(store, writable=True) as st:
-            engine = ing.open_engine(st, model)
+            engine = stream.open_engine(st, model)
             ing.add_documents(st, tok, [("b", words(12, 200))])
             ing.run_job(st, engine, 2)
         assert not (store / reader.manifest["state"]["file"]).exists()
@@ -283,10 +285,10 @@ def test_weights_sample_tells_a_fine_tune_and_passes_what_it_cannot_compare(tiny
 
     base, tok = load_tiny(tiny[0])
     ft, _ = load_tiny(tuned)
-    mine, theirs = ing.identity_of("m", base, tok), ing.identity_of("m", ft, tok)
+    mine, theirs = stream.identity_of("m", base, tok), stream.identity_of("m", ft, tok)
     assert mine.weights_hash == theirs.weights_hash and mine.config_hash == theirs.config_hash
     assert mine.weights_sample != theirs.weights_sample and len(mine.weights_sample) == 16
-    assert mine == ing.identity_of("m", load_tiny(tiny[0])[0], tok)  # the same weights loaded again: equal
+    assert mine == stream.identity_of("m", load_tiny(tiny[0])[0], tok)  # the same weights loaded again: equal
     st = Store.create(tmp_path / "s", mine, {"name": "t"}, Geometry(2, 2, 4, 16, len(tok), "float32"))
     st.check_identity(mine)
     with pytest.raises(StoreError, match="weights differ from those the store was written with .'m': same shapes"):
@@ -345,7 +347,7 @@ def test_ingest_ask_inspect_through_the_executable(tiny, tmp_path):
     # this run's tokens: the stdin text and its separator, not the tail it carried from the first run
     assert s2["ingested_tokens"] == s2["tokens"] - s["tokens"] and s["pending_tokens"] > 0
     with Store.open(tmp_path / "stores" / "a") as st:
-        assert s2["pending_tokens"] == len(ing.pending_tokens(st)) < st.manifest["profile"]["chunk_size"]
+        assert s2["pending_tokens"] == len(stream.pending_tokens(st)) < st.manifest["profile"]["chunk_size"]
     # --raw cannot change the layout of a store in the chat template; the same text again is noted
     r = run("ingest", str(doc), "--append", "--store", "a", "--raw", home=tmp_path)
     assert r.returncode == 2 and "omit --raw" in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -398,7 +400,7 @@ def test_trace_is_deterministic(tiny, tmp_path):
             session.read_question(QUESTION)
             list(session.engine.generate_iter(3))
             runs.append([(r.step, r.layer, r.ids.tolist(), r.scores.tolist()) for r in trace.records])
-            tail = 1 if ing.pending_tokens(st) else 0
+            tail = 1 if stream.pending_tokens(st) else 0
             steps = tail + -(-len(session.question_ids(QUESTION)) // 16) + 3  # tail, question chunks, 3 tokens
     assert runs[0] == runs[1] and len(runs[0]) == 2 * steps  # one record per layer per step
     assert [r[0] for r in runs[0]] == [s for s in range(steps) for _ in range(2)]
@@ -438,7 +440,7 @@ def test_ctrl_c_stops_cleanly_and_resume_completes(tiny, tmp_path):
                        env=_env(tmp_path))
     assert r.returncode == 0, r.stderr
     with Store.open(store) as st:
-        assert st.manifest["job"]["complete"] and len(ing.pending_tokens(st)) < 16
+        assert st.manifest["job"]["complete"] and len(stream.pending_tokens(st)) < 16
         done, total = st.manifest["job"]["done"], st.manifest["job"]["tokens"]
     assert json.loads(r.stdout)["ingested_tokens"] == total - done0 > 0
     # Resuming a complete job ingests nothing: its tail short of a chunk stays pending.

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 from torch import Tensor
 
 from emllm.engine.stream import Engine
-from emllm.app.ingest import SEPARATOR, encode, encode_framing, open_engine, pending_tokens
+from emllm.app.stream import SEPARATOR, encode, encode_framing, open_engine, pending_tokens
 from emllm.models import stop_token_ids
 from emllm.store import Store, StoreError
 
@@ -33,7 +33,7 @@ class Session:
         if store.tokens.rows == 0 and not self.tail:
             raise StoreError(f"{store.path} is empty: nothing has been read into it yet")
         if "stream" not in store.manifest:
-            raise StoreError(f"{store.path} records no stream layout: it was not written by `emllm ingest`")
+            raise StoreError(f"{store.path} records no stream layout: it was not written by an ingest")
         self.store, self.model, self.tok = store, model, tok
         self.engine: Engine = open_engine(store, model, kv_cache_mb)
 

@@ -15,96 +15,15 @@ B in one call, and the two stores are identical.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from emllm.config import Profile, profile_from_dict
-from emllm.engine.stream import Engine, check_supported
-from emllm.models import config_hash
+from emllm.app.stream import SEPARATOR, encode, encode_framing, pending_tokens
 from emllm.app.textinput import TextSource, cut_rules, token_pieces
-from emllm.store import Geometry, Identity, Store, StoreError, StoredEvents, tokenizer_hash, weights_hash, weights_sample
-
-SEPARATOR = "\n\n"
-_MARK = "\x00EMLLM\x00"
-
-
-@dataclass(frozen=True)
-class StreamFormat:
-    """How documents and questions are laid out in the stream (recorded in the manifest)."""
-
-    chat: bool
-    prefix: str  # before the first document: the opening of a user turn
-    suffix: str  # after the question: end of the user turn, start of the answer
-
-    @classmethod
-    def for_tokenizer(cls, tok: Any, chat: bool = True) -> "StreamFormat":
-        if chat and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template([{"role": "user", "content": _MARK}], add_generation_prompt=True, tokenize=False)
-            if text.count(_MARK) == 1:
-                prefix, suffix = text.split(_MARK)
-                return cls(True, prefix, suffix)
-        return cls(False, "", "\nAnswer:")
-
-
-def identity_of(name: str, model: Any, tok: Any) -> Identity:
-    return Identity(name, config_hash(model), weights_hash(model), tokenizer_hash(tok), weights_sample(model))
-
-
-def geometry_of(model: Any) -> Geometry:
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return Geometry(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, cfg.vocab_size, dtype)
-
-
-def encode(tok: Any, text: str) -> list[int]:
-    """Token ids of user text (a document, a question): special tokens written in it are read as
-    the characters they are, so a document cannot forge the chat template's turns."""
-    return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-
-
-def encode_framing(tok: Any, text: str) -> list[int]:
-    """Token ids of emllm's own framing (the chat template's prefix and suffix): special tokens count."""
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def create_store(path: Path, model_name: str, model: Any, tok: Any, profile: Profile, chat: bool = True) -> Store:
-    check_supported(model)  # before its geometry is read: an unsupported config may lack the fields
-    fmt = StreamFormat.for_tokenizer(tok, chat)
-    return Store.create(
-        path, identity_of(model_name, model, tok), _profile_dict(profile), geometry_of(model),
-        extra={"stream": asdict(fmt)},
-    )
-
-
-def store_profile(store: Store) -> Profile:
-    return profile_from_dict(store.manifest["profile"], store.manifest["profile"]["name"], " (in the store)")
-
-
-def open_engine(store: Store, model: Any, kv_cache_mb: int | None = None) -> Engine:
-    """An engine that continues the store's stream: its events are the store's, its state the
-    last committed one. kv_cache_mb: RAM for recently read events (None: the profile's)."""
-    if (mine := geometry_of(model)) != store.geometry:
-        raise StoreError(f"{store.path}: the store's geometry ({_geometry_text(store.geometry)}) is not this "
-                         f"model's ({_geometry_text(mine)}): the store is damaged, or of another model")
-    engine = Engine(model, store_profile(store), memory=lambda i: StoredEvents(store, i, kv_cache_mb))
-    state = store.load_state()
-    if state:
-        try:
-            engine.load_state_dict(state, store.tokens.read(), store.surprise.read(), store.flags.read())
-        except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as e:
-            raise StoreError(f"{store.path}: its state does not fit the model ({e}): the store is damaged") from None
-    if engine.n_tokens != store.tokens.rows or engine.n_events != store.events.rows:
-        raise StoreError(f"{store.path}: the state does not match the arrays: the store is damaged; re-ingest")
-    return engine
-
-
-def _geometry_text(g: Geometry) -> str:
-    return f"{g.layers} layers, {g.q_heads}/{g.kv_heads} heads of {g.head_dim}, vocabulary {g.vocab}, {g.dtype}"
-
+from emllm.engine.stream import Engine
+from emllm.store import Store, StoreError
 
 def add_documents(store: Store, tok: Any, docs: list[tuple[str, str | TextSource]]) -> int:
     """Queue documents as a new job (after what is pending). Returns the job's token count.
@@ -181,12 +100,6 @@ def run_job(
         progress(Progress(n, n, engine.n_events, engine.n_tokens))
 
 
-def pending_tokens(store: Store) -> list[int]:
-    """Tokens received but not processed yet (less than a chunk once a job is complete)."""
-    job = store.manifest.get("job")
-    return store.job.read(job["done"], job["tokens"]).tolist() if job and store.job is not None else []
-
-
 def _commit(store: Store, engine: Engine, done: int, complete: bool) -> None:
     """Write the token arrays and event sizes appended since the last commit, then commit."""
     t0 = store.tokens.rows
@@ -199,13 +112,4 @@ def _commit(store: Store, engine: Engine, done: int, complete: bool) -> None:
     store.commit(engine.state_dict(), {"tokens": engine.n_tokens, "events": engine.n_events})
 
 
-def _profile_dict(p: Profile) -> dict:
-    d = asdict(p)
-    d["aliases"] = list(d["aliases"])
-    return d
-
-
-__all__ = [
-    "StreamFormat", "create_store", "open_engine", "add_documents", "run_job", "pending_tokens",
-    "identity_of", "geometry_of", "store_profile", "encode", "Progress",
-]
+__all__ = ["add_documents", "run_job", "Progress"]

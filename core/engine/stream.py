@@ -248,7 +248,7 @@ class Engine:
         if n and (int(ids.min()) < 0 or int(ids.max()) >= self.model.config.vocab_size):
             raise ValueError("token ids outside the vocabulary")
         self.rem_start = int(state["rem_start"])
-        if not 0 <= self.rem_start <= n:
+        if not 0 <= self.rem_start <= max(n, self.profile.n_init):  # n_init until the stream is that long
             raise ValueError(f"rem_start {self.rem_start} outside the stream")
         self.last_logits = state.get("last_logits")
         if self.last_logits is not None and tuple(self.last_logits.shape) != (self.model.config.vocab_size,):

@@ -30,7 +30,8 @@ import torch
 
 from emllm.config import Profile
 from emllm.engine.stream import ChunkReport, Engine
-from emllm.app.ingest import Progress, _profile_dict, create_store, geometry_of, identity_of, open_engine, pending_tokens, run_job
+from emllm.app.ingest import Progress, _profile_dict, run_job
+from emllm.app.stream import create_store, geometry_of, identity_of, open_engine, pending_tokens
 from emllm.store import CutBackFailed, Store, StoreError, cut_back, save_mark
 from emllm.store.errors import lock_store
 from emllm.store.files import fsync_dir, write_atomic

@@ -6,7 +6,7 @@ layer's events on disk (`events`), the store's lifecycle: create, open, job, com
 (`store`), and marks that cut a store back (`marks`). May import: config, memory, math.
 """
 
-from emllm.store.errors import CutBackFailed, StoreError, StoreLockedError
+from emllm.store.errors import CutBackFailed, ModelMismatchError, StoreError, StoreLockedError
 from emllm.store.events import StoredEvents
 from emllm.store.identity import Geometry, Identity, tokenizer_hash, weights_hash, weights_sample
 from emllm.store.manifest import FORMAT_VERSION, MANIFEST, is_store, read_manifest
@@ -15,7 +15,7 @@ from emllm.store.rows import RowFile
 from emllm.store.store import Store
 
 __all__ = [
-    "Store", "StoreError", "StoreLockedError", "CutBackFailed", "StoredEvents", "Identity", "Geometry", "RowFile",
+    "Store", "StoreError", "StoreLockedError", "ModelMismatchError", "CutBackFailed", "StoredEvents", "Identity", "Geometry", "RowFile",
     "FORMAT_VERSION", "MANIFEST", "is_store", "read_manifest", "save_mark", "cut_back", "weights_hash",
     "weights_sample", "tokenizer_hash",
 ]

@@ -12,7 +12,15 @@ class CutBackFailed(StoreError):
 
 
 class StoreLockedError(StoreError):
-    pass
+    """Another process is writing the store."""
+
+
+class ModelMismatchError(StoreError):
+    """The model (config, weights or tokenizer) is not the one the store was written with."""
+
+    def __init__(self, message: str, store_model: str) -> None:
+        super().__init__(message)
+        self.store_model = store_model  # how the store names its model
 
 
 def lock_store(path):  # -> int

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from emllm.memory import sketch
-from emllm.store.errors import StoreError, lock_store
+from emllm.store.errors import ModelMismatchError, StoreError, lock_store
 from emllm.store.files import Folder, UnsafePath, fsync_dir
 from emllm.store.identity import Geometry, Identity
 from emllm.store.manifest import FORMAT_VERSION, MANIFEST, checksum, is_store, read_manifest
@@ -212,7 +212,7 @@ class Store:
         try:
             path.rmdir()
         except OSError as e:
-            raise StoreError(f"{path} holds files that are not a store's: remove them or choose another --store ({e.strerror})") from None
+            raise StoreError(f"{path} holds files that are not a store's: remove them, or use another name ({e.strerror})") from None
 
     @classmethod
     def open(cls, path: Path, writable: bool = False) -> "Store":
@@ -225,7 +225,7 @@ class Store:
         if not path.is_dir():
             raise StoreError(f"no store at {path}")
         if not is_store(path):
-            raise StoreError(f"{path} is not an emllm store (no {MANIFEST}); give a store made by `emllm ingest`")
+            raise StoreError(f"{path} is not an emllm store (no {MANIFEST})")
         lock_fd = lock_store(path) if writable else None
         for attempt in range(3):
             st = manifest = None
@@ -320,10 +320,8 @@ class Store:
         def differs(key: str, what: str) -> None:
             mine, theirs = getattr(identity, key), have.get(key, "")
             if mine != theirs:
-                raise StoreError(
-                    f"the store was written with model {have['model']!r}; this {what} "
-                    f"({mine} != {theirs}): use -m {have['model']} or another --store"
-                )
+                raise ModelMismatchError(f"the store was written with model {have['model']!r}; this {what} "
+                                         f"({mine} != {theirs})", have["model"])
 
         differs("config_hash", "model config differs")
         differs("weights_hash", "model weights differ")
@@ -331,10 +329,9 @@ class Store:
         # offloaded to meta, leave it to the metadata hash above.
         mine, theirs = identity.weights_sample, have.get("weights_sample", "")
         if mine and theirs and mine != theirs:  # a fine-tune, or the checkpoint replaced in place
-            raise StoreError(
+            raise ModelMismatchError(
                 f"this model's weights differ from those the store was written with ({have['model']!r}: same "
-                f"shapes, other values, {mine} != {theirs}): load that checkpoint, or use another --store"
-            )
+                f"shapes, other values, {mine} != {theirs}): load that checkpoint", have["model"])
         differs("tokenizer_hash", "tokenizer differs")
 
     # -- commit ------------------------------------------------------------------------------

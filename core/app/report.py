@@ -1,0 +1,89 @@
+"""What a store holds and what a question retrieves from it, as data (the CLI renders it).
+
+    store_summary(store)                                   # sizes, events, documents, bytes
+    retrieval_report(store, model, tok, "who hid the key?") # per layer, which events, where
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from emllm.app.ask import Session
+from emllm.app.trace import Trace
+from emllm.store import Store
+
+BINS = 64  # columns of the coverage heatmap
+PREVIEW = 70  # characters of an event's text shown
+
+
+def pending_count(m: dict) -> int:
+    """Tokens a store's job holds and has not read yet."""
+    job = m.get("job") or {}
+    return job.get("tokens", 0) - job.get("done", 0)
+
+
+def store_summary(st: Store) -> dict:
+    """What a store holds: identity, profile, sizes, event-size histogram, documents, bytes on disk."""
+    m = st.manifest
+    lengths = st.events.read().long()
+    hist: dict[str, int] = {}
+    if lengths.numel():
+        lo, hi = m["profile"]["min_block"], m["profile"]["max_block"]
+        edges = sorted({lo, *[2**i for i in range(1, 12) if lo < 2**i < hi], hi + 1})
+        idx = torch.bucketize(lengths, torch.tensor(edges), right=True) - 1
+        counts = torch.bincount(idx.clamp(0, len(edges) - 2), minlength=len(edges) - 1)
+        hist = {f"{edges[i]}-{edges[i + 1] - 1}": int(c) for i, c in enumerate(counts.tolist())}
+    job = m.get("job") or {}
+    return {
+        "store": str(st.path), "format_version": m["version"], "model": m["identity"]["model"],
+        "identity": m["identity"], "profile": m["profile"], "created": m["created"], "updated": m["updated"],
+        "tokens": m["rows"]["tokens"] + pending_count(m),
+        "processed_tokens": m["rows"]["tokens"], "events": m["rows"]["events"],
+        "event_tokens": m["rows"]["event_tokens"],
+        "mean_event_size": round(float(lengths.float().mean()), 2) if lengths.numel() else None,
+        "event_sizes": hist, "documents": m["documents"], "complete": bool(job.get("complete", True)),
+        "bytes": st.bytes_on_disk(),
+    }
+
+
+def retrieval_report(st: Store, model: Any, tok: Any, query: str, layer: int | None = None, top: int = 8) -> dict:
+    """Read `query` as the question closing the store's stream (on a copy: the store is unchanged)
+    and report what each layer retrieved for it."""
+    session = Session(st, model, tok)
+    trace = Trace.attach(session.engine)
+    session.read_question(query)
+    trace.detach()
+    return retrieval_doc(trace, st, tok, query, layer, top)
+
+
+def retrieval_doc(trace, st, tok, query: str, layer: int | None = None, top: int = 8) -> dict:
+    """The retrieval recorded in `trace` as data: coverage heatmap, most retrieved events, one layer."""
+    n_layers = st.geometry.layers
+    n = st.manifest["rows"]["tokens"]
+    cov = trace.coverage(n, BINS) if n else None
+    counts = trace.counts()  # [layers, E]
+    spans = trace.event_spans()
+    ids = st.tokens.read()
+
+    def event(e: int, score: float | None = None) -> dict:
+        s, t = spans[e].tolist()
+        d = {"event": e, "tokens": [s, t], "layers": int((counts[:, e] > 0).sum()),
+             "preview": tok.decode(ids[s:t].tolist(), skip_special_tokens=True)[:PREVIEW]}
+        if score is not None:
+            d["score"] = round(score, 4)
+        return d
+
+    by_layers = (counts > 0).sum(0)
+    order = torch.sort(by_layers, descending=True, stable=True).indices.tolist()[:top]
+    out = {
+        "query": query, "layers": n_layers, "bins": BINS, "steps": trace._step + 1,
+        "coverage": [[round(x, 3) for x in row] for row in cov.tolist()] if cov is not None else [],
+        "top_events": [event(int(e)) for e in order if by_layers[e] > 0],
+    }
+    if layer is not None:
+        recs = [r for r in trace.records if r.layer == layer]
+        out["layer"] = {"index": layer, "steps": [
+            {"step": r.step, "events": [event(int(e), float(s)) for e, s in zip(r.ids, r.scores)]} for r in recs]}
+    return out

@@ -1,0 +1,156 @@
+"""A stream opened on a store with its model: how documents and questions are laid out in it,
+the model's identity and geometry, creating a store, opening one with its model (resolve, load,
+check identity: one way, for every command), and an engine continuing its stream.
+
+    with open_store(path) as o:                 # the store's own model, checked
+        engine = open_engine(o.store, o.model)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from emllm import models
+from emllm.config import Profile, ProfileMismatchError, profile_from_dict
+from emllm.engine.stream import Engine, check_supported
+from emllm.models import ModelSource, config_hash
+from emllm.store import Geometry, Identity, Store, StoreError, StoredEvents, tokenizer_hash, weights_hash, weights_sample
+
+
+SEPARATOR = "\n\n"
+_MARK = "\x00EMLLM\x00"
+
+
+@dataclass(frozen=True)
+class StreamFormat:
+    """How documents and questions are laid out in the stream (recorded in the manifest)."""
+
+    chat: bool
+    prefix: str  # before the first document: the opening of a user turn
+    suffix: str  # after the question: end of the user turn, start of the answer
+
+    @classmethod
+    def for_tokenizer(cls, tok: Any, chat: bool = True) -> "StreamFormat":
+        if chat and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": _MARK}], add_generation_prompt=True, tokenize=False)
+            if text.count(_MARK) == 1:
+                prefix, suffix = text.split(_MARK)
+                return cls(True, prefix, suffix)
+        return cls(False, "", "\nAnswer:")
+
+
+def identity_of(name: str, model: Any, tok: Any) -> Identity:
+    return Identity(name, config_hash(model), weights_hash(model), tokenizer_hash(tok), weights_sample(model))
+
+
+def geometry_of(model: Any) -> Geometry:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return Geometry(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, cfg.vocab_size, dtype)
+
+
+def encode(tok: Any, text: str) -> list[int]:
+    """Token ids of user text (a document, a question): special tokens written in it are read as
+    the characters they are, so a document cannot forge the chat template's turns."""
+    return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def encode_framing(tok: Any, text: str) -> list[int]:
+    """Token ids of emllm's own framing (the chat template's prefix and suffix): special tokens count."""
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def create_store(path: Path, model_name: str, model: Any, tok: Any, profile: Profile, chat: bool = True) -> Store:
+    check_supported(model)  # before its geometry is read: an unsupported config may lack the fields
+    fmt = StreamFormat.for_tokenizer(tok, chat)
+    return Store.create(
+        path, identity_of(model_name, model, tok), _profile_dict(profile), geometry_of(model),
+        extra={"stream": asdict(fmt)},
+    )
+
+
+def store_profile(store: Store) -> Profile:
+    return profile_from_dict(store.manifest["profile"], store.manifest["profile"]["name"], " (in the store)")
+
+
+def open_engine(store: Store, model: Any, kv_cache_mb: int | None = None) -> Engine:
+    """An engine that continues the store's stream: its events are the store's, its state the
+    last committed one. kv_cache_mb: RAM for recently read events (None: the profile's)."""
+    if (mine := geometry_of(model)) != store.geometry:
+        raise StoreError(f"{store.path}: the store's geometry ({_geometry_text(store.geometry)}) is not this "
+                         f"model's ({_geometry_text(mine)}): the store is damaged, or of another model")
+    engine = Engine(model, store_profile(store), memory=lambda i: StoredEvents(store, i, kv_cache_mb))
+    state = store.load_state()
+    if state:
+        try:
+            engine.load_state_dict(state, store.tokens.read(), store.surprise.read(), store.flags.read())
+        except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as e:
+            raise StoreError(f"{store.path}: its state does not fit the model ({e}): the store is damaged") from None
+    if engine.n_tokens != store.tokens.rows or engine.n_events != store.events.rows:
+        raise StoreError(f"{store.path}: the state does not match the arrays: the store is damaged; re-ingest")
+    return engine
+
+
+def _geometry_text(g: Geometry) -> str:
+    return f"{g.layers} layers, {g.q_heads}/{g.kv_heads} heads of {g.head_dim}, vocabulary {g.vocab}, {g.dtype}"
+
+
+def pending_tokens(store: Store) -> list[int]:
+    """Tokens received but not processed yet (less than a chunk once a job is complete)."""
+    job = store.manifest.get("job")
+    return store.job.read(job["done"], job["tokens"]).tolist() if job and store.job is not None else []
+
+
+def _profile_dict(p: Profile) -> dict:
+    d = asdict(p)
+    d["aliases"] = list(d["aliases"])
+    return d
+
+
+@dataclass
+class OpenStore:
+    """A store opened with the model it was written with (loaded and checked)."""
+
+    store: Store
+    model: Any
+    tok: Any
+    source: ModelSource
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> "OpenStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_store(path: Path, writable: bool = False, model: str | None = None, profile: str | None = None,
+               log: Callable[[str], None] | None = None) -> OpenStore:
+    """Open the store at `path` with its model: the one it records, or `model` (another name for the
+    same weights, e.g. a moved folder), loaded and checked against the store's identity (config,
+    weights, tokenizer); `profile`, if given, must be the store's. Raises StoreError (or a subclass:
+    ModelMismatchError), ProfileMismatchError, or the model's errors; the store is closed then."""
+    st = Store.open(path, writable=writable)
+    try:
+        name = st.manifest["identity"]["model"]
+        src = models.resolve(model or name, log=log)
+        prof = store_profile(st)
+        if profile is not None and models.load_profile(profile) != prof:
+            raise ProfileMismatchError(f"the store uses profile {prof.name!r}; a store keeps one profile")
+        mdl, tok = models.load(src)
+        st.check_identity(identity_of(name, mdl, tok))
+    except BaseException:
+        st.close()
+        raise
+    return OpenStore(st, mdl, tok, src)
+
+
+__all__ = [
+    "SEPARATOR", "StreamFormat", "OpenStore", "open_store", "create_store", "open_engine", "pending_tokens",
+    "identity_of", "geometry_of", "store_profile", "encode", "encode_framing",
+]
