@@ -67,7 +67,7 @@ def create_store(path: Path, model_name: str, model: Any, tok: Any, profile: Pro
     check_supported(model)  # before its geometry is read: an unsupported config may lack the fields
     fmt = StreamFormat.for_tokenizer(tok, chat)
     return Store.create(
-        path, identity_of(model_name, model, tok), _profile_dict(profile), geometry_of(model),
+        path, identity_of(model_name, model, tok), profile_dict(profile), geometry_of(model),
         extra={"stream": asdict(fmt)},
     )
 
@@ -104,7 +104,7 @@ def pending_tokens(store: Store) -> list[int]:
     return store.job.read(job["done"], job["tokens"]).tolist() if job and store.job is not None else []
 
 
-def _profile_dict(p: Profile) -> dict:
+def profile_dict(p: Profile) -> dict:
     d = asdict(p)
     d["aliases"] = list(d["aliases"])
     return d

@@ -30,8 +30,8 @@ import torch
 
 from emllm.config import Profile
 from emllm.engine.stream import ChunkReport, Engine
-from emllm.app.ingest import Progress, _profile_dict, run_job
-from emllm.app.stream import create_store, geometry_of, identity_of, open_engine, pending_tokens
+from emllm.app.ingest import Progress, run_job
+from emllm.app.stream import create_store, geometry_of, identity_of, open_engine, pending_tokens, profile_dict
 from emllm.store import CutBackFailed, Store, StoreError, cut_back, save_mark
 from emllm.store.errors import lock_store
 from emllm.store.files import fsync_dir, write_atomic
@@ -281,7 +281,7 @@ class TrunkStores(ScratchStores):
             store.check_identity(identity_of(self.name, self.model, self.tok))
             held = torch.cat((store.tokens.read().long(), torch.tensor(pending_tokens(store), dtype=torch.long)))
             if (identity["model"] == self.name and store.manifest["geometry"] == asdict(geometry_of(self.model))
-                    and store.manifest["profile"] == json.loads(json.dumps(_profile_dict(self.profile)))
+                    and store.manifest["profile"] == json.loads(json.dumps(profile_dict(self.profile)))
                     and held.numel() <= ids.numel() and held.numel() % self.profile.chunk_size == 0
                     and torch.equal(held, ids[: held.numel()])):
                 return store, open_engine(store, self.model)
