@@ -1,0 +1,4 @@
+"""Use cases over a store with its model: opening a stream on a store (`stream`), ingesting
+documents (`ingest`), asking (`ask`), tracing retrieval (`trace`) and reporting it (`report`),
+segmenting a document (`document`), reading input as a stream (`textinput`), and the library's
+handle, `Memory` (`api`). May import: engine, store, memory, math, config, models, home."""

@@ -50,8 +50,7 @@ class Session:
 
         The question starts a chunk of its own (spec §4): a chunk's retrieval query is the mean of
         its tokens' queries, and a question sharing its chunk with up to chunk_size - 1 tokens of
-        document retrieves for the document. Measured: the passkey at 1M tokens was missed with
-        the 499-token tail and the question in one chunk, and found with the tail fed first.
+        document retrieves for the document (the 1M passkey was missed so: docs/benchmark-log.md).
         """
         return self.read_question_ids(self.question_ids(question))
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Iterator
 
 PIECE = 1 << 16  # bytes read (and about the characters tokenized) at a time: the tokenizer's allocations for
-# a megabyte at once fragment the heap (peak RSS grew ~40 MB per MB of text); 64 KiB keeps it flat
+# a megabyte at once fragment the heap; 64 KiB keeps RSS flat (docs/benchmarks.md, reading input)
 _PROBES = ("Hello world\nNext line, with words.", "a b\n\nc d", "x = 1\n    y = 2\nz", "über\nœuvre 12 34\n5",
            "end.\n\nNext 42\n\n\nmore\nsp", "tab\n\tx\ny z\n\n", "It's a dog's life; isn't it?\n(yes) [no]\n",
            "def f(x):\n    return x  # ok\n\nclass A:\n    pass\n", "日本語の文章。\n次の行\nmix 中文 words",

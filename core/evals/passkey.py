@@ -72,9 +72,8 @@ def parse_length(text: str) -> int:
 def build_prompt(tok, length: int, depth: float, rng: random.Random) -> Prompt:
     """A document + question of about `length` tokens in all, the needle at `depth` in [0, 1]."""
     key = str(rng.randint(10000, 99999))
-    # The plain ∞-Bench form, no chat template: SmolLM2-135M-Instruct answers it at 4k-8k (12/12
-    # measured), but the chat-wrapped form fails it already at 1k (1/3), which would test the
-    # template rather than the memory.
+    # The plain ∞-Bench form, no chat template: SmolLM2 fails the chat-wrapped form already at 1k,
+    # which would test the template rather than the memory (docs/benchmark-log.md, passkey).
     before, after = "", "\n"
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     head = enc(before + INTRO)

@@ -12,7 +12,7 @@ engine is made or on `close`. Same retrieval, same results as in RAM (tests/test
 each needle, whatever the key, the depth or the length): one trunk store reads the common prefix
 once, in whole chunks, and each engine continues a copy of it. Chunk borders and state are those
 of an engine that read the whole stream, so the results are the same, bit for bit
-(tests/test_store.py); a copy costs ~0.1 ms per token against ~10 ms to read one again.
+(tests/test_store.py); a copy costs ~100x less than reading the tokens again.
 """
 
 from __future__ import annotations

@@ -56,8 +56,7 @@ def attend(
 # which is what lets separately rotated parts share one softmax. Absent: the materialised path.
 # Only the memory goes through it: the window's probabilities are needed for the mass anyway,
 # and exponentiating them once for both beats the kernel plus a second pass for the mass
-# (measured: 41-44 ms against 41-48 per layer and chunk on SmolLM2, 2 threads; 63-66 against
-# 71-74 with 1 thread).
+# (docs/benchmark-log.md, ingest speed).
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 

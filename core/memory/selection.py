@@ -30,8 +30,7 @@ def work_buffer(rows: int, dim: int, device: torch.device, slot: int = 0) -> Ten
 
     A fresh process pays for new memory in page faults: a question against a large store scores
     a few MiB per layer, and allocating its temporaries anew for every block cost as much as the
-    arithmetic (measured on the sketch of a 512k store: 64-136 ms for 30 layers, 40-71 ms with
-    one reused buffer). Callers use it at once, one at a time (the engine is single-threaded)."""
+    arithmetic (docs/benchmark-log.md). Callers use it at once, one at a time (the engine is single-threaded)."""
     buf = _WORK.get((device, slot))
     if buf is None or buf.numel() < rows * dim:
         buf = _WORK[(device, slot)] = torch.empty(max(rows * dim, 1 << 16), dtype=torch.float32, device=device)

@@ -17,9 +17,6 @@ from emllm.store.rows import _BY_NAME, RowFile
 if TYPE_CHECKING:
     from emllm.store.store import Store
 
-# 2 added the sketch, 3 replaced its outlier lists by per-event norms (exact bounds), 4 refits it
-# as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
-# a version-2 sketch is not used); a version-3 sketch is a version-4 one fitted once.
 
 # -- the event memory of one layer, backed by the store --------------------------------------------
 class StoredEvents:

@@ -9,9 +9,6 @@ from typing import Any
 
 import torch
 
-# 2 added the sketch, 3 replaced its outlier lists by per-event norms (exact bounds), 4 refits it
-# as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
-# a version-2 sketch is not used); a version-3 sketch is a version-4 one fitted once.
 
 # -- identity -------------------------------------------------------------------------------------
 def weights_hash(model: torch.nn.Module) -> str:

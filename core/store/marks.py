@@ -13,9 +13,6 @@ from emllm.store.errors import CutBackFailed, StoreError, lock_store
 from emllm.store.files import fsync_dir, write_atomic
 from emllm.store.manifest import MANIFEST, read_manifest
 
-# 2 added the sketch, 3 replaced its outlier lists by per-event norms (exact bounds), 4 refits it
-# as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
-# a version-2 sketch is not used); a version-3 sketch is a version-4 one fitted once.
 
 # -- marks: cut a store back to an earlier commit ---------------------------------------------------
 def save_mark(path: Path, mark: Path) -> None:

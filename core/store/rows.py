@@ -13,9 +13,6 @@ from torch import Tensor
 from emllm.store.errors import StoreError
 from emllm.store.files import Folder, UnsafePath
 
-# 2 added the sketch, 3 replaced its outlier lists by per-event norms (exact bounds), 4 refits it
-# as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
-# a version-2 sketch is not used); a version-3 sketch is a version-4 one fitted once.
 
 READ_GAP = 4 << 10  # bytes: scattered rows closer than this are read in one call
 _BLOCKS: dict[tuple[torch.dtype, tuple[int, ...]], Tensor] = {}  # read_block's buffers, one per row shape
@@ -115,11 +112,9 @@ class RowFile:
         The rows are sorted into runs (rows less than `READ_GAP` bytes apart share one: reading
         the gap costs less than another call); the kernel is told of every run first
         (POSIX_FADV_WILLNEED), so a cold read sends them to the disk together instead of one
-        fault at a time (measured before: 4.8 s of a 7.1 s cold `ask` at 512k tokens went to
-        faults), then each run is read with one pread. Nothing is mapped, so resident memory is
-        the result alone however much of the store the chunks attend to, and a warm read costs
-        no page faults (measured, one question at 512k tokens: 140-165 ms for all the rows it
-        reads, against 190-230 ms through the map, faulting rows in and giving the pages back)."""
+        fault at a time, then each run is read with one pread. Nothing is mapped, so resident
+        memory is the result alone however much of the store the chunks attend to, and a warm
+        read costs no page faults (figures: docs/benchmark-log.md, the store at scale)."""
         if idx.numel() == 0:
             return torch.zeros((0, *self.row), dtype=self.dtype)
         rows = idx.cpu().numpy()

@@ -45,9 +45,6 @@ from emllm.store.identity import Geometry, Identity
 from emllm.store.manifest import FORMAT_VERSION, MANIFEST, checksum, is_store, read_manifest
 from emllm.store.rows import _BY_NAME, RowFile
 
-# 2 added the sketch, 3 replaced its outlier lists by per-event norms (exact bounds), 4 refits it
-# as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
-# a version-2 sketch is not used); a version-3 sketch is a version-4 one fitted once.
 
 def _remove_abandoned(path: Path) -> None:
     """Remove the hidden folders of creates of `path` that were interrupted (their lock is free)."""
@@ -401,9 +398,7 @@ class Store:
     def sketch_target(self, n: int) -> int | None:
         """The events the sketch of a store of n events is fitted on: the threshold t, doubled while
         the store holds twice as many (t, 2t, 4t, ...), so the basis follows a stream that drifts
-        (measured on a 512k passkey store: a basis fitted on the first 20,000 events left 10k-11k
-        of 41.7k events within reach of the selection in 7 layers, one fitted on all of them
-        23-747), at a cost that doubles only when the store does."""
+        (docs/store-format.md), at a cost that doubles only when the store does."""
         t = self.sketch_threshold()
         if t is None or n < t:
             return None
