@@ -47,3 +47,20 @@ def test_the_readme_example_runs_beside_a_core_package_of_its_own(tmp_path, smol
     r = subprocess.run([sys.executable, "-c", "import core, emllm; print(core.__file__)"], capture_output=True,
                        text=True, cwd=tmp_path, env=env)
     assert r.stdout.strip() == str(tmp_path / "core" / "__init__.py"), r.stderr
+
+
+@pytest.mark.slow
+def test_the_distribution_installs_emllm_and_the_cli_only(tmp_path):
+    """`pip install .` puts `emllm` (with its profiles) and `emllm_cli` at the top level, nothing else."""
+    import zipfile
+
+    root = README.parent
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(tmp_path), str(root)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (wheel,) = tmp_path.glob("emllm-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("top_level.txt"))).decode().split()
+    assert sorted(top) == ["emllm", "emllm_cli"]
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"emllm", "emllm_cli"}
+    assert "emllm/profiles/smollm2.yaml" in names and "emllm/store/manifest.py" in names
