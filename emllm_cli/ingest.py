@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
 
 import typer
 from rich.markup import escape
@@ -68,7 +67,7 @@ def ingest(
         m = read_manifest(path)
         job = m.get("job")
         unfinished = bool(job and not job["complete"])
-        if paths and unfinished and _same_documents(m, paths, file_sha256):
+        if paths and unfinished and ing.continues_job(m, [file_sha256(p) for p in paths]):
             render.err.print(f"[yellow]note:[/yellow] continuing the interrupted ingest of these documents "
                              f"({job['done']} of {job['tokens']} tokens read)")
             paths, resume, append = [], True, False
@@ -76,7 +75,7 @@ def ingest(
             raise UserError(f"store {store!r} has an unfinished ingest ({job['done']} of {job['tokens']} tokens "
                             f"read): finish it first with `emllm ingest --resume --store {store}`")
         elif not (append or resume):
-            if _is_empty(m):  # an earlier emllm's create, interrupted before its text was saved
+            if ing.is_empty(m):  # an earlier emllm's create, interrupted before its text was saved
                 render.err.print(f"[yellow]note:[/yellow] {escape(str(path))} held an empty store (an interrupted "
                                  f"create): it is made anew")
                 Store.remove_empty(path)
@@ -84,7 +83,7 @@ def ingest(
             else:
                 where = f"{store!r}" + (f" ({path})" if str(path) != store else "")
                 raise UserError(f"store {where} already exists: add with --append, or choose another --store")
-        elif resume and not unfinished and _is_empty(m):
+        elif resume and not unfinished and ing.is_empty(m):
             raise UserError(f"store {store!r} holds nothing: the ingest that created it was interrupted before its "
                             f"text was saved; run it again: emllm ingest FILE --store {store}")
     warn = lambda m: render.err.print(f"[yellow]warning:[/yellow] {escape(m)}")  # noqa: E731
@@ -107,7 +106,7 @@ def ingest(
         engine = stream.open_engine(st, mdl, kv_cache_mb)
         before = st.tokens.rows + len(stream.pending_tokens(st))  # the stream's length before this run
         if docs:
-            seen = {d.get("sha256"): d["name"] for d in st.manifest["documents"]}
+            held = list(st.manifest["documents"])
             try:
                 ing.add_documents(st, tok, docs)
             except KeyboardInterrupt:
@@ -118,10 +117,9 @@ def ingest(
             except BaseException:
                 st.discard()
                 raise
-            for doc_name, text in docs:  # allowed (it may be meant), but rarely what one wants
-                if (was := seen.get(text.sha256)) is not None:
-                    render.err.print(f"[yellow]note:[/yellow] {escape(doc_name)}: the store held this text already "
-                                     f"(as {escape(was)}); it was added again")
+            for doc_name, was in ing.duplicates(held, docs):  # allowed (it may be meant), but rarely what one wants
+                render.err.print(f"[yellow]note:[/yellow] {escape(doc_name)}: the store held this text already "
+                                 f"(as {escape(was)}); it was added again")
         job = st.manifest["job"]
         t0, done0, was_complete = time.perf_counter(), job["done"], job["complete"]
         try:
@@ -138,26 +136,11 @@ def ingest(
             render.err.print(f"emllm: interrupted: the store keeps {j['done']} of {j['tokens']} tokens of this job; "
                              f"finish with: emllm ingest --resume --store {escape(store)} (or the same command again)")
             raise typer.Exit(130)
-        secs = time.perf_counter() - t0
-        m = st.manifest
-        pending = len(stream.pending_tokens(st))
-        tokens = m["rows"]["tokens"] + pending
-        read = m["job"]["done"] - done0  # tokens the model read this run (the rate's numerator)
-        summary = {
-            "store": str(path), "model": m["identity"]["model"], "profile": m["profile"]["name"],
-            "documents": [d["name"] for d in m["documents"]], "tokens": tokens,
-            "events": m["rows"]["events"],
-            # what this run took in: the documents it added (with separators), or for --resume the
-            # interrupted job's tokens still unread when it began (0 if that job had finished)
-            "ingested_tokens": tokens - before if docs else (0 if was_complete else m["job"]["tokens"] - done0),
-            # a tail short of a chunk waits for the next append or the question, unread
-            "pending_tokens": pending,
-            "seconds": round(secs, 2), "tokens_per_second": round(read / max(secs, 1e-9), 1),
-            "bytes": sum(st.bytes_on_disk().values()),
-        }
+        summary = ing.run_summary(st, before, done0, was_complete, bool(docs), time.perf_counter() - t0)
     if as_json:
         render.print_json(summary)
         return
+    pending, read = summary["pending_tokens"], summary["read_tokens"]
     where = f"{summary['tokens']} tokens, {summary['events']} events in {path} ({summary['bytes'] / 2**20:.1f} MiB"
     if resume and was_complete:
         render.err.print(f"nothing to resume: the last ingest finished; {escape(where)}). An --append interrupted "
@@ -167,17 +150,3 @@ def ingest(
     else:  # an append shorter than what completes a chunk: nothing for the model to read yet
         render.err.print(f"[green]stored[/green] {where}; {pending} tokens wait for the next append or question)")
 
-
-def _same_documents(manifest: dict, paths: list[str], sha256: Callable[[str], str | None]) -> bool:
-    """Whether the store's unfinished job is these files (the same texts, in order)."""
-    job = manifest["job"]
-    k = job.get("documents")
-    if not k or k != len(paths):
-        return False
-    theirs = [d.get("sha256") for d in manifest["documents"][-k:]]
-    return all(s is not None and s == t for s, t in zip(map(sha256, paths), theirs))
-
-
-def _is_empty(manifest: dict) -> bool:
-    """A store with nothing in it: no rows, no job, no document."""
-    return not manifest["rows"]["tokens"] and not manifest.get("job") and not manifest["documents"]

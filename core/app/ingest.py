@@ -112,4 +112,54 @@ def _commit(store: Store, engine: Engine, done: int, complete: bool) -> None:
     store.commit(engine.state_dict(), {"tokens": engine.n_tokens, "events": engine.n_events})
 
 
-__all__ = ["add_documents", "run_job", "Progress"]
+def duplicates(held: list[dict], docs: list[tuple[str, str | TextSource]]) -> list[tuple[str, str]]:
+    """(name, name it was held under) for each document whose text a store held already (`held`:
+    its documents before; a TextSource's sha256 is known once it has been read)."""
+    seen = {d.get("sha256"): d["name"] for d in held}
+    out = []
+    for name, src in docs:
+        sha = hashlib.sha256(src.encode()).hexdigest() if isinstance(src, str) else src.sha256
+        if sha in seen:
+            out.append((name, seen[sha]))
+    return out
+
+
+def is_empty(manifest: dict) -> bool:
+    """A store with nothing in it: no rows, no job, no document (a create interrupted by an emllm
+    that named its store at once)."""
+    return not manifest["rows"]["tokens"] and not manifest.get("job") and not manifest["documents"]
+
+
+def continues_job(manifest: dict, sha256s: list[str | None]) -> bool:
+    """Whether the store's unfinished job is these texts, in order (so running the interrupted
+    command again continues it). None: a text whose hash is unknown (stdin)."""
+    job = manifest.get("job")
+    k = (job or {}).get("documents")
+    if not job or job["complete"] or not k or k != len(sha256s):
+        return False
+    theirs = [d.get("sha256") for d in manifest["documents"][-k:]]
+    return all(s is not None and s == t for s, t in zip(sha256s, theirs))
+
+
+def run_summary(store: Store, before: int, done0: int, was_complete: bool, added: bool, seconds: float) -> dict:
+    """What an ingest run did, as data. before: the stream's length (with its pending tail) before
+    the run; done0, was_complete: the job's progress when the run began; added: documents added."""
+    m = store.manifest
+    pending = len(pending_tokens(store))
+    tokens = m["rows"]["tokens"] + pending
+    read = m["job"]["done"] - done0  # tokens the model read this run (the rate's numerator)
+    return {
+        "store": str(store.path), "model": m["identity"]["model"], "profile": m["profile"]["name"],
+        "documents": [d["name"] for d in m["documents"]], "tokens": tokens,
+        "events": m["rows"]["events"],
+        # what this run took in: the documents it added (with separators), or for a resume the
+        # interrupted job's tokens still unread when it began (0 if that job had finished)
+        "ingested_tokens": tokens - before if added else (0 if was_complete else m["job"]["tokens"] - done0),
+        # a tail short of a chunk waits for the next append or the question, unread
+        "pending_tokens": pending, "read_tokens": read,
+        "seconds": round(seconds, 2), "tokens_per_second": round(read / max(seconds, 1e-9), 1),
+        "bytes": sum(store.bytes_on_disk().values()),
+    }
+
+
+__all__ = ["add_documents", "run_job", "Progress", "duplicates", "is_empty", "continues_job", "run_summary"]
