@@ -9,13 +9,13 @@ import typer
 
 from . import render
 from .errors import UserError, guarded
-from .stores import existing_store
+from .stores import complete_store_names, existing_store
 
 
 @guarded
 def ask(
     question: str = typer.Argument(..., metavar="QUESTION", help="The question (- reads it from stdin)."),
-    store: str = typer.Option(None, "--store", "-s", help="Store name or path; default: the most recently written."),
+    store: str = typer.Option(None, "--store", "-s", help="Store name or path; default: the most recently written.", autocompletion=complete_store_names),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Longest answer, in tokens."),
     show_retrieval: bool = typer.Option(False, "--show-retrieval", help="Draw what each layer retrieved, on stderr."),
     kv_cache_mb: int = typer.Option(None, "--kv-cache-mb", min=0, help="RAM for the keys and values of recently retrieved events, all layers (default: the profile's kv_cache_mb, 128; 0: none). Does not change results."),
@@ -38,9 +38,12 @@ def ask(
         raise UserError("the question is empty")
     path = existing_store(store)
     t0 = time.perf_counter()
-    with open_store(path, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]")) as o:
+    with render.status(f"loading the model of {render.shown(path.name)} and opening it"):
+        o = open_store(path, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
+    with o:
         st, tok = o.store, o.tok
-        session = Session(st, o.model, tok, kv_cache_mb)
+        with render.status("reading the question"):
+            session = Session(st, o.model, tok, kv_cache_mb)
         if session.unfinished:
             done, total = session.unfinished
             render.err.print(f"[yellow]note:[/yellow] the store's last ingest is unfinished ({done} of {total} tokens read: "
@@ -53,23 +56,29 @@ def ask(
         out: list[int] = []
         shown = ""
         first = None
-        for t in session.answer(question, max_new_tokens):
-            if first is None:
-                first = time.perf_counter() - t0
-            out.append(t)
-            if not as_json:
-                text = tok.decode(out, skip_special_tokens=True)
-                if not text.endswith("\ufffd"):  # hold back half a multi-byte character
-                    sys.stdout.write(text[len(shown):])
-                    sys.stdout.flush()
-                    shown = text
+        try:
+            for t in session.answer(question, max_new_tokens):
+                if first is None:
+                    first = time.perf_counter() - t0
+                out.append(t)
+                if not as_json:
+                    text = tok.decode(out, skip_special_tokens=True)
+                    if not text.endswith("\ufffd"):  # hold back half a multi-byte character
+                        sys.stdout.write(text[len(shown):])
+                        sys.stdout.flush()
+                        shown = text
+        except KeyboardInterrupt:
+            if shown and not shown.endswith("\n"):
+                sys.stdout.write("\n")  # the message goes on a line of its own, not after the answer
+                sys.stdout.flush()
+            raise
         if first is None:  # the first token chosen was a stop token: that choice is the "first token"
             first = time.perf_counter() - t0
         answer = tok.decode(out, skip_special_tokens=True)
         if trace is not None:
             from emllm.app.report import retrieval_doc
 
-            retrieval = retrieval_doc(trace, st, tok, question)
+            retrieval = retrieval_doc(trace, st, tok, question, window_start=session.engine.window_start)
     if not as_json:
         sys.stdout.write(answer[len(shown):] + "\n")
         sys.stdout.flush()

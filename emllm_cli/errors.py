@@ -63,9 +63,9 @@ def guarded(fn: F) -> F:
             return fn(*args, **kwargs)
         except (typer.Exit, *_CLICK_ERRORS):
             raise  # usage errors: Click prints them and exits 2
-        except BrokenPipeError:  # e.g. `emllm segment x --json | head`: the reader left
+        except BrokenPipeError:  # e.g. `emllm ask q | head -1`: the reader has what it wanted, not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise typer.Exit(1)
+            raise typer.Exit(0)
         except KeyboardInterrupt:
             print("emllm: interrupted", file=sys.stderr)
             raise typer.Exit(130)

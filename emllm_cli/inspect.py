@@ -6,15 +6,16 @@ import typer
 
 from . import render
 from .errors import UserError, guarded
-from .stores import existing_store, folder_bytes, list_stores
+from .stores import complete_store_names, existing_store
 
 
 
 @guarded
 def inspect(
-    store: str = typer.Argument(None, metavar="STORE", help="Store name or path; none: list the stores."),
+    store: str = typer.Argument(None, metavar="STORE", help="Store name or path; none: list the stores (as `emllm list`).",
+                                autocompletion=complete_store_names),
     query: str = typer.Option(None, "--query", "-q", help="Show the retrieval for this question, layer by layer."),
-    layer: int = typer.Option(None, "--layer", "-l", min=0, help="With --query: the events one layer retrieved."),
+    layer: int = typer.Option(None, "--layer", min=0, help="With --query: the events one layer retrieved."),
     top: int = typer.Option(None, "--top", min=1, help="With --query: how many retrieved events to preview (default 8)."),
     as_json: bool = typer.Option(False, "--json", help="Print everything as one JSON document."),
 ) -> None:
@@ -37,7 +38,9 @@ def inspect(
     if store is None:
         if query is not None:
             raise typer.BadParameter("--query needs a store", param_hint="--query")
-        _list(as_json)
+        from .manage import list_cmd
+
+        list_cmd(as_json)
         return
     from emllm.app.report import store_summary
     from emllm.store import Store
@@ -58,27 +61,6 @@ def inspect(
         render.out.print(render.retrieval_view(retrieval, summary["processed_tokens"]))  # the span the bins cover
 
 
-def _list(as_json: bool) -> None:
-    from emllm.app.report import pending_count
-
-    rows = []
-    for path, m in list_stores():
-        rows.append({
-            "name": path.name, "path": str(path), "model": m.get("identity", {}).get("model"),
-            "tokens": m.get("rows", {}).get("tokens", 0) + pending_count(m), "events": m.get("rows", {}).get("events"),
-            "bytes": folder_bytes(path), "updated": m.get("updated"),
-            **({"error": m["error"]} if "error" in m else {}),
-        })
-    if as_json:
-        render.print_json({"stores": rows})
-    elif not rows:
-        from emllm.home import stores_dir
-
-        render.err.print(f"no stores under {stores_dir()}; create one with `emllm ingest FILE`")
-    else:
-        render.out.print(render.stores_table(rows))
-
-
 def _retrieval(st, query: str, layer: int | None, top: int) -> dict:
     from emllm.app.report import retrieval_report
     from emllm.app.stream import open_store
@@ -86,5 +68,7 @@ def _retrieval(st, query: str, layer: int | None, top: int) -> dict:
     n_layers = st.geometry.layers
     if layer is not None and layer >= n_layers:
         raise UserError(f"--layer {layer}: the model has {n_layers} layers (0..{n_layers - 1})")
-    with open_store(st.path, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]")) as o:
+    with render.status(f"loading the model of {render.shown(st.path.name)}"):
+        o = open_store(st.path, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
+    with o, render.status("reading the query"):
         return retrieval_report(o.store, o.model, o.tok, query, layer, top)

@@ -1,7 +1,8 @@
-"""The `emllm` command: a thin Typer layer over the engine in `core`."""
+"""The `emllm` command: a thin Typer layer over the library `emllm`."""
 
 from __future__ import annotations
 
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -11,6 +12,7 @@ from .errors import _CLICK_ERRORS, DEBUG
 from .ask import ask
 from .ingest import ingest
 from .inspect import inspect
+from .manage import list_cmd, mv, rm, show
 from .passkey import passkey
 from .segment import segment
 
@@ -39,11 +41,10 @@ def main(
     show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     DEBUG["on"] = debug
-    # Our own progress bars replace the libraries' (which would print on every model load).
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    # Our own progress replaces the libraries' (which would print on every model load); set for
+    # when transformers is imported, not by importing it (help and completion stay light).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 app.command("ingest")(ingest)
@@ -51,6 +52,20 @@ app.command("ask")(ask)
 app.command("passkey")(passkey)
 app.command("inspect")(inspect)
 app.command("segment")(segment)
+app.command("list")(list_cmd)
+app.command("ls", hidden=True)(list_cmd)  # as a shell user types it
+app.command("show")(show)
+app.command("rm")(rm)
+app.command("mv")(mv)
+
+
+# Typer writes a required argument as {NAME} in the usage line; the convention (and Click's) is NAME.
+def _usage_name(self) -> str:  # type: ignore[no-untyped-def]
+    name = self.display_name_raw if self.required else f"[{self.display_name_raw}]"
+    return name + ("..." if self.nargs != 1 and not name.endswith("...") else "")
+
+
+typer.core.TyperArgument._usage_display_name = _usage_name
 
 
 def cli() -> None:

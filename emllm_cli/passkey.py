@@ -77,7 +77,8 @@ def passkey(
         raise typer.BadParameter("needs --memory-dir, the folder that keeps the progress", param_hint="'--resume'")
     log = lambda m: render.err.print(f"[dim]{m}[/dim]")  # noqa: E731
     src = models.resolve(model, profile, log=log)
-    mdl, tok = models.load(src)
+    with render.status(f"loading {render.shown(src.name)}"):
+        mdl, tok = models.load(src)
     methods = ["emllm"] + (["baseline"] if baseline else [])
     n_trials = len(ls) * len(ds) * trials * len(methods)
     if memory_dir and not resume and (memory_dir / TrunkStores.KEPT).exists():

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -42,6 +43,19 @@ def progress(transient: bool = True, console: Console | None = None) -> Progress
         console=console, transient=transient, disable=not console.is_terminal,
         speed_estimate_period=3600,  # steps can take minutes; Rich's 30 s window would never show an ETA
     )
+
+
+@contextlib.contextmanager
+def status(message: str) -> Iterator[None]:
+    """A spinner with `message` on stderr while a slow step runs (a model loading, a store opening);
+    off a terminal, one plain line when EMLLM_PROGRESS asks for progress lines, else nothing."""
+    if err.is_terminal:
+        with err.status(message, spinner="dots"):
+            yield
+        return
+    if progress_interval() is not None:
+        err.print(message)
+    yield
 
 
 def progress_interval() -> float | None:
@@ -188,12 +202,31 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def print_stores(rows: list[dict]) -> None:
+    """The stores: a table in a terminal; piped, tab-separated lines under a header (no wrapping, no
+    box characters: for cut, awk and grep)."""
+    if out.is_terminal:
+        out.print(stores_table(rows))
+        return
+    cols = ("name", "status", "model", "format", "tokens", "events", "size", "updated")
+    sys.stdout.write("\t".join(cols).upper() + "\n")
+    for r in rows:
+        cells = (r["name"], r["status"], r["model"] or "-", r.get("format") or "-", r["tokens"],
+                 "-" if r["events"] is None else r["events"], _size(r["bytes"]), str(r["updated"] or "-")[:19])
+        sys.stdout.write("\t".join(str(c).replace("\t", " ").replace("\n", " ") for c in cells) + "\n")
+    sys.stdout.flush()
+
+
 def stores_table(rows: list[dict]) -> Table:
     t = Table(title="stores")
-    for c, j in (("name", "left"), ("model", "left"), ("tokens", "right"), ("events", "right"), ("size", "right"), ("updated", "left")):
+    for c, j in (("name", "left"), ("status", "left"), ("model", "left"), ("format", "left"), ("tokens", "right"),
+                 ("events", "right"), ("size", "right"), ("updated", "left")):
         t.add_column(c, justify=j)
+    colour = {"complete": "green", "incomplete": "yellow", "damaged": "red"}
     for r in rows:
-        t.add_row(shown(r["name"]), shown(r["model"]), str(r["tokens"]), str(r["events"]), _size(r["bytes"]), str(r["updated"])[:19])
+        status = f"[{colour.get(r['status'], 'white')}]{r['status']}[/]"
+        t.add_row(shown(r["name"]), status, shown(r["model"] or "-"), shown(r.get("format") or "-"), str(r["tokens"]),
+                  str(r["events"] if r["events"] is not None else "-"), _size(r["bytes"]), shown(r["updated"] or "-")[:19])
     return t
 
 
@@ -225,17 +258,34 @@ _SHADES = " ░▒▓█"
 
 
 def retrieval_view(r: dict, tokens: int):
-    """Heatmap: layers (rows) × position in the document (columns), shaded by share retrieved."""
+    """Heatmap: layers (rows) × position in the document (columns), shaded by share retrieved;
+    the initial tokens and the local window, attended always and never retrieved, marked apart."""
     from rich.console import Group
     from rich.text import Text
 
+    bins = max(1, r["bins"])
+    width = max(tokens, 1) / bins
+    init_end, window_start = r.get("initial_tokens", 0), r.get("window_start", tokens)
     lines = Text()
     lines.append(f"retrieval for {r['query']!r}: {r['layers']} layers × document position "
-                 f"(0 … {tokens} tokens), shade = share of the stretch retrieved\n", style="bold")
+                 f"(0 … {tokens} tokens)\n", style="bold")
+    lines.append("shade ░▒▓█ = share of the stretch retrieved;  ", style="dim")
+    lines.append("i", style="magenta")
+    lines.append(" initial tokens and ", style="dim")
+    lines.append("w", style="green")
+    lines.append(" local window: attended always, never retrieved;  · not retrieved\n", style="dim")
     for i, row in enumerate(r["coverage"]):
         lines.append(f"{i:>3} ", style="dim")
-        for x in row:
-            lines.append(_SHADES[min(4, int(round(x * 4)))] if x > 0 else "·", style="cyan" if x > 0 else "grey35")
+        for b, x in enumerate(row):
+            lo, hi = b * width, (b + 1) * width
+            if x > 0:
+                lines.append(_SHADES[max(1, min(4, int(round(x * 4))))], style="cyan")
+            elif lo < init_end:  # the stretch holds initial tokens
+                lines.append("i", style="magenta")
+            elif hi > window_start:  # the stretch reaches into the local window
+                lines.append("w", style="green")
+            else:
+                lines.append("·", style="grey35")
         lines.append("\n")
     t = Table(title="most retrieved events", show_lines=False)
     t.add_column("event", justify="right")

@@ -18,10 +18,15 @@ from .options import ModelOpt, ProfileOpt
 PREVIEW = 60
 
 
+# emllm.app.document.METHODS, written here so completion needs no torch (tests/test_cli.py checks they agree)
+METHOD_NAMES = ("F", "S", "SM", "SC", "FM", "FC", "random", "all")
+
+
 @guarded
 def segment(
     path: str = typer.Argument(..., metavar="PATH", help="A text file, or - for stdin."),
-    method: str = typer.Option("S", "--method", help="F, S, SM, SC, FM, FC, random; 'all' with --metrics."),
+    method: str = typer.Option("S", "--method", help="F, S, SM, SC, FM, FC, random; 'all' with --metrics.",
+                               autocompletion=lambda incomplete: [m for m in METHOD_NAMES if m.startswith(incomplete)]),
     gamma: float = typer.Option(None, "--gamma", help="Surprise threshold: mean + gamma * std (default: the profile's)."),
     model: str = ModelOpt,
     profile: str = ProfileOpt,
@@ -57,7 +62,8 @@ def segment(
     text = read_text(path)
     src = models.resolve(model, profile, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
     prof = src.profile.replace(segmentation="S", **({"gamma": gamma} if gamma is not None else {}))
-    mdl, tok = models.load(src)
+    with render.status(f"loading {render.shown(src.name)}"):
+        mdl, tok = models.load(src)
     if not getattr(tok, "is_fast", False):
         raise UserError(f"the tokenizer of {src.name} has no fast (Rust) version: segment needs its character offsets")
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -96,6 +102,9 @@ def segment(
         _emit(doc, out, as_json)
     else:
         render.out.print(render.events_view(text, doc))
+        if with_metrics:  # computed: shown, not dropped
+            render.out.print(render.metrics_table({method: {k: doc["metrics"][k] - doc["random_metrics"][k]
+                                                            for k in doc["metrics"]}}, len(ids)))
 
 
 def _doc(model, method, prof, text, ids, offsets, starts, a) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from emllm.home import stores_dir
-from emllm.store import MANIFEST, is_store
+from emllm.store.manifest import MANIFEST, is_store
 
 from .errors import UserError
 
@@ -59,11 +59,25 @@ def existing_store(name: str | None) -> Path:
     if name is not None:
         p = store_path(name)
         if not p.exists():
-            raise UserError(f"no store {name!r} (looked at {p}); list stores with `emllm inspect`")
+            raise UserError(f"no store {name!r} (looked at {p}); list stores with `emllm list`")
         if not p.is_dir():
-            raise UserError(f"{p} is a file, not a store (a store is a folder); list stores with `emllm inspect`")
+            raise UserError(f"{p} is a file, not a store (a store is a folder); list stores with `emllm list`")
         return p
     stores = list_stores()
     if not stores:
         raise UserError(f"no store yet under {stores_dir()}: create one with `emllm ingest FILE`")
-    return stores[0][0]
+    from . import render
+
+    path = stores[0][0]
+    render.err.print(f"[dim]store {render.shown(path.name)} (the most recently updated; choose with --store)[/dim]")
+    return path
+
+
+def complete_store_names(incomplete: str) -> list[str]:
+    """Shell completion of store names: the folders under the home (no manifest read, no torch)."""
+    root = stores_dir()
+    try:
+        names = [p.name for p in root.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file()]
+    except OSError:
+        return []
+    return sorted(n for n in names if n.startswith(incomplete))

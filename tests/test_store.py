@@ -456,7 +456,7 @@ def test_store_scan_equals_the_in_ram_exact_path(tmp_path, monkeypatch):
     """A store scores representative keys from its files a block at a time (never resident):
     the selection and its scores are bit for bit the in-RAM exact path's, for a writer, for a
     reader, and for a reader's own events in RAM, including a block that straddles file and RAM."""
-    from emllm.memory import events as memory
+    from emllm.memory import selection as memory
     from emllm.memory.index import EventIndex
     from emllm.store import Geometry, Identity, StoredEvents
 

@@ -13,15 +13,10 @@ import torch
 from emllm.app.ask import Session
 from emllm.app.trace import Trace
 from emllm.store import Store
+from emllm.store.manifest import pending_count
 
 BINS = 64  # columns of the coverage heatmap
 PREVIEW = 70  # characters of an event's text shown
-
-
-def pending_count(m: dict) -> int:
-    """Tokens a store's job holds and has not read yet."""
-    job = m.get("job") or {}
-    return job.get("tokens", 0) - job.get("done", 0)
 
 
 def store_summary(st: Store) -> dict:
@@ -55,11 +50,13 @@ def retrieval_report(st: Store, model: Any, tok: Any, query: str, layer: int | N
     trace = Trace.attach(session.engine)
     session.read_question(query)
     trace.detach()
-    return retrieval_doc(trace, st, tok, query, layer, top)
+    return retrieval_doc(trace, st, tok, query, layer, top, session.engine.window_start)
 
 
-def retrieval_doc(trace, st, tok, query: str, layer: int | None = None, top: int = 8) -> dict:
-    """The retrieval recorded in `trace` as data: coverage heatmap, most retrieved events, one layer."""
+def retrieval_doc(trace, st, tok, query: str, layer: int | None = None, top: int = 8,
+                  window_start: int | None = None) -> dict:
+    """The retrieval recorded in `trace` as data: coverage heatmap, most retrieved events, one layer.
+    window_start: the stream position where the local window began when the question was read."""
     n_layers = st.geometry.layers
     n = st.manifest["rows"]["tokens"]
     cov = trace.coverage(n, BINS) if n else None
@@ -79,6 +76,9 @@ def retrieval_doc(trace, st, tok, query: str, layer: int | None = None, top: int
     order = torch.sort(by_layers, descending=True, stable=True).indices.tolist()[:top]
     out = {
         "query": query, "layers": n_layers, "bins": BINS, "steps": trace._step + 1,
+        # attended at every step, never retrieved: the first n_init tokens and the local window
+        "initial_tokens": min(n, st.manifest["profile"]["n_init"]),
+        "window_start": n if window_start is None else max(0, min(n, window_start)),
         "coverage": [[round(x, 3) for x in row] for row in cov.tolist()] if cov is not None else [],
         "top_events": [event(int(e)) for e in order if by_layers[e] > 0],
     }

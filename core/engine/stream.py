@@ -117,6 +117,11 @@ class Engine:
         return self.ids.n
 
     @property
+    def window_start(self) -> int:
+        """Stream position of the local window's first token (the window holds the rest)."""
+        return self.n_tokens - self.windows[0].local_k.shape[1]
+
+    @property
     def n_events(self) -> int:
         return len(self.windows[0].events)
 

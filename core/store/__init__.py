@@ -6,16 +6,27 @@ layer's events on disk (`events`), the store's lifecycle: create, open, job, com
 (`store`), and marks that cut a store back (`marks`). May import: config, memory, math.
 """
 
-from emllm.store.errors import CutBackFailed, ModelMismatchError, StoreError, StoreLockedError
-from emllm.store.events import StoredEvents
-from emllm.store.identity import Geometry, Identity, tokenizer_hash, weights_hash, weights_sample
-from emllm.store.manifest import FORMAT_VERSION, MANIFEST, is_store, read_manifest
-from emllm.store.marks import cut_back, save_mark
-from emllm.store.rows import RowFile
-from emllm.store.store import Store
+from __future__ import annotations
 
-__all__ = [
-    "Store", "StoreError", "StoreLockedError", "ModelMismatchError", "CutBackFailed", "StoredEvents", "Identity", "Geometry", "RowFile",
-    "FORMAT_VERSION", "MANIFEST", "is_store", "read_manifest", "save_mark", "cut_back", "weights_hash",
-    "weights_sample", "tokenizer_hash",
-]
+from importlib import import_module
+from typing import Any
+
+# Loaded on first use: `emllm.store.manifest` (and the CLI's listing of stores) needs no torch.
+_NAMES = {
+    "CutBackFailed": "errors", "ModelMismatchError": "errors", "StoreError": "errors", "StoreLockedError": "errors",
+    "StoredEvents": "events", "Geometry": "identity", "Identity": "identity", "tokenizer_hash": "identity",
+    "weights_hash": "identity", "weights_sample": "identity", "FORMAT_VERSION": "manifest", "MANIFEST": "manifest",
+    "is_store": "manifest", "read_manifest": "manifest", "cut_back": "marks", "save_mark": "marks",
+    "RowFile": "rows", "Store": "store", "remove_store": "store", "move_store": "store", "pending_count": "manifest",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NAMES:
+        raise AttributeError(f"module 'emllm.store' has no attribute {name!r}")
+    value = getattr(import_module(f"emllm.store.{_NAMES[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = sorted(_NAMES)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 # -- identity -------------------------------------------------------------------------------------
@@ -27,6 +28,8 @@ def weights_sample(model: torch.nn.Module) -> str:
     """Hash of 64 evenly spaced values of every weight: catches a fine-tune of the same shape (its
     config, names and shapes are the base model's) for the cost of a few thousand reads. "" when
     some weights are not in memory (offloaded by accelerate to `meta`): nothing to compare then."""
+    import torch
+
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         if t.is_meta:

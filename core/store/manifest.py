@@ -25,6 +25,12 @@ def checksum(manifest: dict) -> str:
 
 
 
+def pending_count(manifest: dict) -> int:
+    """Tokens the store's job holds and has not read yet."""
+    job = manifest.get("job") or {}
+    return job.get("tokens", 0) - job.get("done", 0)
+
+
 def is_store(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 

@@ -25,6 +25,7 @@ No pickles: JSON, raw arrays and safetensors only. Format: docs/store-format.md.
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -607,3 +608,41 @@ class Store:
             elif name in ("tokens.i32", "surprise.f32", "flags.u8"):
                 parts["tokens"] += n
         return parts
+
+
+def remove_store(path: Path) -> None:
+    """Delete the store at `path`: refused while a writer holds it (its lock is taken first) and
+    for a folder that is not a store. Links inside are removed, never followed."""
+    path = Path(path)
+    if path.is_symlink() or not is_store(path):
+        raise StoreError(f"{path} is not an emllm store")
+    fd = lock_store(path)
+    try:
+        shutil.rmtree(path)  # fd-based on Linux: never follows a link out of the folder
+    except OSError as e:
+        raise StoreError(f"cannot remove {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    fsync_dir(path.parent)
+
+
+def move_store(src: Path, dst: Path) -> None:
+    """Rename the store at `src` to `dst` (which must not exist), atomically; refused while a
+    writer holds it. Readers that have it open keep reading it."""
+    src, dst = Path(src), Path(dst)
+    if src.is_symlink() or not is_store(src):
+        raise StoreError(f"{src} is not an emllm store")
+    if dst.exists() or dst.is_symlink():
+        raise StoreError(f"{dst} exists already")
+    fd = lock_store(src)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(src, dst)
+    except OSError as e:
+        hint = " (another file system: copy the folder, then remove the store)" if e.errno == errno.EXDEV else ""
+        raise StoreError(f"cannot move {src} to {dst}: {e.strerror or e}{hint}") from None
+    finally:
+        os.close(fd)
+    fsync_dir(dst.parent)
+    if src.parent != dst.parent:
+        fsync_dir(src.parent)

@@ -1,0 +1,139 @@
+"""Store management (list, show, rm, mv) and the rough edges a new user hits, through the executable."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+
+from emllm.store.manifest import checksum
+
+from .helpers import EMLLM, QUESTION, ingest_store, run, words
+
+
+def _store(tiny, home, name="s"):
+    folder, prof, _, _ = tiny
+    ingest_store(home / "stores" / name, folder, prof, [("doc", words(3, 300))])
+    return home / "stores" / name
+
+
+def _light(argv: list[str], env: dict | None = None) -> list[str]:
+    """Run the CLI in a fresh interpreter with argv; the heavy modules it imported."""
+    code = ("import sys\nfrom emllm_cli.main import cli\nsys.argv = " + repr(argv) + "\ntry:\n    cli()\n"
+            "except SystemExit:\n    pass\nprint([m for m in ('torch', 'transformers', 'numpy') if m in sys.modules], file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **(env or {})})
+    return r.stderr.strip().splitlines()[-1]
+
+
+def test_help_and_completion_import_no_torch(tiny, tmp_path):
+    for argv in (["emllm", "--help"], ["emllm", "ingest", "--help"], ["emllm", "ask", "--help"], ["emllm", "list", "--help"]):
+        assert _light(argv) == "[]", argv
+    _store(tiny, tmp_path)
+    env = {"_EMLLM_COMPLETE": "complete_bash", "COMP_WORDS": "emllm ask q --store ", "COMP_CWORD": "4",
+           "EMLLM_HOME": str(tmp_path)}
+    assert _light(["emllm"], env) == "[]"
+    r = subprocess.run([EMLLM], capture_output=True, text=True, env={**os.environ, **env})
+    assert r.stdout.split() == ["s"]  # store names complete
+    env = {**env, "COMP_WORDS": "emllm segment x --method S", "COMP_CWORD": "4"}
+    r = subprocess.run([EMLLM], capture_output=True, text=True, env={**os.environ, **env})
+    assert r.stdout.split() == ["S", "SM", "SC"]
+
+
+def test_completion_methods_are_the_library_s():
+    from emllm.app.document import METHODS
+    from emllm_cli.segment import METHOD_NAMES
+
+    assert METHOD_NAMES == (*METHODS, "all")
+
+
+def test_list_show_mv_rm(tiny, tmp_path):
+    s = _store(tiny, tmp_path)
+    inc = _store(tiny, tmp_path, "partial")
+    m = json.loads((inc / "manifest.json").read_text())
+    m["job"]["complete"] = False
+    m["checksum"] = checksum(m)
+    (inc / "manifest.json").write_text(json.dumps(m))
+    r = run("list", "--json", home=tmp_path)
+    rows = {x["name"]: x for x in json.loads(r.stdout)["stores"]}
+    assert rows["s"]["status"] == "complete" and rows["partial"]["status"] == "incomplete"
+    assert rows["s"]["format"] == "float32" and rows["s"]["model"] == str(tiny[0]) and rows["s"]["bytes"] > 0
+    assert run("ls", home=tmp_path).stdout.count("incomplete") == 1
+    r = run("show", "s", "--json", home=tmp_path)
+    assert r.returncode == 0 and json.loads(r.stdout)["tokens"] > 0
+    # rm asks; without a terminal and without --yes it refuses, and removes nothing
+    r = run("rm", "s", home=tmp_path)
+    assert r.returncode == 1 and "add --yes" in r.stderr and s.exists()
+    # a store being written is refused
+    fd = os.open(s / "lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        for args in (["rm", "s", "--yes"], ["mv", "s", "t"]):
+            r = run(*args, home=tmp_path)
+            assert r.returncode == 1 and "being written" in r.stderr and s.exists(), args
+    finally:
+        os.close(fd)
+    r = run("mv", "s", "t", "--json", home=tmp_path)
+    assert r.returncode == 0 and not s.exists() and (tmp_path / "stores" / "t" / "manifest.json").is_file()
+    assert json.loads(r.stdout)["to"] == str(tmp_path / "stores" / "t")
+    r = run("mv", "t", "partial", home=tmp_path)
+    assert r.returncode == 1 and "exists already" in r.stderr
+    r = run("rm", "t", "partial", "--yes", home=tmp_path)
+    assert r.returncode == 0 and not (tmp_path / "stores" / "t").exists() and not inc.exists()
+    r = run("rm", "nope", "--yes", home=tmp_path)
+    assert r.returncode == 1 and "no store 'nope'" in r.stderr
+    not_a_store = tmp_path / "plain"
+    not_a_store.mkdir()
+    r = run("rm", str(not_a_store), "--yes", home=tmp_path)
+    assert r.returncode == 1 and "not an emllm store" in r.stderr and not_a_store.exists()
+
+
+def test_ask_without_store_says_which_and_a_closed_pipe_is_no_error(tiny, tmp_path):
+    _store(tiny, tmp_path)
+    r = run("ask", QUESTION, "-n", "2", home=tmp_path)
+    assert r.returncode == 0 and "store s (the most recently updated; choose with --store)" in r.stderr
+    from emllm.home import models_dir
+
+    env = {**os.environ, "EMLLM_HOME": str(tmp_path), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
+    p = subprocess.Popen([EMLLM, "ask", QUESTION, "-n", "2", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.close()  # the reader leaves at once, as `| head -1` does after its line
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0 and b"error" not in err, err
+
+
+def test_usage_lines_and_short_flags(tmp_path):
+    r = run("ask", "--help", home=tmp_path)
+    assert r.stdout.startswith("Usage: emllm ask [OPTIONS] QUESTION\n")
+    r = run("inspect", "s", "-q", "x", "-l", "1", home=tmp_path)  # -l is passkey's --lengths, not --layer
+    assert r.returncode == 2 and "No such option: -l" in r.stderr
+
+
+def test_retrieval_view_marks_the_window_and_the_initial_tokens(tiny, tmp_path):
+    _store(tiny, tmp_path)
+    r = run("inspect", "s", "--query", QUESTION, home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "local window: attended always, never retrieved" in r.stdout
+    rows = [line for line in r.stdout.splitlines() if line[:4].strip().isdigit()]
+    assert rows and all(line.rstrip().endswith("w") for line in rows) and all(line[4] == "i" for line in rows)
+    doc = json.loads(run("inspect", "s", "--query", QUESTION, "--json", home=tmp_path).stdout)["retrieval"]
+    assert doc["initial_tokens"] == 4 and 0 < doc["window_start"] < doc["window_start"] + 32
+
+
+def test_segment_metrics_are_printed(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    doc = tmp_path / "d.txt"
+    doc.write_text(words(8, 300))
+    r = run("segment", str(doc), "-m", str(folder), "--profile", str(prof), "--metrics", home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "difference to random" in r.stdout and "modularity" in r.stdout
+
+
+def test_slow_steps_say_what_they_do(tiny, tmp_path):
+    _store(tiny, tmp_path)
+    from emllm.home import models_dir
+
+    env = {**os.environ, "EMLLM_HOME": str(tmp_path), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1",
+           "EMLLM_PROGRESS": "1"}
+    r = subprocess.run([EMLLM, "ask", QUESTION, "-n", "1", "--store", "s"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "loading the model of s and opening it" in r.stderr, r.stderr
