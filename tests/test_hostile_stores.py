@@ -167,7 +167,7 @@ def test_a_hostile_store_is_refused_and_nothing_outside_it_is_touched(case, good
     rows = []
     try:
         for cmd in commands:
-            r = run(*_args(cmd, store, doc), home=tmp_path / "home", timeout=120)
+            r = run(*_args(cmd, store, doc), home=tmp_path / "home", timeout=600)
             lines = r.stderr.strip().splitlines()
             rows.append({"case": case, "command": cmd, "exit": r.returncode, "message": r.stderr.strip().replace(str(tmp_path), "…")})
             assert r.returncode == 1, (cmd, r.stdout, r.stderr)
