@@ -241,7 +241,8 @@ def store_summary(s: dict):
     t.add_row("profile", f"{shown(s['profile']['name'])}: {shown(s['profile']['segmentation'])}, n_local {s['profile']['n_local']}, "
               f"n_mem {s['profile']['n_mem']}, chunk {s['profile']['chunk_size']}")
     t.add_row("tokens", f"{s['tokens']}" + ("" if s["complete"] else "  [yellow](ingest unfinished: --resume)[/yellow]"))
-    t.add_row("events", f"{s['events']} (mean {s['mean_event_size']} tokens)")
+    t.add_row("events", f"{s['events']}" + (f" (mean {s['mean_event_size']} tokens)" if s["mean_event_size"] else
+                                               " (the text still fits the model's window)"))
     t.add_row("documents", ", ".join(shown(d["name"]) for d in s["documents"]) or "-")
     t.add_row("on disk", ", ".join(f"{k} {_size(v)}" for k, v in s["bytes"].items() if v))
     h = Table(title="event sizes (tokens)", show_edge=False)
