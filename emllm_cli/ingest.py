@@ -110,7 +110,7 @@ def ingest(
         if docs:
             held = list(st.manifest["documents"])
             try:
-                ing.add_documents(st, tok, docs)
+                ing.add_documents(st, tok, docs, check_space=True)
             except KeyboardInterrupt:
                 st.discard()
                 what = "the store was not created" if not existing else "the store is unchanged"
@@ -124,6 +124,8 @@ def ingest(
                                  f"(as {escape(was)}); it was added again")
         job = st.manifest["job"]
         t0, done0, was_complete = time.perf_counter(), job["done"], job["complete"]
+        if not docs and not was_complete:  # a resume: what is left of the job must fit too
+            ing.check_disk(st, job["tokens"] - job["done"])
         try:
             with render.progress(transient=False) as bar:
                 task = bar.add_task("ingesting", total=job["tokens"], completed=job["done"], rate="")

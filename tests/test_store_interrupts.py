@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -229,7 +230,7 @@ def test_an_unsupported_model_folder_is_one_line(tmp_path):
     assert _stores(tmp_path) == []
 
 
-def test_a_full_disk_ends_in_one_line_and_the_last_commit_resumes(tiny, tmp_path):
+def test_too_little_disk_is_refused_before_and_a_disk_that_fills_anyway_keeps_the_last_commit(tiny, tmp_path):
     folder, prof, _, _ = tiny
     home = tmp_path / "home"
     home.mkdir()
@@ -238,19 +239,38 @@ def test_a_full_disk_ends_in_one_line_and_the_last_commit_resumes(tiny, tmp_path
     try:
         doc = tmp_path / "doc.txt"
         doc.write_text(words(7, 2000))
-        r = run("ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", "s", "--commit-every", "1", home=home)
-        assert r.returncode == 1 and "no space left on the device" in r.stderr, r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1 and "internal error" not in r.stderr
-        subprocess.run(["mount", "-o", "remount,size=64m", str(home)], check=True)
-        if (home / "stores" / "s").exists():  # the disk filled after the first commit: resume
-            with Store.open(home / "stores" / "s") as st:
-                assert not st.manifest["job"]["complete"]
-            r = run("ingest", str(doc), "--store", "s", home=home)  # the same command again
-        else:  # filled before: the name is free
-            r = run("ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", "s", home=home)
-        assert r.returncode == 0, r.stderr
+        args = ["ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", "s", "--commit-every", "1"]
+        r = run(*args, home=home)  # estimated before anything is committed: refused, nothing left
+        assert r.returncode == 1 and "not enough free disk: this ingest needs ~" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and not (home / "stores" / "s").exists()
+        assert [p.name for p in (home / "stores").iterdir()] == []
+        # Room for it, then the disk fills anyway (another program writes) after the first commit.
+        subprocess.run(["mount", "-o", "remount,size=8m", str(home)], check=True)
+        env = {**os.environ, "EMLLM_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+        from emllm.home import models_dir
+
+        env["EMLLM_MODELS"] = str(models_dir())
+        proc = subprocess.Popen([EMLLM, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        store = home / "stores" / "s"
+        while proc.poll() is None and not (store / "state-1.safetensors").exists():
+            time.sleep(0.01)
+        with open(home / "filler", "wb") as f:  # everything that is left
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 16))
+                    f.flush()
+            except OSError:
+                pass
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 1 and "no space left on the device" in err, err
+        assert len(err.strip().splitlines()) == 1 and "internal error" not in err
+        with Store.open(store) as st:  # the last commit is intact
+            assert not st.manifest["job"]["complete"] and st.manifest["rows"]["tokens"] > 0
+        (home / "filler").unlink()
+        r = run("ingest", str(doc), "--store", "s", home=home)  # the same command again: continues
+        assert r.returncode == 0 and "continuing the interrupted ingest" in r.stderr, r.stderr
         ingest_store(tmp_path / "ref", folder, prof, [(str(doc), doc.read_text())])
-        assert store_arrays(home / "stores" / "s") == store_arrays(tmp_path / "ref")
-        assert_same_state(home / "stores" / "s", tmp_path / "ref")
+        assert store_arrays(store) == store_arrays(tmp_path / "ref")
+        assert_same_state(store, tmp_path / "ref")
     finally:
         subprocess.run(["umount", "-l", str(home)])

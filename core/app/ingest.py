@@ -25,12 +25,51 @@ from emllm.app.textinput import TextSource, cut_rules, token_pieces
 from emllm.engine.stream import Engine
 from emllm.store import Store, StoreError
 
-def add_documents(store: Store, tok: Any, docs: list[tuple[str, str | TextSource]]) -> int:
+class DiskSpaceError(StoreError):
+    """Not enough free disk for what an ingest would write."""
+
+
+def bytes_per_token(store: Store) -> float:
+    """Bytes a store grows by per token read: keys and values of every layer, a share of a
+    representative key (one per event; events are at least min_block tokens), the token arrays."""
+    g, prof = store.geometry, store.manifest["profile"]
+    size = {"float32": 4, "float16": 2, "bfloat16": 2}[g.dtype]
+    kv = g.layers * 2 * g.kv_heads * g.head_dim * size
+    reprs = g.layers * g.q_heads * g.head_dim * size / max(1, prof.get("min_block", 1))
+    return kv + reprs + 4 + 4 + 1
+
+
+def state_bytes(store: Store) -> int:
+    """An upper bound of a state file (a commit writes the new one before it deletes the old)."""
+    g, prof = store.geometry, store.manifest["profile"]
+    size = {"float32": 4, "float16": 2, "bfloat16": 2}[g.dtype]
+    held = prof.get("n_init", 0) + prof.get("n_local", 0) + 2 * prof.get("max_block", 0) + prof.get("chunk_size", 0)
+    return g.layers * held * (2 * g.kv_heads * g.head_dim * size + 2 * g.q_heads * 4) + g.vocab * 4 + (1 << 20)
+
+
+def check_disk(store: Store, tokens: int) -> None:
+    """Refuse (DiskSpaceError) an ingest of `tokens` more tokens whose store would not fit on the disk."""
+    import shutil
+
+    need = int(tokens * bytes_per_token(store)) + 2 * state_bytes(store)
+    free = shutil.disk_usage(store.folder.path).free
+    if need > free:
+        raise DiskSpaceError(f"not enough free disk: this ingest needs ~{_size(need)} ({tokens:,} tokens × "
+                             f"{bytes_per_token(store) / 1000:.1f} kB, and the stream's state), {_size(free)} are free "
+                             f"under {store.path.parent}")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def add_documents(store: Store, tok: Any, docs: list[tuple[str, str | TextSource]], check_space: bool = False) -> int:
     """Queue documents as a new job (after what is pending). Returns the job's token count.
 
     A document is a string or a `TextSource` (read and tokenized a piece at a time, its tokens
     written to the job file as they come: memory does not grow with the document). Nothing is
-    committed until every document has been read: an error or an interrupt leaves the store as it was."""
+    committed until every document has been read: an error or an interrupt leaves the store as it was.
+    check_space: refuse (DiskSpaceError, before the commit) a job whose store would not fit the disk."""
     job = store.manifest.get("job")
     if job and not job["complete"]:
         raise StoreError(f"{store.path} has an unfinished ingest; finish it first (resume)")
@@ -56,6 +95,8 @@ def add_documents(store: Store, tok: Any, docs: list[tuple[str, str | TextSource
             sha, chars = (hashlib.sha256(src.encode()).hexdigest(), len(src)) if isinstance(src, str) else (src.sha256, src.chars)
             documents.append({"name": name, "sha256": sha, "start": stream_pos + start,
                               "tokens": writer.rows - start, "chars": chars})
+        if check_space:
+            check_disk(store, writer.rows)
         store.commit_job(writer, documents)
     except BaseException:
         store.abort_job(writer)
@@ -162,4 +203,4 @@ def run_summary(store: Store, before: int, done0: int, was_complete: bool, added
     }
 
 
-__all__ = ["add_documents", "run_job", "Progress", "duplicates", "is_empty", "continues_job", "run_summary"]
+__all__ = ["add_documents", "run_job", "Progress", "DiskSpaceError", "check_disk", "bytes_per_token", "duplicates", "is_empty", "continues_job", "run_summary"]
