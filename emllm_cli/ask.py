@@ -19,6 +19,12 @@ def ask(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Longest answer, in tokens."),
     show_retrieval: bool = typer.Option(False, "--show-retrieval", help="Draw what each layer retrieved, on stderr."),
     kv_cache_mb: int = typer.Option(None, "--kv-cache-mb", min=0, help="RAM for the keys and values of recently retrieved events, all layers (default: the profile's kv_cache_mb, 128; 0: none). Does not change results."),
+    temperature: float = typer.Option(None, "--temperature", min=0.0, help="Sample at this temperature (0: greedy). Default: the model's generation config, else greedy."),
+    top_p: float = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Sample from the smallest set of tokens holding this probability."),
+    top_k: int = typer.Option(None, "--top-k", min=0, help="Sample from the k likeliest tokens (0: all)."),
+    repetition_penalty: float = typer.Option(None, "--repetition-penalty", min=0.0, help="Divide the score of tokens already in the question or the answer (1: none; 1.1-1.3 stops loops)."),
+    seed: int = typer.Option(None, "--seed", help="Seed of the sampling: the same seed, the same answer."),
+    stop: list[str] = typer.Option(None, "--stop", help="End the answer before this text (repeatable)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
 ) -> None:
     """Answer from a stored document. The store is not changed: every question sees the same memory.
@@ -28,9 +34,11 @@ def ask(
     \b
       emllm ask "who hid the key?"
       echo "summarise chapter 2" | emllm ask - --store book --json
+      emllm ask "list the characters" --temperature 0.7 --top-p 0.9 --repetition-penalty 1.2 --seed 1
     """
     from emllm.app.ask import Session
     from emllm.app.stream import open_store
+    from emllm.engine.sampling import Sampling
 
     if question == "-":
         question = sys.stdin.read()
@@ -42,6 +50,11 @@ def ask(
         o = open_store(path, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
     with o:
         st, tok = o.store, o.tok
+        try:
+            sampling = Sampling.from_model(o.model, temperature=temperature, top_p=top_p, top_k=top_k,
+                                           repetition_penalty=repetition_penalty, seed=seed)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         with render.status("reading the question"):
             session = Session(st, o.model, tok, kv_cache_mb)
         if session.unfinished:
@@ -53,40 +66,36 @@ def ask(
             from emllm.app.trace import Trace
 
             trace = Trace.attach(session.engine)
-        out: list[int] = []
-        shown = ""
         first = None
+        parts: list[str] = []
         try:
-            for t in session.answer(question, max_new_tokens):
+            for piece in session.answer_text(question, max_new_tokens, sampling, stop):
                 if first is None:
                     first = time.perf_counter() - t0
-                out.append(t)
+                parts.append(piece)
                 if not as_json:
-                    text = tok.decode(out, skip_special_tokens=True)
-                    if not text.endswith("\ufffd"):  # hold back half a multi-byte character
-                        sys.stdout.write(text[len(shown):])
-                        sys.stdout.flush()
-                        shown = text
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
         except KeyboardInterrupt:
-            if shown and not shown.endswith("\n"):
+            if parts and not "".join(parts).endswith("\n"):
                 sys.stdout.write("\n")  # the message goes on a line of its own, not after the answer
                 sys.stdout.flush()
             raise
         if first is None:  # the first token chosen was a stop token: that choice is the "first token"
             first = time.perf_counter() - t0
-        answer = tok.decode(out, skip_special_tokens=True)
+        answer = "".join(parts)
         if trace is not None:
             from emllm.app.report import retrieval_doc
 
             retrieval = retrieval_doc(trace, st, tok, question, window_start=session.engine.window_start)
     if not as_json:
-        sys.stdout.write(answer[len(shown):] + "\n")
+        sys.stdout.write("\n")
         sys.stdout.flush()
     if trace is not None and not as_json:  # with --json the retrieval is in the document
         render.err.print(render.retrieval_view(retrieval, st.manifest["rows"]["tokens"]))
     if as_json:
         render.print_json({
-            "store": str(path), "question": question, "answer": answer.strip(), "tokens": len(out),
+            "store": str(path), "question": question, "answer": answer.strip(), "tokens": session.tokens,
             "seconds_to_first_token": round(first or 0.0, 3), "seconds": round(time.perf_counter() - t0, 3),
             **({"retrieval": retrieval} if trace is not None else {}),
         })

@@ -21,6 +21,7 @@ from emllm.app.ingest import Progress, add_documents, run_job
 from emllm.app.report import retrieval_report, store_summary
 from emllm.app.stream import OpenStore, create_store, open_engine, open_store
 from emllm.app.textinput import TextSource
+from emllm.engine.sampling import Sampling
 from emllm.store import Store
 
 
@@ -52,11 +53,13 @@ class Memory:
         run_job(self.store, engine, commit_every, progress)
         return n
 
-    def ask(self, question: str, max_new_tokens: int = 256) -> str:
-        """A greedy answer from the memory (on a copy of its state: the store is unchanged)."""
+    def ask(self, question: str, max_new_tokens: int = 256, stop: list[str] | None = None, **sampling: Any) -> str:
+        """An answer from the memory (on a copy of its state: the store is unchanged): greedy, or
+        sampled with temperature=, top_p=, top_k=, repetition_penalty=, seed= (unset: the model's
+        generation config); it ends before any of the `stop` strings."""
         session = Session(self.store, self.model, self.tokenizer)
-        ids = list(session.answer(question, max_new_tokens))
-        return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        opts = Sampling.from_model(self.model, **sampling)
+        return "".join(session.answer_text(question, max_new_tokens, opts, stop)).strip()
 
     def retrieval(self, query: str, layer: int | None = None, top: int = 8) -> dict:
         """What each layer retrieves for `query` read as a question (see `report.retrieval_report`)."""

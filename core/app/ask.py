@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 from torch import Tensor
 
+from emllm.engine.sampling import Sampling, greedy
 from emllm.engine.stream import Engine
 from emllm.app.stream import SEPARATOR, encode, encode_framing, open_engine, pending_tokens
 from emllm.models import stop_token_ids
@@ -60,10 +61,45 @@ class Session:
             self.engine.feed(self.tail)
         return self.engine.feed(ids)
 
-    def answer(self, question: str, max_new_tokens: int = 256) -> Iterator[int]:
-        """Greedy answer, token by token, each token retrieving from the memory."""
-        self.read_question(question)
-        yield from self.engine.generate_iter(max_new_tokens, set(stop_token_ids(self.tok, self.model)))
+    def answer(self, question: str, max_new_tokens: int = 256, sampling: Sampling | None = None) -> Iterator[int]:
+        """The answer, token by token, each token retrieving from the memory: greedy, or as
+        `sampling` says (its repetition penalty counts the question's tokens and the answer's)."""
+        ids = self.question_ids(question)
+        self.read_question_ids(ids)
+        choose = sampling.chooser(context=ids) if sampling is not None else greedy
+        yield from self.engine.generate_iter(max_new_tokens, set(stop_token_ids(self.tok, self.model)), choose)
+
+
+    def answer_text(self, question: str, max_new_tokens: int = 256, sampling: Sampling | None = None,
+                    stop: list[str] | None = None) -> Iterator[str]:
+        """The answer as text, a piece at a time, as it is generated. It ends at a stop token, after
+        max_new_tokens, or before the first of the `stop` strings (not included). Text that could
+        still become a stop string, or half a multi-byte character, is held back until it is known."""
+        stop = [x for x in (stop or []) if x]
+        ids: list[int] = []
+        shown = 0
+        self.tokens = 0  # generated (for reports)
+        for t in self.answer(question, max_new_tokens, sampling):
+            ids.append(t)
+            self.tokens += 1
+            text = self.tok.decode(ids, skip_special_tokens=True)
+            cut = min((i for i in (text.find(x, max(0, shown - len(x))) for x in stop) if i >= 0), default=-1)
+            if cut >= 0:
+                if cut > shown:
+                    yield text[shown:cut]
+                return
+            safe = len(text) - (1 if text.endswith("\ufffd") else 0)
+            for x in stop:  # hold back a tail that is the start of a stop string
+                for k in range(min(len(x) - 1, safe - shown), 0, -1):
+                    if text[safe - k:safe] == x[:k]:
+                        safe -= k
+                        break
+            if safe > shown:
+                yield text[shown:safe]
+                shown = safe
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        if len(text) > shown:
+            yield text[shown:]
 
 
 __all__ = ["Session"]

@@ -27,6 +27,7 @@ from emllm.models import device_of, input_device
 from emllm.math.rope import Rotary
 from emllm.math.segmentation import enforce_block_sizes, key_adjacency, refine, surprise_starts
 from emllm.math.surprise import boundary_flags, token_surprise
+from emllm.engine.sampling import Chooser, greedy
 from emllm.engine.window import LayerWindow, StepInfo
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
@@ -263,15 +264,19 @@ class Engine:
             w.load_state({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
     # -- generation ----------------------------------------------------------------------------
-    def generate_iter(self, max_new_tokens: int, stop_ids: set[int] | None = None) -> Iterator[int]:
-        """Greedy decoding, one token per forward; yields token ids as they are chosen."""
+    def generate_iter(self, max_new_tokens: int, stop_ids: set[int] | None = None,
+                      choose: Chooser = greedy) -> Iterator[int]:
+        """One token per forward (greedy unless `choose` samples: engine.sampling); yields token ids
+        as they are chosen."""
         if self.last_logits is None:
             raise ValueError("feed a prompt before generating")
         stop_ids = stop_ids or set()
+        answer: list[int] = []
         for _ in range(max_new_tokens):
-            tok = int(self.last_logits.argmax())
+            tok = choose(answer, self.last_logits)
             if tok in stop_ids:
                 return
+            answer.append(tok)
             yield tok
             self.step(torch.tensor([tok]), with_surprise=False)
 

@@ -1,0 +1,93 @@
+"""Choosing the next token: greedy, or sampled through transformers' logits processors.
+
+    opts = Sampling.from_model(model, temperature=0.7, top_p=0.9, seed=1)   # unset: the model's generation config
+    engine.generate_iter(128, stop_ids, choose=opts.chooser())
+
+Greedy (temperature 0, or `Sampling()`) is deterministic and is what the passkey and the
+benchmarks use. Sampling is deterministic too for a given seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+Chooser = Callable[[list[int], Tensor], int]  # (ids chosen so far in this answer, logits [V]) -> id
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    repetition_penalty: float = 1.0  # over the answer's tokens and the question's (`context`)
+    seed: int | None = None  # None: a fresh one per answer
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and self.temperature < float("inf")):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (self.repetition_penalty > 0 and self.repetition_penalty < float("inf")):
+            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_model(cls, model: Any, **given: Any) -> "Sampling":
+        """The model's generation config (do_sample, temperature, top_p, top_k, repetition_penalty),
+        with the values given (not None) on top. A config that does not sample is greedy."""
+        gen = getattr(model, "generation_config", None)
+        base = cls()
+        if gen is not None and getattr(gen, "do_sample", False):
+            base = cls(temperature=float(gen.temperature or 1.0), top_p=float(gen.top_p or 1.0),
+                       top_k=int(gen.top_k or 0))
+        if gen is not None and getattr(gen, "repetition_penalty", None):
+            base = replace(base, repetition_penalty=float(gen.repetition_penalty))
+        return replace(base, **{k: v for k, v in given.items() if v is not None})
+
+    def chooser(self, context: list[int] | None = None) -> Chooser:
+        """A function choosing each next token. context: token ids that the repetition penalty
+        also counts (the question), besides the answer's own."""
+        from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                  TopKLogitsWarper, TopPLogitsWarper)
+
+        procs = LogitsProcessorList()
+        if self.repetition_penalty != 1.0:
+            procs.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
+        if not self.greedy:
+            if self.temperature != 1.0:
+                procs.append(TemperatureLogitsWarper(self.temperature))
+            if self.top_k:
+                procs.append(TopKLogitsWarper(self.top_k))
+            if self.top_p < 1.0:
+                procs.append(TopPLogitsWarper(self.top_p))
+        gen = torch.Generator()
+        gen.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        prefix = list(context or [])
+
+        def choose(answer: list[int], logits: Tensor) -> int:
+            scores = logits.float().reshape(1, -1)  # [1, V]
+            if len(procs):
+                ids = torch.tensor([prefix + answer], dtype=torch.long)  # [1, n]
+                scores = procs(ids, scores.clone())
+            if self.greedy:
+                return int(scores.argmax())
+            probs = torch.softmax(scores, dim=-1)[0]  # [V]
+            return int(torch.multinomial(probs, 1, generator=gen))
+
+        return choose
+
+
+def greedy(_answer: list[int], logits: Tensor) -> int:
+    return int(logits.argmax())
+
+
+__all__ = ["Sampling", "Chooser", "greedy"]

@@ -1,0 +1,75 @@
+"""Choosing tokens: greedy by default and deterministic; sampling through transformers' logits
+processors, reproducible by seed; stop strings end the text before them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from emllm.app.ask import Session
+from emllm.engine.sampling import Sampling
+from emllm.store import Store
+
+from .helpers import QUESTION, ingest_store, load_tiny, run, words
+
+
+def test_the_processors_apply_as_transformers_defines_them():
+    logits = torch.tensor([0.0, 5.0, 4.9, 1.0, -2.0])
+    assert Sampling().chooser()([], logits) == 1  # greedy
+    # the repetition penalty divides a positive score of a token already seen: 5.0 / 2 < 4.9
+    assert Sampling(repetition_penalty=2.0).chooser(context=[1])([], logits) == 2
+    assert Sampling(repetition_penalty=2.0).chooser()([1], logits) == 2  # the answer's own tokens count too
+    # top-k 1 leaves one token: sampling is then certain whatever the seed
+    assert {Sampling(temperature=1.5, top_k=1, seed=s).chooser()([], logits) for s in range(20)} == {1}
+    # top-p: 1 and 2 hold ~95% of the mass at temperature 1: nothing else is ever drawn
+    drawn = {Sampling(temperature=1.0, top_p=0.9, seed=s).chooser()([], logits) for s in range(200)}
+    assert drawn == {1, 2}
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(top_p=0)
+
+
+def test_the_model_generation_config_gives_the_defaults():
+    class Gen:
+        do_sample, temperature, top_p, top_k, repetition_penalty = True, 0.6, 0.95, 40, 1.1
+
+    class M:
+        generation_config = Gen()
+
+    s = Sampling.from_model(M(), top_k=None, seed=3)
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.seed) == (0.6, 0.95, 40, 1.1, 3)
+    Gen.do_sample = False
+    assert Sampling.from_model(M(), temperature=None).greedy
+
+
+def test_answers_are_reproducible_and_stop_strings_end_them(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    ingest_store(tmp_path / "s", folder, prof, [("doc", words(4, 300))])
+    model, tok = load_tiny(folder)
+
+    def answer(**kw) -> str:
+        with Store.open(tmp_path / "s") as st:
+            stop = kw.pop("stop", None)
+            return "".join(Session(st, model, tok).answer_text(QUESTION, 24, Sampling(**kw) if kw else None, stop))
+
+    greedy = answer()
+    assert answer() == greedy and answer(temperature=0.0) == greedy
+    with Store.open(tmp_path / "s") as st:  # greedy is what the engine's argmax gives
+        ids = list(Session(st, model, tok).answer(QUESTION, 24))
+    assert greedy == tok.decode(ids, skip_special_tokens=True)
+    a, b = answer(temperature=1.0, seed=7), answer(temperature=1.0, seed=7)
+    assert a == b and any(answer(temperature=1.0, seed=s) != a for s in range(8, 12))
+    cut = greedy[len(greedy) // 2 : len(greedy) // 2 + 3]
+    assert cut and answer(stop=[cut]) == greedy[: greedy.index(cut)]
+
+
+def test_ask_takes_the_sampling_options(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    ingest_store(tmp_path / "stores" / "s", folder, prof, [("doc", words(4, 300))])
+    args = ("ask", QUESTION, "-n", "8", "--json", "--temperature", "1.0", "--top-k", "50", "--seed", "3")
+    one, two = run(*args, home=tmp_path), run(*args, home=tmp_path)
+    assert one.returncode == 0, one.stderr
+    import json
+
+    assert json.loads(one.stdout)["answer"] == json.loads(two.stdout)["answer"]
+    r = run("ask", QUESTION, "--top-p", "2", home=tmp_path)
+    assert r.returncode == 2 and "--top-p" in r.stderr
