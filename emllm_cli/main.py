@@ -45,6 +45,11 @@ def main(
     # when transformers is imported, not by importing it (help and completion stay light).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if "transformers" in sys.modules:  # already imported (the CLI run inside a Python program): tell it directly
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
 
 
 app.command("ingest")(ingest)

@@ -31,19 +31,24 @@ class Session:
         # its job read so far; what it has not read yet is left out, not read here.
         self.unfinished: tuple[int, int] | None = (job["done"], job["tokens"]) if job and not job["complete"] else None
         self.tail: list[int] = [] if self.unfinished else pending_tokens(store)
-        if store.tokens.rows == 0 and not self.tail:
-            raise StoreError(f"{store.path} is empty: nothing has been read into it yet")
         if "stream" not in store.manifest:
             raise StoreError(f"{store.path} records no stream layout: it was not written by an ingest")
+        # An empty store (a conversation's first question): the stream starts here, with the
+        # template's opening of a user turn, which the store does not hold yet (`lead`).
+        self.empty = store.tokens.rows == 0 and not self.tail
+        prefix = store.manifest["stream"]["prefix"]
+        self.lead: list[int] = encode_framing(tok, prefix) if self.empty and prefix else []
+        self.tail = self.tail + self.lead
         self.store, self.model, self.tok = store, model, tok
         self.engine: Engine = open_engine(store, model, kv_cache_mb)
 
     def question_ids(self, question: str) -> list[int]:
         """The question closing the user turn (without the stream's pending tail)."""
         fmt = self.store.manifest["stream"]
+        sep = "" if self.empty else SEPARATOR
         if fmt["chat"]:  # the template's closing is emllm's framing: its special tokens count
-            return encode(self.tok, SEPARATOR + question.strip()) + encode_framing(self.tok, fmt["suffix"])
-        return encode(self.tok, SEPARATOR + question.strip() + fmt["suffix"])
+            return encode(self.tok, sep + question.strip()) + encode_framing(self.tok, fmt["suffix"])
+        return encode(self.tok, sep + question.strip() + fmt["suffix"])
 
     def read_question(self, question: str) -> Tensor:
         """Feed the pending tail, then the question; returns the logits that predict the answer's
@@ -78,6 +83,7 @@ class Session:
         stop = [x for x in (stop or []) if x]
         ids: list[int] = []
         shown = 0
+        self.answered = ids  # the answer's token ids as they come (up to a stop string: all generated)
         self.tokens = 0  # generated (for reports)
         for t in self.answer(question, max_new_tokens, sampling):
             ids.append(t)

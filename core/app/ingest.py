@@ -104,6 +104,24 @@ def add_documents(store: Store, tok: Any, docs: list[tuple[str, str | TextSource
     return writer.rows
 
 
+def add_tokens(store: Store, ids: list[int], document: dict) -> int:
+    """Queue token ids that emllm laid out itself (an exchange of a conversation: the question's
+    turn, the answer, the template's framing) as a new job after what is pending; `document`
+    describes them in the manifest ({"name", "kind"}). Returns the job's token count."""
+    job = store.manifest.get("job")
+    if job and not job["complete"]:
+        raise StoreError(f"{store.path} has an unfinished ingest; finish it first (resume)")
+    pending = pending_tokens(store)
+    writer = store.begin_job()
+    try:
+        writer.append(torch.tensor(pending + list(ids), dtype=torch.int32))
+        store.commit_job(writer, [{**document, "start": store.tokens.rows + len(pending), "tokens": len(ids)}])
+    except BaseException:
+        store.abort_job(writer)
+        raise
+    return writer.rows
+
+
 @dataclass
 class Progress:
     done: int  # tokens of the job processed
@@ -203,4 +221,4 @@ def run_summary(store: Store, before: int, done0: int, was_complete: bool, added
     }
 
 
-__all__ = ["add_documents", "run_job", "Progress", "DiskSpaceError", "check_disk", "bytes_per_token", "duplicates", "is_empty", "continues_job", "run_summary"]
+__all__ = ["add_documents", "add_tokens", "run_job", "Progress", "DiskSpaceError", "check_disk", "bytes_per_token", "duplicates", "is_empty", "continues_job", "run_summary"]

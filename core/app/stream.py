@@ -41,6 +41,20 @@ class StreamFormat:
         return cls(False, "", "\nAnswer:")
 
 
+def reopen_text(tok: Any, chat: bool) -> str:
+    """What follows an answer in the stream so that the next document or question is again inside
+    a user turn: the template's end of the assistant's turn and start of the user's ("" without
+    a chat template)."""
+    if chat and getattr(tok, "chat_template", None):
+        turns = [{"role": "user", "content": "A"}, {"role": "assistant", "content": _MARK + "B" + _MARK},
+                 {"role": "user", "content": _MARK + "C"}]
+        text = tok.apply_chat_template(turns, tokenize=False)
+        parts = text.split(_MARK)
+        if len(parts) == 4 and parts[1] == "B":
+            return parts[2]
+    return ""
+
+
 def identity_of(name: str, model: Any, tok: Any) -> Identity:
     return Identity(name, config_hash(model), weights_hash(model), tokenizer_hash(tok), weights_sample(model))
 
@@ -152,5 +166,5 @@ def open_store(path: Path, writable: bool = False, model: str | None = None, pro
 
 __all__ = [
     "SEPARATOR", "StreamFormat", "OpenStore", "open_store", "create_store", "open_engine", "pending_tokens",
-    "identity_of", "geometry_of", "store_profile", "encode", "encode_framing",
+    "identity_of", "geometry_of", "store_profile", "encode", "encode_framing", "reopen_text",
 ]

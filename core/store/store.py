@@ -176,6 +176,11 @@ class Store:
         fsync_dir(self.path.parent)
         self.folder.path = self.path
 
+    def publish_empty(self) -> None:
+        """Give a new store its name now, empty (a conversation that starts with nothing in it)."""
+        if self._unpublished is not None:
+            self._write_manifest()
+
     def discard(self) -> None:
         """Close a store never published (its create was interrupted) and remove its hidden folder."""
         tmp = self._unpublished

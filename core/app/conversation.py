@@ -1,0 +1,97 @@
+"""A conversation with a store: each exchange is answered from the store's memory and, when
+remembered, appended to its stream (the question's turn, the answer, the template's framing) and
+committed, so later questions, in this conversation or one days later, recall it however far
+back it lies. Without remembering, the store is never changed.
+
+    with Conversation(path, model, tok) as talk:
+        for piece in talk.say("my name is Ada"): print(piece, end="")
+        talk.say_all("what is my name?")
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from emllm.app.ask import Session
+from emllm.app.ingest import add_tokens, run_job
+from emllm.app.report import retrieval_doc
+from emllm.app.trace import Trace
+from emllm.app.stream import encode_framing, open_engine, reopen_text
+from emllm.engine.sampling import Sampling
+from emllm.store import Store, StoreError, cut_back, save_mark
+
+
+class Conversation:
+    """Exchanges with the store at `path` (its model already loaded and checked by the caller)."""
+
+    def __init__(self, path: Path, model: Any, tok: Any, remember: bool = True, kv_cache_mb: int | None = None,
+                 commit_every: int = 4) -> None:
+        self.path, self.model, self.tok = Path(path), model, tok
+        self.remember, self.kv_cache_mb, self.commit_every = remember, kv_cache_mb, commit_every
+        self.exchanges = 0  # remembered in this conversation
+        self.last_retrieval: dict | None = None
+        self._marks: list[Path] = []  # one per remembered exchange: what `undo` cuts back to
+        self._tmp = Path(tempfile.mkdtemp(prefix="emllm-chat-"))
+
+    def say(self, question: str, max_new_tokens: int = 256, sampling: Sampling | None = None,
+            stop: list[str] | None = None, trace: bool = False) -> Iterator[str]:
+        """The answer, a piece of text at a time; once it is complete, the exchange is remembered
+        (committed) if this conversation remembers. A question interrupted (Ctrl-C) is forgotten.
+        trace: record what each layer retrieved (`last_retrieval`, as `report.retrieval_doc`)."""
+        with Store.open(self.path) as st:
+            session = Session(st, self.model, self.tok, self.kv_cache_mb)
+            q_ids = session.question_ids(question)
+            lead = session.lead
+            tr = Trace.attach(session.engine) if trace else None
+            for piece in session.answer_text(question, max_new_tokens, sampling, stop):
+                yield piece
+            answer = session.answered
+            if tr is not None:
+                tr.detach()
+                self.last_retrieval = retrieval_doc(tr, st, self.tok, question, window_start=session.engine.window_start)
+        if self.remember:
+            self._append(lead + q_ids + answer + encode_framing(self.tok, reopen_text(self.tok, st.manifest["stream"]["chat"])))
+
+    def say_all(self, question: str, **kw: Any) -> str:
+        return "".join(self.say(question, **kw)).strip()
+
+    def _append(self, ids: list[int]) -> None:
+        mark = None
+        with Store.open(self.path) as st:
+            can_mark = not st.manifest.get("sketch")
+        if can_mark:  # for undo: what the store was before this exchange (a few MB)
+            mark = self._tmp / f"mark-{len(self._marks)}"
+            save_mark(self.path, mark)
+        with Store.open(self.path, writable=True) as st:
+            engine = open_engine(st, self.model, self.kv_cache_mb)
+            add_tokens(st, ids, {"name": f"exchange {st.manifest['rows']['tokens']}", "kind": "exchange"})
+            run_job(st, engine, self.commit_every)
+        self.exchanges += 1
+        self._marks.append(mark)
+
+    def undo(self) -> None:
+        """Forget the last exchange this conversation remembered (the store is cut back to before it)."""
+        if not self._marks:
+            raise StoreError("nothing to undo in this conversation")
+        mark = self._marks[-1]
+        if mark is None:
+            raise StoreError("this store keeps a sketch (it is large): its exchanges cannot be undone")
+        cut_back(self.path, mark)  # the rows past it become an uncommitted tail, dropped by the next write
+        self._marks.pop()
+        shutil.rmtree(mark, ignore_errors=True)
+        self.exchanges -= 1
+
+    def close(self) -> None:
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> "Conversation":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["Conversation"]
