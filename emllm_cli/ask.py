@@ -25,6 +25,7 @@ def ask(
     repetition_penalty: float = typer.Option(None, "--repetition-penalty", min=0.0, help="Divide the score of tokens already in the question or the answer (1: none; 1.1-1.3 stops loops)."),
     seed: int = typer.Option(None, "--seed", help="Seed of the sampling: the same seed, the same answer."),
     stop: list[str] = typer.Option(None, "--stop", help="End the answer before this text (repeatable)."),
+    remember: bool = typer.Option(False, "--remember", help="Append this exchange (question and answer) to the store, as `emllm chat` does."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
 ) -> None:
     """Answer from a stored document. The store is not changed: every question sees the same memory.
@@ -37,6 +38,7 @@ def ask(
       emllm ask "list the characters" --temperature 0.7 --top-p 0.9 --repetition-penalty 1.2 --seed 1
     """
     from emllm.app.ask import Session
+    from emllm.app.conversation import exchange_ids, remember_exchange
     from emllm.app.stream import open_store
     from emllm.engine.sampling import Sampling
 
@@ -84,6 +86,7 @@ def ask(
         if first is None:  # the first token chosen was a stop token: that choice is the "first token"
             first = time.perf_counter() - t0
         answer = "".join(parts)
+        remembered = exchange_ids(session, question) if remember else None
         if trace is not None:
             from emllm.app.report import retrieval_doc
 
@@ -91,6 +94,9 @@ def ask(
     if not as_json:
         sys.stdout.write("\n")
         sys.stdout.flush()
+    if remembered is not None:
+        with render.status("remembering the exchange"):
+            remember_exchange(path, o.model, o.tok, remembered, kv_cache_mb)
     if trace is not None and not as_json:  # with --json the retrieval is in the document
         render.err.print(render.retrieval_view(retrieval, st.manifest["rows"]["tokens"]))
     if as_json:

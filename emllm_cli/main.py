@@ -10,6 +10,7 @@ import typer
 
 from .errors import _CLICK_ERRORS, DEBUG
 from .ask import ask
+from .chat import chat
 from .ingest import ingest
 from .inspect import inspect
 from .manage import list_cmd, mv, rm, show
@@ -54,6 +55,7 @@ def main(
 
 app.command("ingest")(ingest)
 app.command("ask")(ask)
+app.command("chat")(chat)
 app.command("passkey")(passkey)
 app.command("inspect")(inspect)
 app.command("segment")(segment)

@@ -55,6 +55,7 @@ class Conversation:
         if self.remember:
             self._append(lead + q_ids + answer + encode_framing(self.tok, reopen_text(self.tok, st.manifest["stream"]["chat"])))
 
+
     def say_all(self, question: str, **kw: Any) -> str:
         return "".join(self.say(question, **kw)).strip()
 
@@ -65,10 +66,7 @@ class Conversation:
         if can_mark:  # for undo: what the store was before this exchange (a few MB)
             mark = self._tmp / f"mark-{len(self._marks)}"
             save_mark(self.path, mark)
-        with Store.open(self.path, writable=True) as st:
-            engine = open_engine(st, self.model, self.kv_cache_mb)
-            add_tokens(st, ids, {"name": f"exchange {st.manifest['rows']['tokens']}", "kind": "exchange"})
-            run_job(st, engine, self.commit_every)
+        remember_exchange(self.path, self.model, self.tok, ids, self.kv_cache_mb, self.commit_every)
         self.exchanges += 1
         self._marks.append(mark)
 
@@ -94,4 +92,22 @@ class Conversation:
         self.close()
 
 
-__all__ = ["Conversation"]
+def exchange_ids(session: Session, question: str) -> list[int]:
+    """The tokens an answered exchange adds to the stream: what the store did not hold before the
+    question (an empty store's opening), the question's turn, the answer, the template's
+    reopening of a user turn."""
+    fmt = session.store.manifest["stream"]
+    return (session.lead + session.question_ids(question) + session.answered
+            + encode_framing(session.tok, reopen_text(session.tok, fmt["chat"])))
+
+
+def remember_exchange(path: Path, model: Any, tok: Any, ids: list[int], kv_cache_mb: int | None = None,
+                      commit_every: int = 4) -> None:
+    """Append an exchange's tokens (`exchange_ids`) to the store at `path` and commit them."""
+    with Store.open(path, writable=True) as st:
+        engine = open_engine(st, model, kv_cache_mb)
+        add_tokens(st, ids, {"name": f"exchange {st.manifest['rows']['tokens']}", "kind": "exchange"})
+        run_job(st, engine, commit_every)
+
+
+__all__ = ["Conversation", "exchange_ids", "remember_exchange"]

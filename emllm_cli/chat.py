@@ -1,0 +1,162 @@
+"""`emllm chat`: a conversation in the terminal that the store remembers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from . import render
+from .errors import UserError, guarded
+from .options import ModelOpt, ProfileOpt
+from .stores import complete_store_names, existing_store, list_stores, store_path
+
+HELP = """commands:
+  /help        this list
+  /retrieval   what each layer retrieved for the last question
+  /undo        forget the last exchange (it is cut from the store)
+  /quit        leave (also Ctrl-D)
+a line ending with \\ continues on the next; a line of \"\"\" starts and ends a block"""
+
+
+def read_message(prompt: str = "› ") -> str | None:
+    """One message from the terminal (line editing and history through readline): a line, lines
+    joined by a trailing backslash, or a block between two lines of three quotes. None: end of input."""
+    tty = sys.stdin.isatty()
+    if tty:
+        try:
+            import readline  # noqa: F401 - line editing and history for input()
+        except ImportError:
+            pass
+    else:
+        prompt = ""  # piped: no prompts in the output
+    try:
+        line = input(prompt)
+    except EOFError:
+        return None
+    if line.strip() == '"""':
+        lines = []
+        while True:
+            try:
+                more = input("… " if tty else "")
+            except EOFError:
+                break
+            if more.strip() == '"""':
+                break
+            lines.append(more)
+        return "\n".join(lines)
+    lines = [line]
+    while lines[-1].endswith("\\"):
+        lines[-1] = lines[-1][:-1]
+        try:
+            lines.append(input("… " if tty else ""))
+        except EOFError:
+            break
+    return "\n".join(lines)
+
+
+@guarded
+def chat(
+    store: str = typer.Option(None, "--store", "-s", help="Store name or path; default: the most recently written, or a new store 'chat'.",
+                              autocompletion=complete_store_names),
+    model: str = ModelOpt,
+    profile: str = ProfileOpt,
+    remember: bool = typer.Option(True, "--remember/--no-remember", help="Append each exchange to the store (default), or leave the store unchanged."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Longest answer, in tokens."),
+    temperature: float = typer.Option(None, "--temperature", min=0.0, help="Sample at this temperature (0: greedy). Default: the model's generation config, else greedy."),
+    top_p: float = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Sample from the smallest set of tokens holding this probability."),
+    top_k: int = typer.Option(None, "--top-k", min=0, help="Sample from the k likeliest tokens (0: all)."),
+    repetition_penalty: float = typer.Option(None, "--repetition-penalty", min=0.0, help="Divide the score of tokens already in the question or the answer (1: none)."),
+    seed: int = typer.Option(None, "--seed", help="Seed of the sampling."),
+    stop: list[str] = typer.Option(None, "--stop", help="End an answer before this text (repeatable)."),
+) -> None:
+    """Talk with a store: each exchange is answered from its memory and appended to it, so later
+    questions (today or days later) recall it, however long the conversation grows.
+
+    Examples:
+
+    \b
+      emllm chat --store book                  # about a document, remembered
+      emllm chat --store diary -m smollm2      # a new store: a conversation from nothing
+      emllm chat --store book --no-remember    # the store stays as it is
+    """
+    from emllm import models
+    from emllm.app import stream
+    from emllm.app.conversation import Conversation
+    from emllm.engine.sampling import Sampling
+    from emllm.store import is_store
+
+    if store is None:
+        path = existing_store(None) if list_stores() else store_path("chat")
+    else:
+        path = store_path(store)
+    log = lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]")  # noqa: E731
+    if is_store(path):
+        with render.status(f"loading the model of {render.shown(path.name)}"):
+            o = stream.open_store(path, model=model, profile=profile, log=log)
+        o.close()
+        mdl, tok = o.model, o.tok
+    else:
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise UserError(f"{path} exists and is not a store")
+        if not remember:
+            raise UserError(f"no store at {path}: with --no-remember a conversation needs a store to talk with")
+        src = models.resolve(model, profile, log=log)
+        with render.status(f"loading {render.shown(src.name)}"):
+            mdl, tok = models.load(src)
+        name = str(src.path.resolve()) if Path(src.name).exists() else src.name
+        st = stream.create_store(path, name, mdl, tok, src.profile)
+        st.publish_empty()
+        st.close()
+        render.err.print(f"[dim]new store {render.shown(path)}[/dim]")
+    try:
+        sampling = Sampling.from_model(mdl, temperature=temperature, top_p=top_p, top_k=top_k,
+                                       repetition_penalty=repetition_penalty, seed=seed)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    render.err.print(f"[dim]talking with {render.shown(path.name)}"
+                     f"{'' if remember else ' (not remembered)'}; /help for commands, Ctrl-D to leave[/dim]")
+    with Conversation(path, mdl, tok, remember=remember) as talk:
+        while True:
+            msg = read_message()
+            if msg is None:
+                sys.stdout.write("\n")
+                break
+            cmd = msg.strip()
+            if not cmd:
+                continue
+            if cmd in ("/quit", "/exit", "/q"):
+                break
+            if cmd == "/help":
+                render.err.print(render.shown(HELP))
+                continue
+            if cmd == "/undo":
+                try:
+                    talk.undo()
+                    render.err.print("[dim]the last exchange is forgotten[/dim]")
+                except Exception as e:  # noqa: BLE001 - said, and the conversation goes on
+                    render.err.print(f"[yellow]{render.shown(e)}[/yellow]")
+                continue
+            if cmd == "/retrieval":
+                if talk.last_retrieval is None:
+                    render.err.print("[dim]no question yet[/dim]")
+                else:
+                    r = talk.last_retrieval
+                    render.err.print(render.retrieval_view(r, r["span"]))
+                continue
+            if cmd.startswith("/"):
+                render.err.print(f"[yellow]unknown command {render.shown(cmd)}[/yellow]; /help lists them")
+                continue
+            shown = ""
+            try:
+                for piece in talk.say(msg, max_new_tokens, sampling, stop, trace=True):
+                    shown += piece
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                sys.stdout.write("\n")
+                render.err.print("[dim]interrupted: this exchange is not remembered[/dim]")
+                continue
+            sys.stdout.write("\n")
+            sys.stdout.flush()

@@ -1,0 +1,73 @@
+"""Conversations: remembered exchanges are appended to the store's stream and committed; not
+remembered, the store is unchanged; undo cuts the last one away; a conversation can start from an
+empty store; `ask --remember` remembers one exchange."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from emllm.app.conversation import Conversation
+from emllm.app.stream import encode, encode_framing
+from emllm.store import Store
+
+from .helpers import EMLLM, ingest_store, load_tiny, run, store_files, words
+
+
+def _stream(path) -> list[int]:
+    with Store.open(path) as st:
+        job = st.manifest["job"]
+        return st.tokens.read().tolist() + st.job.read(job["done"], job["tokens"]).tolist()
+
+
+def test_a_remembered_exchange_is_in_the_stream_and_undo_takes_it_back(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    ingest_store(tmp_path / "s", folder, prof, [("doc", words(5, 200))])
+    model, tok = load_tiny(folder)
+    before, files = _stream(tmp_path / "s"), store_files(tmp_path / "s")
+    with Conversation(tmp_path / "s", model, tok, remember=False) as talk:
+        talk.say_all("my name is Ada", max_new_tokens=6)
+    assert store_files(tmp_path / "s") == files  # not remembered: not a byte changed
+    with Conversation(tmp_path / "s", model, tok) as talk:
+        a1 = talk.say_all("my name is Ada", max_new_tokens=6)
+        after1 = _stream(tmp_path / "s")
+        q = encode(tok, "\n\nmy name is Ada")
+        assert after1[: len(before)] == before and len(after1) > len(before) + len(q)
+        added = after1[len(before):]
+        assert added[: len(q)] == q  # the question's turn first, then its closing, the answer, the reopening
+        with Store.open(tmp_path / "s") as st:
+            suffix = encode_framing(tok, st.manifest["stream"]["suffix"])
+            assert st.manifest["documents"][-1]["kind"] == "exchange"
+        assert added[len(q): len(q) + len(suffix)] == suffix
+        assert tok.decode(added[len(q) + len(suffix):], skip_special_tokens=True).startswith(a1)
+        talk.say_all("what is my name?", max_new_tokens=6)
+        assert len(_stream(tmp_path / "s")) > len(after1)
+        talk.undo()
+        assert _stream(tmp_path / "s") == after1
+        talk.undo()
+        assert _stream(tmp_path / "s") == before
+
+
+def test_chat_from_an_empty_store_and_ask_remember(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    from emllm.home import models_dir
+
+    env = {**os.environ, "EMLLM_HOME": str(tmp_path), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([EMLLM, "chat", "--store", "talk", "-m", str(folder), "--profile", str(prof), "-n", "4"],
+                       input="hello there\n/undo\nmy name is Ada\n/retrieval\n/nope\n/quit\n", capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "new store" in r.stderr and "the last exchange is forgotten" in r.stderr and "unknown command /nope" in r.stderr
+    assert "retrieval for 'my name is Ada'" in r.stderr
+    model, tok = load_tiny(folder)
+    stream = _stream(tmp_path / "stores" / "talk")
+    text = tok.decode(stream)
+    assert text.startswith("<|im_start|>") and "my name is Ada" in text and "hello there" not in text  # undone
+    n = len(stream)
+    r = run("ask", "and now?", "--store", "talk", "-n", "3", "--remember", home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert len(_stream(tmp_path / "stores" / "talk")) > n and "and now?" in tok.decode(_stream(tmp_path / "stores" / "talk"))
+    n = len(_stream(tmp_path / "stores" / "talk"))
+    r = run("ask", "again?", "--store", "talk", "-n", "3", "--json", home=tmp_path)  # without --remember: unchanged
+    assert json.loads(r.stdout)["tokens"] <= 3 and len(_stream(tmp_path / "stores" / "talk")) == n
