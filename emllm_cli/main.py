@@ -16,6 +16,7 @@ from .inspect import inspect
 from .manage import list_cmd, mv, rm, show
 from .passkey import passkey
 from .segment import segment
+from .serve import serve
 
 app = typer.Typer(
     name="emllm",
@@ -64,6 +65,7 @@ app.command("ls", hidden=True)(list_cmd)  # as a shell user types it
 app.command("show")(show)
 app.command("rm")(rm)
 app.command("mv")(mv)
+app.command("serve")(serve)
 
 
 # Typer writes a required argument as {NAME} in the usage line; the convention (and Click's) is NAME.

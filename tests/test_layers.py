@@ -24,8 +24,9 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"math", "memory", "config", "models"},
     "store": {"memory", "math", "config"},
     "app": {"engine", "store", "memory", "math", "config", "models", "home"},
+    "serve": {"app", "engine", "store", "memory", "math", "config", "models", "home"},
     "evals": {"app", "engine", "store", "memory", "math", "config", "models", "home"},
-    "surface": {"app", "engine", "store", "memory", "math", "config", "models", "home", "evals"},
+    "surface": {"app", "engine", "store", "memory", "math", "config", "models", "home", "evals", "serve"},
 }
 
 

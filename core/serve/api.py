@@ -1,0 +1,267 @@
+"""An OpenAI-compatible API over the stores under one folder (FastAPI; run it with uvicorn).
+
+    GET  /health                   {"status": "ok"}
+    GET  /v1/models                the stores, as models
+    POST /v1/chat/completions      a request's messages continue its store's stream, on a copy:
+                                   the store is unchanged unless the request sets "remember": true
+                                   (then its last exchange is appended and committed; one writer
+                                   per store, a second gets 409). "stream": true sends server-sent
+                                   events. Sampling: temperature, top_p, seed, stop, max_tokens.
+
+The model of every store must be the one the server loaded (refused with 400 otherwise). Requests
+are answered one at a time (the engine is single-threaded); concurrent ones wait their turn.
+Errors are OpenAI-style JSON bodies ({"error": {"message", "type", "code"}}) with a 4xx status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.middleware.base import BaseHTTPMiddleware
+
+from emllm.app.ask import Session
+from emllm.app.conversation import exchange_ids, remember_exchange
+from emllm.app.stream import encode, encode_framing, identity_of, reopen_text
+from emllm.engine.sampling import Sampling
+from emllm.store import Store, StoreError, StoreLockedError
+from emllm.store.manifest import MANIFEST
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a store's name: never a path
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+
+
+class Message(BaseModel):
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatRequest(BaseModel):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    remember: bool = False  # emllm's own: append this exchange to the store
+
+
+def _text(m: Message) -> str:
+    if isinstance(m.content, list):  # OpenAI's content parts: the text ones
+        return "".join(p.get("text", "") for p in m.content if isinstance(p, dict) and p.get("type") == "text")
+    return m.content or ""
+
+
+def conversation_ids(session: Session, messages: list[Message]) -> tuple[list[int], str]:
+    """The token ids that continue the store's stream with `messages` up to the last user message
+    (which is returned as the question, laid out by the session as `ask` lays out a question).
+    System messages are read as the start of the first user message; earlier user and assistant
+    turns are laid out as a remembered conversation lays them out."""
+    if messages[-1].role != "user":
+        raise ApiError(400, "the last message must be the user's", param="messages")
+    tok = session.tok
+    fmt = session.store.manifest["stream"]
+    reopen = encode_framing(tok, reopen_text(tok, fmt["chat"]))
+    ids: list[int] = []
+    system = "\n\n".join(_text(m) for m in messages if m.role in ("system", "developer"))
+    turns = [m for m in messages if m.role in ("user", "assistant")]
+    for i, m in enumerate(turns[:-1]):
+        text = _text(m)
+        if m.role == "user":
+            if i == 0 and system:
+                text = system + "\n\n" + text
+            ids += session.question_ids(text)
+            session.empty = False  # what follows continues the stream the first turn began
+        else:
+            ids += encode(tok, text.strip()) + reopen
+    question = _text(turns[-1])
+    if len(turns) == 1 and system:
+        question = system + "\n\n" + question
+    return ids, question
+
+
+class Server:
+    """The loaded model and the stores it serves."""
+
+    def __init__(self, root: Path, model: Any, tok: Any, model_name: str, max_tokens: int = 2048,
+                 api_key: str | None = None) -> None:
+        self.root, self.model, self.tok, self.model_name = Path(root), model, tok, model_name
+        self.max_tokens, self.api_key = max_tokens, api_key
+        self.identity = None
+        self.lock = threading.Lock()  # one generation at a time: the model and its attention are shared
+        self.open: dict[str, tuple[float, Store]] = {}  # name -> (manifest mtime, store held open)
+
+    def store_path(self, name: str) -> Path:
+        if not NAME.fullmatch(name):
+            raise ApiError(400, f"model {name[:80]!r} is not a store name (letters, digits, . _ -; no paths)",
+                           param="model", code="invalid_model")
+        path = self.root / name
+        if path.is_symlink() or not (path / MANIFEST).is_file():
+            raise ApiError(404, f"no store {name!r}: GET /v1/models lists them", param="model", code="model_not_found")
+        return path
+
+    def store(self, name: str) -> Store:
+        """The store, held open between requests (opened again when a commit changed it)."""
+        path = self.store_path(name)
+        mtime = (path / MANIFEST).stat().st_mtime_ns
+        held = self.open.get(name)
+        if held is not None and held[0] == mtime:
+            return held[1]
+        if held is not None:
+            held[1].close()
+        st = Store.open(path)
+        if self.identity is None:  # hashing the weights once, not per store
+            self.identity = identity_of(self.model_name, self.model, self.tok)
+        try:
+            st.check_identity(dataclasses.replace(self.identity, model=st.manifest["identity"]["model"]))
+        except StoreError:
+            st.close()
+            raise
+        self.open[name] = (mtime, st)
+        return st
+
+    def models(self) -> list[dict]:
+        out = []
+        if self.root.is_dir():
+            for p in sorted(self.root.iterdir()):
+                if NAME.fullmatch(p.name) and not p.is_symlink() and (p / MANIFEST).is_file():
+                    out.append({"id": p.name, "object": "model", "created": int((p / MANIFEST).stat().st_mtime),
+                                "owned_by": "emllm"})
+        return out
+
+
+def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
+    app = FastAPI(title="emllm", docs_url=None, redoc_url=None, openapi_url=None)
+
+    class Limits(BaseHTTPMiddleware):
+        async def dispatch(self, request: Request, call_next):  # type: ignore[no-untyped-def]
+            if server.api_key is not None and request.url.path != "/health":
+                if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
+                    return _error(ApiError(401, "a valid API key is needed (Authorization: Bearer ...)",
+                                           kind="authentication_error", code="invalid_api_key"))
+            size = request.headers.get("content-length")
+            if size is not None and (not size.isdigit() or int(size) > max_body):
+                return _error(ApiError(413, f"the request body is larger than {max_body} bytes"))
+            return await call_next(request)
+
+    app.add_middleware(Limits)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, e: ApiError) -> JSONResponse:
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:])
+        return _error(ApiError(400, f"{where}: {first.get('msg', 'invalid request')}", param=where or None))
+
+    @app.exception_handler(StoreError)
+    async def store_error(_request: Request, e: StoreError) -> JSONResponse:
+        return _error(ApiError(409 if isinstance(e, StoreLockedError) else 400, str(e)))
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "model": server.model_name}
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": server.models()}
+
+    @app.post("/v1/chat/completions")
+    def chat(req: ChatRequest):  # type: ignore[no-untyped-def]
+        limit = req.max_completion_tokens or req.max_tokens or min(256, server.max_tokens)
+        if limit > server.max_tokens:
+            raise ApiError(400, f"max_tokens {limit} is more than this server allows ({server.max_tokens})", param="max_tokens")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > 4:
+            raise ApiError(400, "at most 4 stop sequences", param="stop")
+        sampling = Sampling.from_model(server.model, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def run() -> Iterator[str | dict]:
+            with server.lock:
+                st = server.store(req.model)
+                path = st.path
+                session = Session(st, server.model, server.tok)
+                history, question = conversation_ids(session, req.messages)
+                session.tail = session.tail + history
+                pieces = []
+                for piece in session.answer_text(question, limit, sampling, stop):
+                    pieces.append(piece)
+                    yield piece
+                finish = "length" if session.tokens >= limit else "stop"
+                ids = exchange_ids(session, question)
+                if req.remember:
+                    remember_exchange(path, server.model, server.tok, session.lead + history + ids[len(session.lead):])
+                yield {"finish_reason": finish, "completion_tokens": session.tokens,
+                       "prompt_tokens": len(history) + len(session.question_ids(question))}
+
+        if not req.stream:
+            parts, end = [], {}
+            for x in run():
+                if isinstance(x, dict):
+                    end = x
+                else:
+                    parts.append(x)
+            return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts).strip()},
+                                 "finish_reason": end.get("finish_reason", "stop")}],
+                    "usage": {"prompt_tokens": end.get("prompt_tokens", 0), "completion_tokens": end.get("completion_tokens", 0),
+                              "total_tokens": end.get("prompt_tokens", 0) + end.get("completion_tokens", 0)}}
+
+        gen = run()
+        try:
+            first = next(gen)  # errors (no store, another model) before the 200 of a stream
+        except StopIteration:
+            first = {"finish_reason": "stop"}
+
+        def events() -> Iterator[str]:
+            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
+            yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+            x = first
+            while True:
+                if isinstance(x, dict):
+                    yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": x.get("finish_reason", "stop")}]})
+                    break
+                yield _sse({**base, "choices": [{"index": 0, "delta": {"content": x}, "finish_reason": None}]})
+                try:
+                    x = next(gen)
+                except StopIteration:
+                    x = {"finish_reason": "stop"}
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def _sse(doc: dict) -> str:
+    return f"data: {json.dumps(doc)}\n\n"
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(status_code=e.status, content={"error": {"message": e.message, "type": e.kind,
+                                                                 "param": e.param, "code": e.code}})
+
+
+__all__ = ["Server", "create_app", "ApiError", "conversation_ids"]

@@ -1,0 +1,59 @@
+"""`emllm serve`: the OpenAI-compatible HTTP API over the stores, the model loaded once."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+import typer
+
+from . import render
+from .errors import UserError, guarded
+from .options import ModelOpt, ProfileOpt
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@guarded
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; other than loopback only with an API key."),
+    port: int = typer.Option(8080, "--port", min=1, max=65535, help="Port to listen on."),
+    api_key: str = typer.Option(None, "--api-key", envvar="EMLLM_API_KEY", help="Require 'Authorization: Bearer KEY' (or set EMLLM_API_KEY)."),
+    model: str = ModelOpt,
+    profile: str = ProfileOpt,
+    max_tokens: int = typer.Option(2048, "--max-tokens", min=1, help="The most tokens a request may ask for."),
+) -> None:
+    """Serve the stores under the emllm home through an OpenAI-compatible API: a request names a
+    store as its model; its messages continue that store's memory (on a copy, unless the request
+    sets "remember": true).
+
+    Examples:
+
+    \b
+      emllm serve                                  # http://127.0.0.1:8080/v1, the embedded model
+      emllm serve --host 0.0.0.0 --api-key secret  # reachable from other machines, with a key
+      curl localhost:8080/v1/chat/completions -d '{"model": "book", "messages": [{"role": "user", "content": "who hid the key?"}]}'
+    """
+    if not _loopback(host) and not api_key:
+        raise UserError(f"--host {host} is reachable from other machines: give --api-key (or EMLLM_API_KEY)")
+    import uvicorn
+
+    from emllm import models
+    from emllm.home import stores_dir
+    from emllm.serve.api import Server, create_app
+
+    src = models.resolve(model, profile, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
+    with render.status(f"loading {render.shown(src.name)}"):
+        mdl, tok = models.load(src)
+    server = Server(stores_dir(), mdl, tok, src.name, max_tokens=max_tokens, api_key=api_key)
+    render.err.print(f"serving the stores under {render.shown(stores_dir())} at http://{host}:{port}/v1 "
+                     f"(model {render.shown(src.name)}{', API key required' if api_key else ''}); Ctrl-C stops")
+    os.environ.setdefault("UVICORN_NO_COLOR", "1")
+    uvicorn.run(create_app(server), host=host, port=port, log_level="warning")

@@ -1,0 +1,141 @@
+"""The OpenAI-compatible server, started on 127.0.0.1 by the test, reached by the real `openai`
+client: streaming and not, errors, remembered exchanges seen by the next request, the key."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from emllm.store import Store
+
+from .helpers import EMLLM, ingest_store, load_tiny, store_files, words
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stream(path) -> list[int]:
+    with Store.open(path) as st:
+        job = st.manifest["job"]
+        return st.tokens.read().tolist() + st.job.read(job["done"], job["tokens"]).tolist()
+
+
+@pytest.fixture
+def server(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    ingest_store(tmp_path / "stores" / "book", folder, prof, [("doc", words(6, 300))])
+    port = _port()
+    from emllm.home import models_dir
+
+    env = {**os.environ, "EMLLM_HOME": str(tmp_path), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", str(folder), "--profile", str(prof), "--max-tokens", "64"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if json.loads(r.read())["status"] == "ok":
+                    break
+        except OSError:
+            if proc.poll() is not None:
+                raise AssertionError(proc.stderr.read())
+            time.sleep(0.1)
+    yield url, tmp_path
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_chat_completions_through_the_openai_client(server, tiny):
+    url, home = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["book"]
+    before = store_files(home / "stores" / "book")
+    r = client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
+                                       max_tokens=5, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens <= 5 and r.choices[0].finish_reason in ("stop", "length")
+    again = client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
+                                           max_tokens=5, temperature=0)
+    assert again.choices[0].message.content == r.choices[0].message.content  # greedy: the same
+    chunks = list(client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
+                                                 max_tokens=5, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == r.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert store_files(home / "stores" / "book") == before  # not remembered: unchanged
+    # errors: OpenAI-style bodies, 4xx
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert "no store 'nope'" in e.value.body["message"]
+    for bad in ("../book", "/etc"):
+        with pytest.raises(openai.BadRequestError, match="not a store name"):
+            client.chat.completions.create(model=bad, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}], max_tokens=100000)
+    with pytest.raises(openai.BadRequestError, match="last message"):
+        client.chat.completions.create(model="book", messages=[{"role": "assistant", "content": "x"}])
+    req = urllib.request.Request(url + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as h:
+        urllib.request.urlopen(req)
+    assert h.value.code == 400 and "error" in json.loads(h.value.read())
+    req = urllib.request.Request(url + "/v1/chat/completions", data=b"x" * (2 << 20), headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as h:
+        urllib.request.urlopen(req)
+    assert h.value.code == 413
+    assert store_files(home / "stores" / "book") == before
+
+
+def test_a_remembered_exchange_is_seen_by_the_next_request(server, tiny):
+    url, home = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    n = len(_stream(home / "stores" / "book"))
+    client.chat.completions.create(model="book", messages=[{"role": "user", "content": "my name is Ada"}], max_tokens=4,
+                                   extra_body={"remember": True})
+    _, tok = load_tiny(tiny[0])
+    stream = _stream(home / "stores" / "book")
+    assert len(stream) > n and "my name is Ada" in tok.decode(stream[n:])
+    # the next request reads the store as it is now: a store held open is reopened after the commit
+    r = client.chat.completions.create(model="book", messages=[{"role": "user", "content": "what is my name?"}],
+                                       max_tokens=4, extra_body={"remember": True})
+    assert r.choices[0].message.role == "assistant"
+    assert "what is my name?" in tok.decode(_stream(home / "stores" / "book")[len(stream):])
+
+
+def test_binding_beyond_loopback_needs_a_key_and_the_key_is_checked(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    from .helpers import run
+
+    r = run("serve", "--host", "0.0.0.0", "-m", str(folder), home=tmp_path)
+    assert r.returncode == 1 and "give --api-key" in r.stderr
+    ingest_store(tmp_path / "stores" / "book", folder, prof, [("doc", words(6, 100))])
+    port = _port()
+    from emllm.home import models_dir
+
+    env = {**os.environ, "EMLLM_HOME": str(tmp_path), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1",
+           "EMLLM_API_KEY": "s3cret"}
+    proc = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", str(folder), "--profile", str(prof)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        bad = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret", max_retries=0)
+        assert [m.id for m in good.models.list()] == ["book"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
