@@ -1,0 +1,114 @@
+"""Time to the first answer token: a cold `emllm ask` (a new process: imports, model load, store
+open) against a request to a warm `emllm serve` (model loaded, store held open), on the same
+store and question, alternated so load on the machine hits both alike. Then four clients at once
+against one: answers per minute, errors, and the store unchanged byte for byte.
+
+    python -m benchmarks.server_latency --store NAME [--runs 3] [--clients 4]
+
+Cold is measured from the process's start to its first byte on stdout (what a user waits for);
+warm from sending the request to the first streamed token of the answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+EMLLM = str(Path(sys.executable).parent / "emllm")
+QUESTION = "What does a crash in the middle of an ingest leave behind?"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cold(store: str, n: int) -> float:
+    t0 = time.perf_counter()
+    p = subprocess.Popen([EMLLM, "ask", QUESTION, "--store", store, "-n", str(n)], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL)
+    p.stdout.read(1)
+    first = time.perf_counter() - t0
+    p.communicate()
+    return first
+
+
+def warm(url: str, store: str, n: int) -> tuple[float, float]:
+    body = json.dumps({"model": store, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": n,
+                       "stream": True, "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first = None
+    with urllib.request.urlopen(req) as r:
+        for line in r:
+            if first is None and line.startswith(b"data: {") and b'"content": "' in line and b'"content": ""' not in line:
+                first = time.perf_counter() - t0
+    return first or time.perf_counter() - t0, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=16, help="answer length of the concurrency test")
+    a = ap.parse_args()
+    port = _port()
+    server = subprocess.Popen([EMLLM, "serve", "--port", str(port)], stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        warm(url, a.store, 1)  # the store opened and held
+        colds, warms = [], []
+        for _ in range(a.runs):
+            colds.append(cold(a.store, 1))
+            warms.append(warm(url, a.store, 1)[0])
+        c, w = statistics.median(colds), statistics.median(warms)
+        print(f"first token: cold ask {c:.2f} s (runs {', '.join(f'{x:.2f}' for x in colds)}), warm server "
+              f"{w:.2f} s ({', '.join(f'{x:.2f}' for x in warms)}): {c / w:.1f}x sooner")
+        home = Path(os.environ.get("EMLLM_HOME") or Path.home() / ".local/share/emllm") / "stores" / a.store
+        digest = lambda: hashlib.sha256(b"".join(p.read_bytes() for p in sorted(home.rglob("*")) if p.is_file() and p.name != "lock")).hexdigest()  # noqa: E731
+        before = digest()
+        for clients in (1, a.clients):
+            errors, done = [], []
+
+            def one() -> None:
+                try:
+                    warm(url, a.store, a.tokens)
+                    done.append(1)
+                except Exception as e:  # noqa: BLE001 - counted
+                    errors.append(repr(e))
+
+            t0 = time.perf_counter()
+            threads = [threading.Thread(target=one) for _ in range(clients * 2)]  # two requests per client
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            secs = time.perf_counter() - t0
+            print(f"{clients} client(s): {len(done)} answers in {secs:.1f} s = {60 * len(done) / secs:.1f} per minute, "
+                  f"{len(errors)} errors{': ' + errors[0] if errors else ''}")
+        print(f"store unchanged byte for byte: {digest() == before}")
+    finally:
+        server.terminate()
+        server.wait()
+
+
+if __name__ == "__main__":
+    main()
