@@ -67,6 +67,14 @@ def test_chat_completions_through_the_openai_client(server, tiny):
     again = client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
                                            max_tokens=5, temperature=0)
     assert again.choices[0].message.content == r.choices[0].message.content  # greedy: the same
+    model, tok = load_tiny(tiny[0])  # and what `ask` answers (the server restores a kept snapshot per request)
+    with Store.open(home / "stores" / "book") as st:
+        from emllm.app.ask import Session
+
+        assert "".join(Session(st, model, tok).answer_text("who hid the key?", 5)).strip() == r.choices[0].message.content
+        other = "".join(Session(st, model, tok).answer_text("and the door?", 5)).strip()
+    assert client.chat.completions.create(model="book", messages=[{"role": "user", "content": "and the door?"}],
+                                          max_tokens=5, temperature=0).choices[0].message.content == other
     chunks = list(client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
                                                  max_tokens=5, temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == r.choices[0].message.content

@@ -239,6 +239,20 @@ class Engine:
                 out[f"layer{w.layer_idx}.{name}"] = t
         return out
 
+    def snapshot(self) -> dict:
+        """A copy of where the stream is now, to come back to with `restore` (a server answers each
+        request from the same point without reading the store's tail again). The layers' memories
+        must be able to forget what is appended after it (`mark`/`truncate`: a read-only store's)."""
+        return {"state": {k: v.clone() for k, v in self.state_dict().items()}, "ids": self.ids.view().clone(),
+                "surprise": self.surprise.view().clone(), "flags": self.flags.view().clone(),
+                "memory": [w.events.mark() for w in self.windows]}
+
+    def restore(self, snap: dict) -> None:
+        """Back to a `snapshot`: events closed since are forgotten, the windows and counters reset."""
+        for w, m in zip(self.windows, snap["memory"]):
+            w.events.truncate(m)
+        self.load_state_dict({k: v.clone() for k, v in snap["state"].items()}, snap["ids"], snap["surprise"], snap["flags"])
+
     def load_state_dict(self, state: dict[str, Tensor], ids: Tensor, surprise: Tensor, flags: Tensor) -> None:
         """Continue a stream: `state` from `state_dict`, and the stream's token arrays [n]."""
         n = int(state["n_tokens"])

@@ -36,6 +36,12 @@ class EventMemory:
     def __len__(self) -> int:
         return self.lengths.n
 
+    def mark(self) -> tuple[int, int]:
+        return self.lengths.n, self.keys.n
+
+    def truncate(self, mark: tuple[int, int]) -> None:
+        raise NotImplementedError("events in RAM are not truncated (their index cannot forget)")
+
     @property
     def n_tokens(self) -> int:
         return self.keys.n

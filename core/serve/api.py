@@ -108,7 +108,7 @@ class Server:
         self.max_tokens, self.api_key = max_tokens, api_key
         self.identity = None
         self.lock = threading.Lock()  # one generation at a time: the model and its attention are shared
-        self.open: dict[str, tuple[float, Store]] = {}  # name -> (manifest mtime, store held open)
+        self.open: dict[str, tuple] = {}  # name -> (manifest mtime, store, session, snapshot, empty)
 
     def store_path(self, name: str) -> Path:
         if not NAME.fullmatch(name):
@@ -119,25 +119,32 @@ class Server:
             raise ApiError(404, f"no store {name!r}: GET /v1/models lists them", param="model", code="model_not_found")
         return path
 
-    def store(self, name: str) -> Store:
-        """The store, held open between requests (opened again when a commit changed it)."""
+    def session(self, name: str) -> tuple[Session, dict, bool]:
+        """The store's session, held between requests with its pending tail already read, and the
+        snapshot each request starts from (read again when a commit changed the store)."""
         path = self.store_path(name)
         mtime = (path / MANIFEST).stat().st_mtime_ns
         held = self.open.get(name)
         if held is not None and held[0] == mtime:
-            return held[1]
+            return held[2], held[3], held[4]
         if held is not None:
             held[1].close()
+            del self.open[name]
         st = Store.open(path)
-        if self.identity is None:  # hashing the weights once, not per store
-            self.identity = identity_of(self.model_name, self.model, self.tok)
         try:
+            if self.identity is None:  # hashing the weights once, not per store
+                self.identity = identity_of(self.model_name, self.model, self.tok)
             st.check_identity(dataclasses.replace(self.identity, model=st.manifest["identity"]["model"]))
-        except StoreError:
+            session = Session(st, self.model, self.tok)
+            if session.tail:
+                session.engine.feed(session.tail)
+            session.tail = []
+            snap = session.engine.snapshot()
+        except BaseException:
             st.close()
             raise
-        self.open[name] = (mtime, st)
-        return st
+        self.open[name] = (mtime, st, session, snap, session.empty)
+        return session, snap, session.empty
 
     def models(self) -> list[dict]:
         out = []
@@ -200,11 +207,12 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
 
         def run() -> Iterator[str | dict]:
             with server.lock:
-                st = server.store(req.model)
-                path = st.path
-                session = Session(st, server.model, server.tok)
+                session, snap, empty = server.session(req.model)
+                session.engine.restore(snap)
+                session.empty = empty
+                path = session.store.path
                 history, question = conversation_ids(session, req.messages)
-                session.tail = session.tail + history
+                session.tail = history
                 pieces = []
                 for piece in session.answer_text(question, limit, sampling, stop):
                     pieces.append(piece)

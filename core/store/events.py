@@ -68,6 +68,21 @@ class StoredEvents:
     def __len__(self) -> int:
         return self.lengths.n
 
+    def mark(self) -> tuple[int, int]:
+        """(events, tokens in RAM) now: what `truncate` comes back to."""
+        return self.lengths.n, self.ram_k.n
+
+    def truncate(self, mark: tuple[int, int]) -> None:
+        """Forget the events a reader closed in RAM after `mark` (the files are never changed)."""
+        events, ram_tokens = mark
+        if self.store.writable:
+            raise ValueError("a writer's events are in the store's files: they are not truncated")
+        if events < self.r.rows or events > self.lengths.n:
+            raise ValueError("a mark of another memory")
+        self.lengths.n = self.starts.n = events
+        self.ram_r.n = events - self.r.rows
+        self.ram_k.n = self.ram_v.n = ram_tokens
+
     @property
     def n_tokens(self) -> int:
         return self.n_disk + self.ram_k.n
