@@ -79,6 +79,14 @@ def test_chat_completions_through_the_openai_client(server, tiny):
                                                  max_tokens=5, temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == r.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    sampled = [client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
+                                              max_tokens=5, temperature=1.0, seed=4,
+                                              extra_body={"top_k": 20, "repetition_penalty": 1.2}).choices[0].message.content
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]  # a seed: the same answer
+    with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
+        client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"repetition_penalty": -1})
     assert store_files(home / "stores" / "book") == before  # not remembered: unchanged
     # errors: OpenAI-style bodies, 4xx
     with pytest.raises(openai.NotFoundError) as e:

@@ -6,7 +6,8 @@
                                    the store is unchanged unless the request sets "remember": true
                                    (then its last exchange is appended and committed; one writer
                                    per store, a second gets 409). "stream": true sends server-sent
-                                   events. Sampling: temperature, top_p, seed, stop, max_tokens.
+                                   events. Sampling: temperature, top_p, seed, stop, max_tokens,
+                                   and (as llama.cpp's server) top_k, repetition_penalty.
 
 The model of every store must be the one the server loaded (refused with 400 otherwise). Requests
 are answered one at a time (the engine is single-threaded); concurrent ones wait their turn.
@@ -62,6 +63,8 @@ class ChatRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
+    top_k: int | None = Field(default=None, ge=0)  # beyond OpenAI's fields, as llama.cpp's server takes them
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     remember: bool = False  # emllm's own: append this exchange to the store
 
 
@@ -202,7 +205,8 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
-        sampling = Sampling.from_model(server.model, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+        sampling = Sampling.from_model(server.model, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                       top_k=req.top_k, repetition_penalty=req.repetition_penalty)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def run() -> Iterator[str | dict]:
