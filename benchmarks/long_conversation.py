@@ -44,7 +44,9 @@ def main() -> None:
     text = prose().split()
     t0 = time.perf_counter()
     with Conversation(path, model, tok) as talk:
-        talk.say_all(FACT, max_new_tokens=16)
+        # the fact after ~120 tokens of other text: past the initial tokens (n_init), which every
+        # step attends to anyway, so it is recalled from an event, or not at all
+        talk.say_all(" ".join(text[-90:]) + " " + FACT, max_new_tokens=16)
         for i in range(a.exchanges - 1):
             words = text[(i * 90) % (len(text) - 90):][:90]
             talk.say_all("Here is more of the text: " + " ".join(words), max_new_tokens=16)
