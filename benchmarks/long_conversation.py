@@ -22,6 +22,7 @@ from emllm import models
 from emllm.app.conversation import Conversation
 from emllm.app.report import retrieval_report
 from emllm.app.stream import create_store
+from emllm.engine.sampling import Sampling
 from emllm.store import Store
 
 FACT = "Please remember this: my locker code is 4721."
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--exchanges", type=int, default=60)
     ap.add_argument("--store", required=True)
     ap.add_argument("--out")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="for every answer (greedy otherwise)")
     a = ap.parse_args()
     path = Path(a.store)
     shutil.rmtree(path, ignore_errors=True)
@@ -42,18 +44,19 @@ def main() -> None:
     st.publish_empty()
     st.close()
     text = prose().split()
+    opts = {"max_new_tokens": 16, "sampling": Sampling(repetition_penalty=a.repetition_penalty)}
     t0 = time.perf_counter()
     with Conversation(path, model, tok) as talk:
         # the fact after ~120 tokens of other text: past the initial tokens (n_init), which every
         # step attends to anyway, so it is recalled from an event, or not at all
-        talk.say_all(" ".join(text[-90:]) + " " + FACT, max_new_tokens=16)
+        talk.say_all(" ".join(text[-90:]) + " " + FACT, **opts)
         for i in range(a.exchanges - 1):
             words = text[(i * 90) % (len(text) - 90):][:90]
-            talk.say_all("Here is more of the text: " + " ".join(words), max_new_tokens=16)
+            talk.say_all("Here is more of the text: " + " ".join(words), **opts)
             if (i + 1) % 10 == 0:
                 with Store.open(path) as s:
                     print(f"{i + 2} exchanges, {s.manifest['rows']['tokens']} tokens, {time.perf_counter() - t0:.0f} s", flush=True)
-        answer = talk.say_all(QUESTION, max_new_tokens=16)
+        answer = talk.say_all(QUESTION, **opts)
     with Store.open(path) as s:
         tokens, events = s.manifest["rows"]["tokens"], s.manifest["rows"]["events"]
         ids = s.tokens.read().tolist()
@@ -63,7 +66,7 @@ def main() -> None:
     spans = [e for e in report["top_events"] if e["tokens"][0] <= at < e["tokens"][1]]
     layers = spans[0]["layers"] if spans else 0
     in_window = at >= report["window_start"] or at < report["initial_tokens"]
-    row = {"exchanges": a.exchanges, "tokens": tokens, "events": events, "fact_at": at, "answer": answer,
+    row = {"exchanges": a.exchanges, "repetition_penalty": a.repetition_penalty, "tokens": tokens, "events": events, "fact_at": at, "answer": answer,
            "found": "4721" in answer, "fact_event_layers": layers, "fact_in_window_or_initial": in_window,
            "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(row))
