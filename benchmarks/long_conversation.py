@@ -5,7 +5,7 @@ it and how many layers retrieved the first exchange's events for the question.
     python -m benchmarks.long_conversation --exchanges 60 --store /var/tmp/talk [--out docs/results/conversation.jsonl]
 
 The conversation is the library's (`Conversation`, as `emllm chat` runs it), greedy, on the
-embedded SmolLM2; each message after the first is ~120 tokens of prose (Python's docs), each
+embedded SmolLM2 unless -m names another model; each message after the first is ~120 tokens of prose (Python's docs), each
 answer at most 16 tokens.
 """
 
@@ -34,13 +34,14 @@ def main() -> None:
     ap.add_argument("--exchanges", type=int, default=60)
     ap.add_argument("--store", required=True)
     ap.add_argument("--out")
+    ap.add_argument("--model", "-m", default="smollm2", help="a profile alias, a local folder or a cached hub id")
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="for every answer (greedy otherwise)")
     a = ap.parse_args()
     path = Path(a.store)
     shutil.rmtree(path, ignore_errors=True)
-    src = models.resolve("smollm2")
+    src = models.resolve(a.model)
     model, tok = models.load(src)
-    st = create_store(path, "smollm2", model, tok, src.profile)
+    st = create_store(path, a.model, model, tok, src.profile)
     st.publish_empty()
     st.close()
     text = prose().split()
