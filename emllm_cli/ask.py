@@ -9,6 +9,8 @@ import typer
 
 from . import render
 from .errors import UserError, guarded
+from .options import (RepetitionPenaltyOpt, SeedOpt, StopOpt, TemperatureOpt, TopKOpt, TopPOpt,
+                      sampling_of)
 from .stores import complete_store_names, existing_store
 
 
@@ -19,12 +21,12 @@ def ask(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Longest answer, in tokens."),
     show_retrieval: bool = typer.Option(False, "--show-retrieval", help="Draw what each layer retrieved, on stderr."),
     kv_cache_mb: int = typer.Option(None, "--kv-cache-mb", min=0, help="RAM for the keys and values of recently retrieved events, all layers (default: the profile's kv_cache_mb, 128; 0: none). Does not change results."),
-    temperature: float = typer.Option(None, "--temperature", min=0.0, help="Sample at this temperature (0: greedy). Default: the model's generation config, else greedy."),
-    top_p: float = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Sample from the smallest set of tokens holding this probability."),
-    top_k: int = typer.Option(None, "--top-k", min=0, help="Sample from the k likeliest tokens (0: all)."),
-    repetition_penalty: float = typer.Option(None, "--repetition-penalty", min=0.0, help="Divide the score of tokens already in the question or the answer (1: none; 1.1-1.3 stops loops)."),
-    seed: int = typer.Option(None, "--seed", help="Seed of the sampling: the same seed, the same answer."),
-    stop: list[str] = typer.Option(None, "--stop", help="End the answer before this text (repeatable)."),
+    temperature: float = TemperatureOpt,
+    top_p: float = TopPOpt,
+    top_k: int = TopKOpt,
+    repetition_penalty: float = RepetitionPenaltyOpt,
+    seed: int = SeedOpt,
+    stop: list[str] = StopOpt,
     remember: bool = typer.Option(False, "--remember", help="Append this exchange (question and answer) to the store, as `emllm chat` does."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
 ) -> None:
@@ -40,7 +42,6 @@ def ask(
     from emllm.app.ask import Session
     from emllm.app.conversation import exchange_ids, remember_exchange
     from emllm.app.stream import open_store
-    from emllm.engine.sampling import Sampling
 
     if question == "-":
         question = sys.stdin.read()
@@ -52,11 +53,7 @@ def ask(
         o = open_store(path, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
     with o:
         st, tok = o.store, o.tok
-        try:
-            sampling = Sampling.from_model(o.model, temperature=temperature, top_p=top_p, top_k=top_k,
-                                           repetition_penalty=repetition_penalty, seed=seed)
-        except ValueError as e:
-            raise UserError(str(e)) from None
+        sampling = sampling_of(o.model, temperature, top_p, top_k, repetition_penalty, seed)
         with render.status("reading the question"):
             session = Session(st, o.model, tok, kv_cache_mb)
         if session.unfinished:

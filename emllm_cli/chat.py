@@ -9,7 +9,8 @@ import typer
 
 from . import render
 from .errors import UserError, guarded
-from .options import ModelOpt, ProfileOpt
+from .options import (ModelOpt, ProfileOpt, RepetitionPenaltyOpt, SeedOpt, StopOpt, TemperatureOpt, TopKOpt,
+                      TopPOpt, sampling_of)
 from .stores import complete_store_names, existing_store, list_stores, store_path
 
 HELP = """commands:
@@ -64,12 +65,12 @@ def chat(
     profile: str = ProfileOpt,
     remember: bool = typer.Option(True, "--remember/--no-remember", help="Append each exchange to the store (default), or leave the store unchanged."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Longest answer, in tokens."),
-    temperature: float = typer.Option(None, "--temperature", min=0.0, help="Sample at this temperature (0: greedy). Default: the model's generation config, else greedy."),
-    top_p: float = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Sample from the smallest set of tokens holding this probability."),
-    top_k: int = typer.Option(None, "--top-k", min=0, help="Sample from the k likeliest tokens (0: all)."),
-    repetition_penalty: float = typer.Option(None, "--repetition-penalty", min=0.0, help="Divide the score of tokens already in the question or the answer (1: none)."),
-    seed: int = typer.Option(None, "--seed", help="Seed of the sampling."),
-    stop: list[str] = typer.Option(None, "--stop", help="End an answer before this text (repeatable)."),
+    temperature: float = TemperatureOpt,
+    top_p: float = TopPOpt,
+    top_k: int = TopKOpt,
+    repetition_penalty: float = RepetitionPenaltyOpt,
+    seed: int = SeedOpt,
+    stop: list[str] = StopOpt,
 ) -> None:
     """Talk with a store: each exchange is answered from its memory and appended to it, so later
     questions (today or days later) recall it, however long the conversation grows.
@@ -84,7 +85,6 @@ def chat(
     from emllm import models
     from emllm.app import stream
     from emllm.app.conversation import Conversation
-    from emllm.engine.sampling import Sampling
     from emllm.store import is_store
 
     if store is None:
@@ -110,11 +110,7 @@ def chat(
         st.publish_empty()
         st.close()
         render.err.print(f"[dim]new store {render.shown(path)}[/dim]")
-    try:
-        sampling = Sampling.from_model(mdl, temperature=temperature, top_p=top_p, top_k=top_k,
-                                       repetition_penalty=repetition_penalty, seed=seed)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    sampling = sampling_of(mdl, temperature, top_p, top_k, repetition_penalty, seed)
     render.err.print(f"[dim]talking with {render.shown(path.name)}"
                      f"{'' if remember else ' (not remembered)'}; /help for commands, Ctrl-D to leave[/dim]")
     with Conversation(path, mdl, tok, remember=remember) as talk:

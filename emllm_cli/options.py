@@ -10,3 +10,24 @@ ModelOpt = typer.Option(
     "or a hub id already in the HF cache. Default: smollm2 (embedded).",
 )
 ProfileOpt = typer.Option(None, "--profile", "-p", help="Built-in profile name or a .yaml file; default: the model's.")
+
+# Sampling, shared by ask and chat (emllm.engine.sampling.Sampling; unset: the model's generation config).
+TemperatureOpt = typer.Option(None, "--temperature", min=0.0, help="Sample at this temperature (0: greedy). Default: the model's generation config, else greedy.")
+TopPOpt = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Sample from the smallest set of tokens holding this probability.")
+TopKOpt = typer.Option(None, "--top-k", min=0, help="Sample from the k likeliest tokens (0: all).")
+RepetitionPenaltyOpt = typer.Option(None, "--repetition-penalty", min=0.0, help="Divide the score of tokens already in the question or the answer (1: none; 1.1-1.3 stops loops).")
+SeedOpt = typer.Option(None, "--seed", help="Seed of the sampling: the same seed, the same answer.")
+StopOpt = typer.Option(None, "--stop", help="End the answer before this text (repeatable).")
+
+
+def sampling_of(model, temperature, top_p, top_k, repetition_penalty, seed):  # type: ignore[no-untyped-def]
+    """The Sampling the options ask for (a bad combination: one line, exit 1)."""
+    from emllm.engine.sampling import Sampling
+
+    from .errors import UserError
+
+    try:
+        return Sampling.from_model(model, temperature=temperature, top_p=top_p, top_k=top_k,
+                                   repetition_penalty=repetition_penalty, seed=seed)
+    except ValueError as e:
+        raise UserError(str(e)) from None
