@@ -2,13 +2,15 @@
 the same size, measured side by side: the runs advance in lockstep, one chunk each in turn, so
 load on the machine hits all of them alike.
 
-    python -m benchmarks.ingest_speed --tokens 32k [--store]
+    python -m benchmarks.ingest_speed --tokens 32k [--store] [--dtypes float32,bfloat16]
 
 The vanilla run streams the same tokens chunk by chunk (same chunk size) through the unpatched
 model (sdpa) with a KV cache cut to the last W = n_init + n_mem + n_local tokens after every
 chunk: the cost of attending to a window as large as emllm's, without any memory management.
 The store run is `emllm ingest`'s loop (commits every 4 chunks, fsync included) into a
-temporary folder. All runs share one model object and the thread count.
+temporary folder. All runs of one dtype share one model object; every run shares the thread
+count. With several --dtypes, the model is loaded once per dtype and all runs of all dtypes
+advance in lockstep (each run's name gets its dtype: emllm-bfloat16, vanilla-float32, ...).
 """
 
 from __future__ import annotations
@@ -51,9 +53,12 @@ def main() -> None:
     ap.add_argument("--tokens", default="32k")
     ap.add_argument("--text", default="prose", choices=["prose", "code", "haystack"])
     ap.add_argument("--store", action="store_true", help="also time the store-backed ingest")
+    ap.add_argument("--dtypes", default="float32", help="compute dtypes, comma-separated (float32, bfloat16)")
     a = ap.parse_args()
     src = models.resolve(a.model)
-    model, tok = models.load(src)
+    dtypes = a.dtypes.split(",")
+    loaded = {dt: models.load(src, dtype=dt) for dt in dtypes}
+    tok = loaded[dtypes[0]][1]
     prof = src.profile
     n = parse_length(a.tokens)
     ids = torch.tensor(corpus_tokens(tok, a.text, n))
@@ -62,24 +67,28 @@ def main() -> None:
     n = ids.numel() - ids.numel() % cs  # whole chunks only, as a store processes them
     ids = ids[:n]
 
-    ram = Engine(model, prof)
-    van = Vanilla(model, w)
-    runs = {"emllm": lambda x: ram.step(x), "vanilla": van.step}
-    tmp = None
-    if a.store:
-        tmp = tempfile.TemporaryDirectory(dir=Path.cwd())
-        st = stream.create_store(Path(tmp.name) / "s", a.model, model, tok, prof)
-        store_eng = stream.open_engine(st, model)
-        st.set_job(ids.to(torch.int32), [{"name": "bench", "start": 0, "tokens": n}])
-        k = {"chunks": 0}
+    runs: dict = {}
+    engines: dict = {}
+    stores: dict = {}
+    tmp = tempfile.TemporaryDirectory(dir=Path.cwd()) if a.store else None
+    for dt in dtypes:
+        model = loaded[dt][0]
+        sfx = "" if len(dtypes) == 1 else f"-{dt}"
+        ram = engines[dt] = Engine(model, prof)
+        runs[f"emllm{sfx}"] = ram.step
+        runs[f"vanilla{sfx}"] = Vanilla(model, w).step
+        if a.store:
+            st = stores[dt] = stream.create_store(Path(tmp.name) / f"s-{dt}", a.model, model, tok, prof)
+            store_eng = stream.open_engine(st, model)
+            st.set_job(ids.to(torch.int32), [{"name": "bench", "start": 0, "tokens": n}])
 
-        def store_step(x):
-            store_eng.step(x)
-            k["chunks"] += 1
-            if k["chunks"] % 4 == 0:
-                ing._commit(st, store_eng, k["chunks"] * cs, complete=False)
+            def store_step(x, st=st, eng=store_eng, k={"chunks": 0}):
+                eng.step(x)
+                k["chunks"] += 1
+                if k["chunks"] % 4 == 0:
+                    ing._commit(st, eng, k["chunks"] * cs, complete=False)
 
-        runs["store"] = store_step
+            runs[f"store{sfx}"] = store_step
     times: dict[str, list[float]] = {m: [] for m in runs}
     for off in range(0, n, cs):
         x = ids[off : off + cs]
@@ -90,17 +99,25 @@ def main() -> None:
     skip = -(-w // cs) + 1  # steady state: the window is full, all runs attend to about W tokens
     res = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-        "model": a.model, "tokens": n, "text": a.text, "window": w, "chunk": cs, "events": ram.n_events,
+        "model": a.model, "tokens": n, "text": a.text, "window": w, "chunk": cs,
+        "events": engines[dtypes[0]].n_events,
     }
     for m, t in times.items():
         res[f"{m}_tok_s"] = round(n / sum(t), 1)
         res[f"{m}_chunk_s_steady"] = round(sum(t[skip:]) / len(t[skip:]), 3)
-    res["ratio_emllm_vs_vanilla_total"] = round(sum(times["emllm"]) / sum(times["vanilla"]), 3)
-    res["ratio_emllm_vs_vanilla_steady"] = round(sum(times["emllm"][skip:]) / sum(times["vanilla"][skip:]), 3)
-    if a.store:
-        res["ratio_store_vs_ram_total"] = round(sum(times["store"]) / sum(times["emllm"]), 3)
-        res["store_bytes_per_token"] = round(sum(st.bytes_on_disk().values()) / n, 1)
-        st.close()
+    steady = lambda m: sum(times[m][skip:])  # noqa: E731
+    for dt in dtypes:
+        sfx = "" if len(dtypes) == 1 else f"-{dt}"
+        res[f"ratio_emllm_vs_vanilla_total{sfx}"] = round(sum(times[f"emllm{sfx}"]) / sum(times[f"vanilla{sfx}"]), 3)
+        res[f"ratio_emllm_vs_vanilla_steady{sfx}"] = round(steady(f"emllm{sfx}") / steady(f"vanilla{sfx}"), 3)
+        if a.store:
+            res[f"ratio_store_vs_ram_total{sfx}"] = round(sum(times[f"store{sfx}"]) / sum(times[f"emllm{sfx}"]), 3)
+            res[f"store_bytes_per_token{sfx}"] = round(sum(stores[dt].bytes_on_disk().values()) / n, 1)
+            stores[dt].close()
+    if len(dtypes) == 2:  # the gain of the second dtype over the first, for emllm and for the window
+        for m in ("emllm", "vanilla"):
+            res[f"gain_{m}_{dtypes[1]}_vs_{dtypes[0]}_steady"] = round(steady(f"{m}-{dtypes[0]}") / steady(f"{m}-{dtypes[1]}"), 3)
+    if tmp is not None:
         tmp.cleanup()
     print(json.dumps(res, indent=2))
 

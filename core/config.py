@@ -50,6 +50,9 @@ class Profile:
     # profiles and stores written before the two were separate meant.
     sketch_threshold: int | None = 20000
     kv_cache_mb: int = 128  # RAM for recently read events' keys and values, all layers (stores; 0: none)
+    # compute dtype: auto is bfloat16 where the device computes it natively (CUDA, CPUs with
+    # AVX-512 BF16 or AMX), else float32. A store records the dtype it was computed in.
+    dtype: str = "auto"
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -96,6 +99,8 @@ def validate(p: Profile, where: str = "") -> Profile:
         raise bad("contiguity_ratio", f"must be a number in [0, 1), got {p.contiguity_ratio!r}")
     if not isinstance(p.contiguity, bool):
         raise bad("contiguity", f"must be true or false, got {p.contiguity!r}")
+    if p.dtype not in ("auto", "float32", "bfloat16"):
+        raise bad("dtype", f"must be auto, float32 or bfloat16, got {p.dtype!r}")
     if p.segmentation not in SEGMENTATIONS:
         raise bad("segmentation", f"must be one of {', '.join(SEGMENTATIONS)}, got {p.segmentation!r}")
     if p.min_block > p.max_block:

@@ -142,9 +142,48 @@ def resolve(model: str | None = None, profile: str | None = None, log: Callable[
     return ModelSource(name, path, prof)
 
 
-def load(source: ModelSource, dtype: str = "auto", device: str | None = None,
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def native_bf16(device: str = "cpu") -> bool:
+    """Whether `device` computes bfloat16 natively: a CUDA device that supports it, or a CPU whose
+    flags say AVX-512 BF16 or AMX-BF16 (Linux /proc/cpuinfo). Read, never guessed: oneDNN runs
+    bfloat16 on any AVX-512 CPU, emulated and slower than float32 there."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device != "cpu":
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def compute_dtype(dtype: str = "auto", device: str = "cpu"):  # -> torch.dtype
+    """The torch dtype for `--dtype`: auto is bfloat16 where `device` computes it natively, else float32."""
+    import torch
+
+    if dtype == "float16":  # a store computed in float16 (on a GPU) opens in it; not offered as a choice
+        return torch.float16
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if dtype == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    return getattr(torch, dtype)
+
+
+def load(source: ModelSource, dtype: str | None = None, device: str | None = None,
          device_map: str | dict | None = None, offload_folder: str | Path | None = None):
-    """(model, tokenizer) from a resolved source; float32 on CPU, bfloat16 on CUDA by default.
+    """(model, tokenizer) from a resolved source, computing in `dtype` (auto, float32, bfloat16;
+    None: $EMLLM_DTYPE if set, else the profile's, whose default is auto: bfloat16 where the device
+    computes it natively).
 
     device_map: accelerate's, instead of one device ("auto", or {module name: device, "cpu" or
     "disk"}): the model is split as it loads, and the engine keeps each layer's memory on the device
@@ -153,10 +192,10 @@ def load(source: ModelSource, dtype: str = "auto", device: str | None = None,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype == "auto":
-        dt = torch.bfloat16 if dev.startswith("cuda") else torch.float32
-    else:
-        dt = getattr(torch, dtype)
+    env = os.environ.get("EMLLM_DTYPE")
+    if dtype is None and env and env not in DTYPES:
+        raise ProfileError(f"EMLLM_DTYPE={env!r}: use one of {', '.join(DTYPES)}")
+    dt = compute_dtype(dtype or env or source.profile.dtype, dev)
     if device_map is not None:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dt, local_files_only=True,
                                                      device_map=device_map, offload_folder=offload_folder)
@@ -207,4 +246,4 @@ def config_hash(model) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-__all__ = ["resolve", "load", "stop_token_ids", "ModelSource", "ModelNotFoundError", "ProfileError", "config_hash", "DEFAULT_MODEL", "device_of", "input_device"]
+__all__ = ["resolve", "load", "compute_dtype", "native_bf16", "DTYPES", "stop_token_ids", "ModelSource", "ModelNotFoundError", "ProfileError", "config_hash", "DEFAULT_MODEL", "device_of", "input_device"]

@@ -9,7 +9,7 @@ import typer
 
 from . import render
 from .errors import UserError, guarded
-from .options import (ModelOpt, ProfileOpt, RepetitionPenaltyOpt, SeedOpt, StopOpt, TemperatureOpt, TopKOpt,
+from .options import (DtypeOpt, ModelOpt, ProfileOpt, RepetitionPenaltyOpt, SeedOpt, StopOpt, TemperatureOpt, TopKOpt,
                       TopPOpt, sampling_of)
 from .stores import complete_store_names, existing_store, list_stores, store_path
 
@@ -63,6 +63,7 @@ def chat(
                               autocompletion=complete_store_names),
     model: str = ModelOpt,
     profile: str = ProfileOpt,
+    dtype: str = DtypeOpt,
     remember: bool = typer.Option(True, "--remember/--no-remember", help="Append each exchange to the store (default), or leave the store unchanged."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Longest answer, in tokens."),
     temperature: float = TemperatureOpt,
@@ -94,7 +95,7 @@ def chat(
     log = lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]")  # noqa: E731
     if is_store(path):
         with render.status(f"loading the model of {render.shown(path.name)}"):
-            o = stream.open_store(path, model=model, profile=profile, log=log)
+            o = stream.open_store(path, model=model, profile=profile, log=log, dtype=dtype)
         o.close()
         mdl, tok = o.model, o.tok
     else:
@@ -104,7 +105,7 @@ def chat(
             raise UserError(f"no store at {path}: with --no-remember a conversation needs a store to talk with")
         src = models.resolve(model, profile, log=log)
         with render.status(f"loading {render.shown(src.name)}"):
-            mdl, tok = models.load(src)
+            mdl, tok = models.load(src, dtype=dtype)
         name = str(src.path.resolve()) if Path(src.name).exists() else src.name
         st = stream.create_store(path, name, mdl, tok, src.profile)
         st.publish_empty()

@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from . import render
 from .errors import UserError, guarded
-from .options import ModelOpt, ProfileOpt
+from .options import DtypeOpt, ModelOpt, ProfileOpt
 from .stores import complete_store_names, store_path
 
 
@@ -19,6 +19,7 @@ def ingest(
     paths: list[str] = typer.Argument(None, metavar="PATH", help="Text files to ingest in order (- for stdin)."),
     model: str = ModelOpt,
     profile: str = ProfileOpt,
+    dtype: str = DtypeOpt,
     store: str = typer.Option(None, "--store", "-s", help="Store name (under the emllm home) or path; default: the first file's name.", autocompletion=complete_store_names),
     append: bool = typer.Option(False, "--append", help="Add the documents to an existing store."),
     resume: bool = typer.Option(False, "--resume", help="Finish an interrupted ingest (needs no files)."),
@@ -95,12 +96,12 @@ def ingest(
             raise typer.BadParameter("this store's stream is in the model's chat template (set when it was "
                                      "created): omit --raw, or ingest into a new store", param_hint="--raw")
         with render.status(f"loading the model of {render.shown(path.name)} and opening it"):
-            opened = stream.open_store(path, writable=True, model=model, profile=profile, log=log)
+            opened = stream.open_store(path, writable=True, model=model, profile=profile, log=log, dtype=dtype)
         st, mdl, tok = opened.store, opened.model, opened.tok
     else:
         src = models.resolve(model, profile, log=log)
         with render.status(f"loading {render.shown(src.name)}"):
-            mdl, tok = models.load(src)
+            mdl, tok = models.load(src, dtype=dtype)
         name = str(src.path.resolve()) if Path(src.name).exists() else src.name
         st = stream.create_store(path, name, mdl, tok, src.profile, chat=not raw)
 

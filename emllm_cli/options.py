@@ -11,6 +11,19 @@ ModelOpt = typer.Option(
 )
 ProfileOpt = typer.Option(None, "--profile", "-p", help="Built-in profile name or a .yaml file; default: the model's.")
 
+
+def _dtype(value: str | None) -> str | None:
+    if value is not None and value not in ("auto", "float32", "bfloat16"):
+        raise typer.BadParameter(f"{value!r} is not one of auto, float32, bfloat16")
+    return value
+
+
+DtypeOpt = typer.Option(
+    None, "--dtype", callback=_dtype, metavar="auto|float32|bfloat16",
+    help="Compute dtype: auto (bfloat16 where the processor computes it natively: CUDA, AVX-512 BF16 or AMX; "
+    "else float32), float32, bfloat16. Default: the profile's (auto). A store keeps the dtype it was made in.",
+)
+
 # Sampling, shared by ask and chat (emllm.engine.sampling.Sampling; unset: the model's generation config).
 TemperatureOpt = typer.Option(None, "--temperature", min=0.0, help="Sample at this temperature (0: greedy). Default: the model's generation config, else greedy.")
 TopPOpt = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Sample from the smallest set of tokens holding this probability.")

@@ -12,7 +12,7 @@ from rich.live import Live
 
 from . import render
 from .errors import UserError, guarded
-from .options import ModelOpt, ProfileOpt
+from .options import DtypeOpt, ModelOpt, ProfileOpt
 
 
 def _items(value: str, what: str, example: str) -> list[str]:
@@ -51,6 +51,7 @@ def passkey(
     baseline: bool = typer.Option(False, "--baseline", help="Also run the plain model, truncated from the left to its context."),
     model: str = ModelOpt,
     profile: str = ProfileOpt,
+    dtype: str = DtypeOpt,
     memory_dir: Path = typer.Option(None, "--memory-dir", file_okay=False, help="Keep emllm's memory on disk, in temporary stores under this folder (removed at the end; with --resume, kept until the grid completes): RAM stays bounded. Needed from a few hundred thousand tokens (SmolLM2 keeps 46 kB of keys and values per token). The filler before the needles, the same in every haystack, is then read once for the whole grid (trials run in the order of their needle's position; same results), at the cost of up to two stores' size on disk (with less free, a trial continues the shared store itself, which is cut back after it)."),
     resume: bool = typer.Option(False, "--resume", help="With --memory-dir: keep the grid's progress there (the trials answered, and the stores of the filler and of the trial under way, committed every 64 chunks), so that the same command, run again after a kill, a crash or Ctrl-C, carries on where it stopped instead of starting over. Removed when the grid completes."),
     as_json: bool = typer.Option(False, "--json", help="Print all results as one JSON document."),
@@ -78,7 +79,7 @@ def passkey(
     log = lambda m: render.err.print(f"[dim]{m}[/dim]")  # noqa: E731
     src = models.resolve(model, profile, log=log)
     with render.status(f"loading {render.shown(src.name)}"):
-        mdl, tok = models.load(src)
+        mdl, tok = models.load(src, dtype=dtype)
     methods = ["emllm"] + (["baseline"] if baseline else [])
     n_trials = len(ls) * len(ds) * trials * len(methods)
     if memory_dir and not resume and (memory_dir / TrunkStores.KEPT).exists():

@@ -13,7 +13,7 @@ import typer
 from . import render
 from .errors import UserError, guarded
 from .inputs import read_text
-from .options import ModelOpt, ProfileOpt
+from .options import DtypeOpt, ModelOpt, ProfileOpt
 
 PREVIEW = 60
 
@@ -30,6 +30,7 @@ def segment(
     gamma: float = typer.Option(None, "--gamma", help="Surprise threshold: mean + gamma * std (default: the profile's)."),
     model: str = ModelOpt,
     profile: str = ProfileOpt,
+    dtype: str = DtypeOpt,
     out: Path = typer.Option(None, "--out", "-o", help="Write the JSON document to this file."),
     with_metrics: bool = typer.Option(False, "--metrics", help="Also score the segmentation against random."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random segmentation."),
@@ -63,7 +64,7 @@ def segment(
     src = models.resolve(model, profile, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
     prof = src.profile.replace(segmentation="S", **({"gamma": gamma} if gamma is not None else {}))
     with render.status(f"loading {render.shown(src.name)}"):
-        mdl, tok = models.load(src)
+        mdl, tok = models.load(src, dtype=dtype)
     if not getattr(tok, "is_fast", False):
         raise UserError(f"the tokenizer of {src.name} has no fast (Rust) version: segment needs its character offsets")
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)

@@ -9,7 +9,7 @@ import typer
 
 from . import render
 from .errors import UserError, guarded
-from .options import ModelOpt, ProfileOpt
+from .options import DtypeOpt, ModelOpt, ProfileOpt
 
 
 def _loopback(host: str) -> bool:
@@ -28,6 +28,7 @@ def serve(
     api_key: str = typer.Option(None, "--api-key", envvar="EMLLM_API_KEY", help="Require 'Authorization: Bearer KEY' (or set EMLLM_API_KEY)."),
     model: str = ModelOpt,
     profile: str = ProfileOpt,
+    dtype: str = DtypeOpt,
     max_tokens: int = typer.Option(2048, "--max-tokens", min=1, help="The most tokens a request may ask for."),
 ) -> None:
     """Serve the stores under the emllm home through an OpenAI-compatible API: a request names a
@@ -51,7 +52,7 @@ def serve(
 
     src = models.resolve(model, profile, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
     with render.status(f"loading {render.shown(src.name)}"):
-        mdl, tok = models.load(src)
+        mdl, tok = models.load(src, dtype=dtype)
     server = Server(stores_dir(), mdl, tok, src.name, max_tokens=max_tokens, api_key=api_key)
     render.err.print(f"serving the stores under {render.shown(stores_dir())} at http://{host}:{port}/v1 "
                      f"(model {render.shown(src.name)}{', API key required' if api_key else ''}); Ctrl-C stops")

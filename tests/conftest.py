@@ -11,6 +11,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Mistr
 from emllm.config import load_profile
 from .helpers import TINY_PROFILE
 
+# Every model the tests load (in process and through the CLI) computes in float32 unless a test
+# asks for another dtype: auto would be bfloat16 on some machines and float32 on others, and the
+# exact figures the tests compare must not depend on the machine. bfloat16 has its own tests.
+os.environ["EMLLM_DTYPE"] = "float32"
+
 # OMP_NUM_THREADS=1 beside a benchmark: two threads on a core already busy run ~30x slower.
 torch.set_num_threads(max(1, min(int(os.environ.get("OMP_NUM_THREADS", 2)), os.cpu_count() or 1)))
 

@@ -96,9 +96,10 @@ def test_fast_path_equals_naive_reference(step, contiguity, monkeypatch):
     [(4, 2, 8, 20, 13, 1), (3, 3, 1, 9, 5, 1), (6, 2, 5, 5, 0, 1), (4, 1, 1, 1, 0, 1), (9, 3, 16, 40, 1, 1),
      (8, 2, 1, 7, 6, 1), (6, 3, 4, 4, 3, 1), (4, 2, 6, 10, 9, 6)],  # GQA decode with memory, L == c, memory dominant
 )
-@pytest.mark.parametrize("path", ["flash", "materialised"])
+@pytest.mark.parametrize("path", ["flash", "materialised", "fused"])
 def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, mem_scale, path):
-    """Output and per-key attention mass with both memory paths against the softmax over the
+    """Output and per-key attention mass on every path (the memory from the flash kernel or
+    written out; everything from the fused kernel, the mass too) against the softmax over the
     concatenated logits in float64 (chunk, decoding, no memory, no older window, MHA and GQA)."""
     from emllm.math import attention
     gen = torch.Generator().manual_seed(h_q * 100 + c * 10 + length + m)
@@ -107,9 +108,12 @@ def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, mem
     q, qm = r(h_q, c, d), r(h_q, c, d) * mem_scale
     k, v, km, vm = r(h_kv, length, d), r(h_kv, length, d), r(h_kv, m, d) * mem_scale, r(h_kv, m, d)
     memory = attention._memory_flash if path == "flash" else attention._memory_materialised
-    if path == "flash" and attention._FLASH_CPU is None:
+    if path != "materialised" and attention._FLASH_CPU is None:
         pytest.skip("this torch has no CPU flash kernel")
-    out, mass = attention._attend(q, k, v, qm if m else None, km if m else None, vm if m else None, scaling, memory)
+    if path == "fused":
+        out, mass = attention._attend_fused(q, k, v, qm if m else None, km if m else None, vm if m else None, scaling)
+    else:
+        out, mass = attention._attend(q, k, v, qm if m else None, km if m else None, vm if m else None, scaling, memory)
     g = h_q // h_kv
     want_out = torch.zeros(h_q, c, d, dtype=torch.float64)
     want_mass = torch.zeros(h_q, length, dtype=torch.float64)
@@ -124,9 +128,11 @@ def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, mem
     torch.testing.assert_close(mass.double(), want_mass, atol=1e-6, rtol=1e-5)
 
 
-def test_attention_keeps_the_mass_in_float32_for_bf16_inputs():
-    """bf16 queries/keys/values: the window's scores and probabilities stay in float32, so the mass
-    (which picks an event's representative tokens) is as exact as the bf16 inputs allow."""
+@pytest.mark.parametrize("path", ["written-out", "fused"])
+def test_attention_keeps_the_mass_in_float32_for_bf16_inputs(path):
+    """bf16 queries/keys/values: the mass (which picks an event's representative tokens) is summed
+    in float32 from float32 probabilities, so it is as exact as the bf16 inputs allow, on both
+    paths: the window's probabilities written out in float32, and the fused kernel run both ways."""
     from emllm.math import attention
     if attention._FLASH_CPU is None:
         pytest.skip("this torch has no CPU flash kernel")
@@ -135,7 +141,10 @@ def test_attention_keeps_the_mass_in_float32_for_bf16_inputs():
     r = lambda *s: (torch.randn(*s, generator=gen) * 2).to(torch.bfloat16)  # noqa: E731
     q, qm, k, v, km, vm = r(h_q, c, d), r(h_q, c, d), r(h_kv, length, d), r(h_kv, length, d), r(h_kv, m, d), r(h_kv, m, d)
     scaling = d**-0.5
-    out, mass = attention._attend(q, k, v, qm, km, vm, scaling, attention._memory_flash)
+    if path == "fused":
+        out, mass = attention._attend_fused(q, k, v, qm, km, vm, scaling)
+    else:
+        out, mass = attention._attend(q, k, v, qm, km, vm, scaling, attention._memory_flash)
     g = h_q // h_kv
     want_mass = torch.zeros(h_q, length, dtype=torch.float64)
     want_out = torch.zeros(h_q, c, d, dtype=torch.float64)

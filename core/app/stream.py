@@ -8,6 +8,7 @@ check identity: one way, for every command), and an engine continuing its stream
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -93,7 +94,11 @@ def store_profile(store: Store) -> Profile:
 def open_engine(store: Store, model: Any, kv_cache_mb: int | None = None) -> Engine:
     """An engine that continues the store's stream: its events are the store's, its state the
     last committed one. kv_cache_mb: RAM for recently read events (None: the profile's)."""
-    if (mine := geometry_of(model)) != store.geometry:
+    mine = geometry_of(model)
+    if mine.dtype != store.geometry.dtype and dataclasses.replace(mine, dtype=store.geometry.dtype) == store.geometry:
+        raise StoreError(f"{store.path}: the store computes in {store.geometry.dtype}, this model in {mine.dtype}: "
+                         f"load the model with --dtype {store.geometry.dtype}")
+    if mine != store.geometry:
         raise StoreError(f"{store.path}: the store's geometry ({_geometry_text(store.geometry)}) is not this "
                          f"model's ({_geometry_text(mine)}): the store is damaged, or of another model")
     engine = Engine(model, store_profile(store), memory=lambda i: StoredEvents(store, i, kv_cache_mb))
@@ -144,11 +149,14 @@ class OpenStore:
 
 
 def open_store(path: Path, writable: bool = False, model: str | None = None, profile: str | None = None,
-               log: Callable[[str], None] | None = None) -> OpenStore:
+               log: Callable[[str], None] | None = None, dtype: str | None = None) -> OpenStore:
     """Open the store at `path` with its model: the one it records, or `model` (another name for the
     same weights, e.g. a moved folder), loaded and checked against the store's identity (config,
     weights, tokenizer); `profile`, if given, must be the store's. Raises StoreError (or a subclass:
-    ModelMismatchError), ProfileMismatchError, or the model's errors; the store is closed then."""
+    ModelMismatchError), ProfileMismatchError, or the model's errors; the store is closed then.
+
+    The model computes in the dtype the store was computed in (its stream continues exactly);
+    `dtype`, if given, must resolve to that one."""
     st = Store.open(path, writable=writable)
     try:
         name = st.manifest["identity"]["model"]
@@ -156,7 +164,11 @@ def open_store(path: Path, writable: bool = False, model: str | None = None, pro
         prof = store_profile(st)
         if profile is not None and models.load_profile(profile) != prof:
             raise ProfileMismatchError(f"the store uses profile {prof.name!r}; a store keeps one profile")
-        mdl, tok = models.load(src)
+        stored = st.geometry.dtype
+        if dtype is not None and str(models.compute_dtype(dtype)).removeprefix("torch.") != stored:
+            raise StoreError(f"{path}: the store computes in {stored} (fixed when it was created); "
+                             f"--dtype {dtype} cannot continue it: omit --dtype, or ingest into a new store")
+        mdl, tok = models.load(src, dtype=stored)
         st.check_identity(identity_of(name, mdl, tok))
     except BaseException:
         st.close()
