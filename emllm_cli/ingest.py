@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from . import render
 from .errors import UserError, guarded
-from .options import DtypeOpt, ModelOpt, ProfileOpt
+from .options import DtypeOpt, FormatOpt, ModelOpt, ProfileOpt
 from .stores import complete_store_names, store_path
 
 
@@ -20,6 +20,7 @@ def ingest(
     model: str = ModelOpt,
     profile: str = ProfileOpt,
     dtype: str = DtypeOpt,
+    kv_format: str = FormatOpt,
     store: str = typer.Option(None, "--store", "-s", help="Store name (under the emllm home) or path; default: the first file's name.", autocompletion=complete_store_names),
     append: bool = typer.Option(False, "--append", help="Add the documents to an existing store."),
     resume: bool = typer.Option(False, "--resume", help="Finish an interrupted ingest (needs no files)."),
@@ -98,12 +99,16 @@ def ingest(
         with render.status(f"loading the model of {render.shown(path.name)} and opening it"):
             opened = stream.open_store(path, writable=True, model=model, profile=profile, log=log, dtype=dtype)
         st, mdl, tok = opened.store, opened.model, opened.tok
+        if kv_format not in (None, "auto", st.kv_format.name):
+            opened.close()
+            raise UserError(f"store {store!r} keeps keys and values in {st.kv_format.name} (fixed when it was "
+                            f"created): omit --format, or ingest into a new store")
     else:
         src = models.resolve(model, profile, log=log)
         with render.status(f"loading {render.shown(src.name)}"):
             mdl, tok = models.load(src, dtype=dtype)
         name = str(src.path.resolve()) if Path(src.name).exists() else src.name
-        st = stream.create_store(path, name, mdl, tok, src.profile, chat=not raw)
+        st = stream.create_store(path, name, mdl, tok, src.profile, chat=not raw, kv_format=kv_format)
 
     with st:
         engine = stream.open_engine(st, mdl, kv_cache_mb)

@@ -25,7 +25,8 @@ def store_rows() -> list[dict]:
             status = "complete" if job.get("complete", True) else "incomplete"
         rows.append({
             "name": path.name, "path": str(path), "status": status,
-            "model": (m.get("identity") or {}).get("model"), "format": (m.get("geometry") or {}).get("dtype"),
+            "model": (m.get("identity") or {}).get("model"), "dtype": (m.get("geometry") or {}).get("dtype"),
+            "format": m.get("kv_format") or (m.get("geometry") or {}).get("dtype"),
             "tokens": (m.get("rows") or {}).get("tokens", 0) + (pending_count(m) if status != "damaged" else 0),
             "events": (m.get("rows") or {}).get("events"),
             "bytes": folder_bytes(path), "updated": m.get("updated"),

@@ -18,6 +18,21 @@ def _dtype(value: str | None) -> str | None:
     return value
 
 
+KV_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
+
+
+def _kv_format(value: str | None) -> str | None:
+    if value is not None and value not in KV_FORMATS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(KV_FORMATS)}")
+    return value
+
+
+FormatOpt = typer.Option(
+    None, "--format", callback=_kv_format, metavar="auto|float32|bfloat16|int8|int4",
+    help="How a new store keeps keys and values: auto (the compute dtype: lossless, bfloat16 halves "
+    "float32), int8 (~0.3x float32's disk), int4 (~0.18x); integer formats quantise each token in "
+    "groups of 32 channels with their scales. Fixed when the store is created.",
+)
 DtypeOpt = typer.Option(
     None, "--dtype", callback=_dtype, metavar="auto|float32|bfloat16",
     help="Compute dtype: auto (bfloat16 where the processor computes it natively: CUDA, AVX-512 BF16 or AMX; "

@@ -12,7 +12,7 @@ from rich.live import Live
 
 from . import render
 from .errors import UserError, guarded
-from .options import DtypeOpt, ModelOpt, ProfileOpt
+from .options import DtypeOpt, FormatOpt, ModelOpt, ProfileOpt
 
 
 def _items(value: str, what: str, example: str) -> list[str]:
@@ -52,6 +52,7 @@ def passkey(
     model: str = ModelOpt,
     profile: str = ProfileOpt,
     dtype: str = DtypeOpt,
+    kv_format: str = FormatOpt,
     memory_dir: Path = typer.Option(None, "--memory-dir", file_okay=False, help="Keep emllm's memory on disk, in temporary stores under this folder (removed at the end; with --resume, kept until the grid completes): RAM stays bounded. Needed from a few hundred thousand tokens (SmolLM2 keeps 46 kB of keys and values per token). The filler before the needles, the same in every haystack, is then read once for the whole grid (trials run in the order of their needle's position; same results), at the cost of up to two stores' size on disk (with less free, a trial continues the shared store itself, which is cut back after it)."),
     resume: bool = typer.Option(False, "--resume", help="With --memory-dir: keep the grid's progress there (the trials answered, and the stores of the filler and of the trial under way, committed every 64 chunks), so that the same command, run again after a kill, a crash or Ctrl-C, carries on where it stopped instead of starting over. Removed when the grid completes."),
     as_json: bool = typer.Option(False, "--json", help="Print all results as one JSON document."),
@@ -84,11 +85,15 @@ def passkey(
     n_trials = len(ls) * len(ds) * trials * len(methods)
     if memory_dir and not resume and (memory_dir / TrunkStores.KEPT).exists():
         log(f"{memory_dir / TrunkStores.KEPT} holds the progress of a run with --resume: add --resume to carry it on")
-    engines = TrunkStores(mdl, tok, src.profile, memory_dir, src.name, log=log, keep=resume) if memory_dir else None
+    if kv_format not in (None, "auto") and memory_dir is None:
+        raise typer.BadParameter("a store format needs stores: add --memory-dir", param_hint="'--format'")
+    engines = TrunkStores(mdl, tok, src.profile, memory_dir, src.name, log=log, keep=resume,
+                          kv_format=None if kv_format == "auto" else kv_format) if memory_dir else None
     # With --resume, every answer is on disk before the next trial starts, in the folder the stores
     # are kept in (locked: ours alone), and a later run of the same grid takes them.
     journal = engines.folder / "passkey-results.jsonl" if resume else None
-    grid = {"model": src.name, "profile": asdict(src.profile), "seed": seed, "lengths": ls, "depths": ds,
+    grid = {"model": src.name, "profile": asdict(src.profile), "dtype": str(mdl.dtype).removeprefix("torch."),
+            "kv_format": kv_format or "auto", "seed": seed, "lengths": ls, "depths": ds,
             "trials": trials, "baseline": baseline}
     interrupted, finished = False, False
     try:

@@ -27,10 +27,10 @@ H_Q, H_KV, D = 9, 3, 64  # SmolLM2-135M's heads and head size (model_like)
 EMLLM = shutil.which("emllm", path=str(Path(sys.executable).parent)) or "emllm"
 
 
-def run(*args: str, home: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+def run(*args: str, home: Path, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     from emllm.home import models_dir
 
-    env = {**os.environ, "EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run([EMLLM, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -62,9 +62,10 @@ def load_tiny(folder: Path):
     return m, AutoTokenizer.from_pretrained(folder)
 
 
-def ingest_store(path: Path, folder: Path, prof: Path, docs: list[tuple[str, str]], commit_every: int = 2) -> None:
+def ingest_store(path: Path, folder: Path, prof: Path, docs: list[tuple[str, str]], commit_every: int = 2,
+                 kv_format: str | None = None) -> None:
     model, tok = load_tiny(folder)
-    with stream.create_store(path, str(folder), model, tok, load_profile_file(prof)) as st:
+    with stream.create_store(path, str(folder), model, tok, load_profile_file(prof), kv_format=kv_format) as st:
         engine = stream.open_engine(st, model)
         ing.add_documents(st, tok, docs)
         ing.run_job(st, engine, commit_every)

@@ -174,13 +174,15 @@ def _wait_for_commit(store: Path, proc: subprocess.Popen, at_least: int) -> bool
 
 
 @pytest.mark.slow
-def test_kill_9_then_resume_equals_an_uninterrupted_ingest(tiny, tmp_path):
+@pytest.mark.parametrize("kv_format", ["auto", "int4"])  # int4: codes and scales, rows of bytes
+def test_kill_9_then_resume_equals_an_uninterrupted_ingest(tiny, tmp_path, kv_format):
     folder, prof, _, _ = tiny
     prof = _sketching(prof, tmp_path)
     doc = tmp_path / "doc.txt"
     doc.write_text(words(4, 3000))
     ref = tmp_path / "ref"
-    r = run("ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", str(ref), "--commit-every", "1", home=tmp_path)
+    r = run("ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", str(ref), "--commit-every", "1",
+            "--format", kv_format, home=tmp_path)
     assert r.returncode == 0, r.stderr
     total = json.loads((ref / "manifest.json").read_text())["rows"]["tokens"]
 
@@ -189,7 +191,8 @@ def test_kill_9_then_resume_equals_an_uninterrupted_ingest(tiny, tmp_path):
     env = {**os.environ, "EMLLM_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
 
     kills = 0
-    first = [EMLLM, "ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", str(store), "--commit-every", "1"]
+    first = [EMLLM, "ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", str(store), "--commit-every", "1",
+             "--format", kv_format]
     resume = [EMLLM, "ingest", "--resume", "--store", str(store), "--commit-every", "1"]
     args = first
     committed = 0

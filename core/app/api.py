@@ -79,14 +79,15 @@ class Memory:
 
 
 def create(path: str | Path, model: str | None = None, profile: str | None = None, chat: bool = True,
-           log: Callable[[str], None] | None = None, dtype: str | None = None) -> Memory:
+           log: Callable[[str], None] | None = None, dtype: str | None = None, kv_format: str | None = None) -> Memory:
     """A new, empty store at `path` for `model` (a profile alias, a local folder or a cached hub id;
     default: the embedded SmolLM2), computing in `dtype` (auto, float32, bfloat16; None: the
-    profile's, auto by default). It takes its name at its first ingest."""
+    profile's, auto by default), keeping keys and values in `kv_format` (None: the compute dtype;
+    bfloat16, int8, int4). It takes its name at its first ingest."""
     src = models.resolve(model, profile, log=log)
     mdl, tok = models.load(src, dtype=dtype)
     name = str(src.path.resolve()) if Path(src.name).exists() else src.name
-    st = create_store(Path(path), name, mdl, tok, src.profile, chat=chat)
+    st = create_store(Path(path), name, mdl, tok, src.profile, chat=chat, kv_format=kv_format)
     return Memory(OpenStore(st, mdl, tok, src))
 
 

@@ -33,9 +33,9 @@ def bytes_per_token(store: Store) -> float:
     """Bytes a store grows by per token read: keys and values of every layer, a share of a
     representative key (one per event; events are at least min_block tokens), the token arrays."""
     g, prof = store.geometry, store.manifest["profile"]
-    size = {"float32": 4, "float16": 2, "bfloat16": 2}[g.dtype]
-    kv = g.layers * 2 * g.kv_heads * g.head_dim * size
-    reprs = g.layers * g.q_heads * g.head_dim * size / max(1, prof.get("min_block", 1))
+    fmt = store.kv_format
+    kv = g.layers * 2 * fmt.row_bytes(g.kv_heads, g.head_dim)
+    reprs = g.layers * g.q_heads * g.head_dim * fmt.repr_dtype.itemsize / max(1, prof.get("min_block", 1))
     return kv + reprs + 4 + 4 + 1
 
 

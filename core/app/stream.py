@@ -78,12 +78,15 @@ def encode_framing(tok: Any, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def create_store(path: Path, model_name: str, model: Any, tok: Any, profile: Profile, chat: bool = True) -> Store:
+def create_store(path: Path, model_name: str, model: Any, tok: Any, profile: Profile, chat: bool = True,
+                 kv_format: str | None = None) -> Store:
+    """A new store for `model`; keys and values kept in `kv_format` (float32, bfloat16, int8, int4;
+    None or "auto": the model's compute dtype, lossless)."""
     check_supported(model)  # before its geometry is read: an unsupported config may lack the fields
     fmt = StreamFormat.for_tokenizer(tok, chat)
     return Store.create(
         path, identity_of(model_name, model, tok), profile_dict(profile), geometry_of(model),
-        extra={"stream": asdict(fmt)},
+        extra={"stream": asdict(fmt)}, kv=None if kv_format == "auto" else kv_format,
     )
 
 

@@ -40,10 +40,12 @@ from emllm.store.files import fsync_dir, write_atomic
 class ScratchStores:
     """A factory of engines, each over a new temporary store under `root` (one alive at a time)."""
 
-    def __init__(self, model: Any, tok: Any, profile: Profile, root: Path | str, name: str = "scratch") -> None:
+    def __init__(self, model: Any, tok: Any, profile: Profile, root: Path | str, name: str = "scratch",
+                 kv_format: str | None = None) -> None:
         # Retrieval by a store's writer is an exact scan whatever its sketch (emllm.store.StoredEvents),
         # and nobody reads these stores but their writer: no sketch to fit and refit.
         self.model, self.tok, self.profile, self.name = model, tok, profile.replace(sketch_threshold=None), name
+        self.kv_format = kv_format  # how the stores keep keys and values (None: the compute dtype)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._store: Store | None = None
@@ -57,7 +59,8 @@ class ScratchStores:
     def _new_store(self, kind: str) -> tuple[Path, Store]:
         """A new empty store in a new folder under root: (folder, store at folder/store)."""
         folder = Path(tempfile.mkdtemp(prefix=f"emllm-{kind}-", dir=self.root))
-        return folder, create_store(folder / "store", self.name, self.model, self.tok, self.profile, chat=False)
+        return folder, create_store(folder / "store", self.name, self.model, self.tok, self.profile, chat=False,
+                            kv_format=self.kv_format)
 
     def close_engine(self) -> None:
         """Remove the current engine's store (the engine must not be used after)."""
@@ -103,8 +106,9 @@ class TrunkStores(ScratchStores):
     MARK = "trunk-mark"  # in the folder: the trunk an engine took, to cut its store back to
 
     def __init__(self, model: Any, tok: Any, profile: Profile, root: Path | str, name: str = "scratch",
-                 log: Callable[[str], None] | None = None, keep: bool = False, commit_every: int = 64) -> None:
-        super().__init__(model, tok, profile, root, name)
+                 log: Callable[[str], None] | None = None, keep: bool = False, commit_every: int = 64,
+                 kv_format: str | None = None) -> None:
+        super().__init__(model, tok, profile, root, name, kv_format)
         self.log = log or (lambda _m: None)
         self.keep = keep
         self.commit_every = commit_every if keep else 1 << 30  # a throwaway store commits once, at the end
@@ -190,7 +194,8 @@ class TrunkStores(ScratchStores):
             tmp.rename(branch)
         else:
             branch.mkdir(parents=True)
-            self._store = create_store(branch / "store", self.name, self.model, self.tok, self.profile, chat=False)
+            self._store = create_store(branch / "store", self.name, self.model, self.tok, self.profile, chat=False,
+                            kv_format=self.kv_format)
             return
         self.shared_tokens += k
         self._store = Store.open(branch / "store", writable=True)
@@ -262,9 +267,12 @@ class TrunkStores(ScratchStores):
     def _bytes_per_token(self) -> float:
         """A store's bytes per token, over-estimated: keys and values, and a representative key
         per event of the shortest size."""
+        from emllm.memory.quant import kv_format
+
         g = geometry_of(self.model)
-        elem = torch.empty(0, dtype=getattr(torch, g.dtype)).element_size()
-        return g.layers * (2 * g.kv_heads + g.q_heads / self.profile.min_block) * g.head_dim * elem + 16
+        fmt = kv_format(self.kv_format or g.dtype, g.head_dim)
+        reprs = g.q_heads * g.head_dim * fmt.repr_dtype.itemsize / self.profile.min_block
+        return g.layers * (2 * fmt.row_bytes(g.kv_heads, g.head_dim) + reprs) + 16
 
     def _reopen(self, path: Path, ids: torch.Tensor) -> tuple[Store, Engine] | None:
         """The store at path, writable, and its engine, if an earlier process left one that this
@@ -282,6 +290,7 @@ class TrunkStores(ScratchStores):
             held = torch.cat((store.tokens.read().long(), torch.tensor(pending_tokens(store), dtype=torch.long)))
             if (identity["model"] == self.name and store.manifest["geometry"] == asdict(geometry_of(self.model))
                     and store.manifest["profile"] == json.loads(json.dumps(profile_dict(self.profile)))
+                    and store.kv_format.name in (self.kv_format, None if self.kv_format else store.geometry.dtype)
                     and held.numel() <= ids.numel() and held.numel() % self.profile.chunk_size == 0
                     and torch.equal(held, ids[: held.numel()])):
                 return store, open_engine(store, self.model)
@@ -309,7 +318,8 @@ class TrunkStores(ScratchStores):
     def _new_trunk(self) -> None:
         self._close_trunk()
         self._trunk_dir.mkdir(parents=True)
-        self._trunk = create_store(self._trunk_dir / "store", self.name, self.model, self.tok, self.profile, chat=False)
+        self._trunk = create_store(self._trunk_dir / "store", self.name, self.model, self.tok, self.profile, chat=False,
+                            kv_format=self.kv_format)
         self._trunk_engine = open_engine(self._trunk, self.model)
         self._trunk_ids = torch.zeros(0, dtype=torch.long)
 

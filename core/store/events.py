@@ -39,7 +39,9 @@ class StoredEvents:
         """kv_cache_mb: RAM of the event cache, all layers together (None: the store's profile's)."""
         self.store, self.layer = store, layer
         g = store.geometry
-        dt = _BY_NAME[g.dtype][0]
+        dt = self.dtype = _BY_NAME[g.dtype][0]  # the compute dtype: keys and values are decoded to it
+        self.fmt = store.kv_format  # how the files keep them (emllm.memory.quant)
+        self.row = (g.kv_heads, g.head_dim)
         self.dim = g.q_heads * g.head_dim
         self.k, self.v, self.r = store.layer_files[layer]
         # A reader of a store that has a sketch scores the sketches, then exactly only the events
@@ -58,12 +60,12 @@ class StoredEvents:
         self.n_disk = int(lengths.sum())  # event tokens in the files
         self.ram_k = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
         self.ram_v = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
-        self.ram_r = GrowBuffer((0, g.q_heads, g.head_dim), 0, dt, torch.device("cpu"))
+        self.ram_r = GrowBuffer((0, g.q_heads, g.head_dim), 0, self.fmt.repr_dtype, torch.device("cpu"))
         mb = store.manifest["profile"].get("kv_cache_mb", Profile.kv_cache_mb) if kv_cache_mb is None else kv_cache_mb
-        cap = (mb << 20) // (g.layers * 2 * self.k.row_bytes)  # tokens per layer
+        cap = (mb << 20) // (g.layers * 2 * g.kv_heads * g.head_dim * dt.itemsize)  # tokens per layer
         # A ring smaller than one step's retrieval would only churn: no cache then.
         n_mem = store.manifest["profile"].get("n_mem", 0)
-        self.cache = EventCache(cap, self.k.row, dt) if cap > 0 and cap >= n_mem else None
+        self.cache = EventCache(cap, self.row, dt) if cap > 0 and cap >= n_mem else None
 
     def __len__(self) -> int:
         return self.lengths.n
@@ -92,15 +94,16 @@ class StoredEvents:
         lengths = lengths.cpu()
         offsets = torch.cumsum(lengths, 0) - lengths + self.n_tokens
         k, v = keys.transpose(0, 1).cpu(), values.transpose(0, 1).cpu()  # [n, H_kv, D] rows
+        rk, rv = self.fmt.encode(k), self.fmt.encode(v)
         if self.store.writable:
-            self.k.append(k)
-            self.v.append(v)
+            self.k.append(rk)
+            self.v.append(rv)
             self.r.append(reprs)
             self.n_disk += k.shape[0]
-        else:
-            self.ram_k.append(k)
-            self.ram_v.append(v)
-            self.ram_r.append(reprs.cpu())  # in the store's dtype, as a writer would have stored it
+        else:  # as a writer would have stored them, and read back
+            self.ram_k.append(self.fmt.decode(rk, self.dtype))
+            self.ram_v.append(self.fmt.decode(rv, self.dtype))
+            self.ram_r.append(reprs.cpu())
         self.starts.append(offsets)
         self.lengths.append(lengths)
 
@@ -167,7 +170,7 @@ class StoredEvents:
         hit = offsets >= 0
         out_at = torch.cumsum(lengths, 0) - lengths  # each event's first row in the result
         total = int(lengths.sum())
-        k = torch.empty((total, *self.k.row), dtype=self.cache.k.dtype)
+        k = torch.empty((total, *self.row), dtype=self.dtype)
         v = torch.empty_like(k)
         if bool(hit.any()):  # copied out before inserting overwrites any of them
             rows = token_index(out_at[hit], lengths[hit])
@@ -189,11 +192,12 @@ class StoredEvents:
     def _read(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         """Token rows idx [n] of the layer's events (files, then a reader's RAM): [n, H_kv, D] each."""
         disk = idx < self.n_disk
+        dec = lambda rows: self.fmt.decode(rows, self.dtype)  # noqa: E731
         if bool(disk.all()):
-            return self.k.take(idx), self.v.take(idx)
-        k = torch.empty((idx.numel(), *self.k.row), dtype=self.ram_k.buf.dtype)
+            return dec(self.k.take(idx)), dec(self.v.take(idx))
+        k = torch.empty((idx.numel(), *self.row), dtype=self.dtype)
         v = torch.empty_like(k)
-        k[disk], v[disk] = self.k.take(idx[disk]), self.v.take(idx[disk])
+        k[disk], v[disk] = dec(self.k.take(idx[disk])), dec(self.v.take(idx[disk]))
         ram = idx[~disk] - self.n_disk
         k[~disk], v[~disk] = self.ram_k.view()[ram], self.ram_v.view()[ram]
         return k, v

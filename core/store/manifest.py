@@ -15,7 +15,7 @@ from emllm.store.identity import Geometry
 # as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
 # a version-2 sketch is not used); a version-3 sketch is a version-4 one fitted once.
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5  # 5: kv_format (keys and values in a format of their own: bfloat16, int8, int4)
 MANIFEST = "manifest.json"
 
 def checksum(manifest: dict) -> str:
@@ -118,6 +118,11 @@ def _validate(m: dict) -> None:
         _int(g, k, 1, hi, at="geometry.")
     _need(g["q_heads"] % g["kv_heads"] == 0, "q_heads is not a multiple of kv_heads")
     _need(g["dtype"] in ("float32", "float16", "bfloat16"), f"dtype {g['dtype']!r} is not one a store holds")
+    if "kv_format" in m:
+        from emllm.memory.quant import FORMATS
+
+        _need(m["kv_format"] in FORMATS, f"kv_format {m['kv_format']!r} is not one a store holds")
+        _need(g["head_dim"] % 2 == 0 or m["kv_format"] != "int4", "int4 needs an even head size")
     rows = m.get("rows")
     t, e, et = (_int(rows, k, at="rows.") for k in ("tokens", "events", "event_tokens"))
     _need(e <= et, f"rows do not add up ({e} events of {et} tokens)")

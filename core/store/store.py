@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from emllm.memory import sketch
+from emllm.memory.quant import kv_format
 from emllm.store.errors import ModelMismatchError, StoreError, lock_store
 from emllm.store.files import Folder, UnsafePath, fsync_dir
 from emllm.store.identity import Geometry, Identity
@@ -72,7 +73,9 @@ class Store:
         g = manifest["geometry"]
         self.geometry = Geometry(**g)
         rows = manifest["rows"]
-        dt = _BY_NAME[self.geometry.dtype][0]
+        # how keys and values are kept (stores before version 5: in the compute dtype)
+        self.kv_format = kv_format(manifest.get("kv_format", self.geometry.dtype), self.geometry.head_dim)
+        kvf = self.kv_format
         f = lambda name, row, dtype, n, w=writable: RowFile(self.folder, name, row, dtype, n, w)  # noqa: E731
         self.tokens = f("tokens.i32", (), torch.int32, rows["tokens"])
         self.surprise = f("surprise.f32", (), torch.float32, rows["tokens"])
@@ -81,9 +84,9 @@ class Store:
         h, hq, d = self.geometry.kv_heads, self.geometry.q_heads, self.geometry.head_dim
         self.layer_files = [
             (
-                f(f"layers/{i:02d}.k", (h, d), dt, rows["event_tokens"]),
-                f(f"layers/{i:02d}.v", (h, d), dt, rows["event_tokens"]),
-                f(f"layers/{i:02d}.r", (hq, d), dt, rows["events"]),
+                f(f"layers/{i:02d}.k", kvf.row(h, d), kvf.row_dtype, rows["event_tokens"]),
+                f(f"layers/{i:02d}.v", kvf.row(h, d), kvf.row_dtype, rows["event_tokens"]),
+                f(f"layers/{i:02d}.r", (hq, d), kvf.repr_dtype, rows["events"]),
             )
             for i in range(self.geometry.layers)
         ]
@@ -128,8 +131,10 @@ class Store:
 
     # -- open / create -----------------------------------------------------------------------
     @classmethod
-    def create(cls, path: Path, identity: Identity, profile: dict, geometry: Geometry, extra: dict | None = None) -> "Store":
-        """A new, empty store for `path` (which must not exist, or be an empty folder).
+    def create(cls, path: Path, identity: Identity, profile: dict, geometry: Geometry, extra: dict | None = None,
+               kv: str | None = None) -> "Store":
+        """A new, empty store for `path` (which must not exist, or be an empty folder), keeping keys
+        and values in format `kv` (emllm.memory.quant.FORMATS; None: the compute dtype).
 
         It is built in a hidden folder beside `path` and takes the name at its first commit (its
         first job, or its first state): a create interrupted before that (killed, Ctrl-C while
@@ -154,6 +159,7 @@ class Store:
             "identity": identity.as_dict(),
             "profile": profile,
             "geometry": dict(geometry.__dict__),
+            "kv_format": kv_format(kv or geometry.dtype, geometry.head_dim).name,
             "rows": {"tokens": 0, "events": 0, "event_tokens": 0},
             "state": None,
             "job": None,

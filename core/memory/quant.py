@@ -1,0 +1,109 @@
+"""How a store keeps the keys and values of its events: a float dtype, or integer codes in groups
+with their scales. Pure math: rows in, rows out; the store writes and reads them.
+
+    fmt = kv_format("int4", head_dim=64)
+    rows = fmt.encode(k)                  # k [n, H, D] -> uint8 [n, *fmt.row(H, D)]
+    k2 = fmt.decode(rows, torch.bfloat16)  # [n, H, D]
+
+Integer formats quantise each token's keys (before RoPE, as the store keeps them) and values in
+groups of `group` channels of one head (32, or the largest power of two dividing the head size),
+asymmetrically: a group keeps its minimum and step in float16, and each value the nearest of
+2^bits levels between. Each row is one token, whole, so a row is encoded as it is appended and
+decoded as it is read, by whichever event it belongs to: nothing waits for a group of tokens to
+fill (KIVI and KVQuant quantise keys per channel across tokens, which needs such a group, kept in
+full precision until it fills; per token with groups this small, an outlier channel spoils only
+the 31 channels of its own group, which is what llama.cpp's q8_0/q4_1 caches do). Representative
+keys are kept in bfloat16 by the integer formats: they are scored exactly as stored, so search
+stays exact for them, at a quarter of the float32 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INTS = {"int8": 8, "int4": 4}
+FORMATS = (*FLOATS, *INTS)
+_SCALE_BYTES = 4  # a group's minimum and step, float16 each
+
+
+def group_size(head_dim: int) -> int:
+    """Channels per quantisation group: 32, or the largest power of two dividing the head size."""
+    g = 32
+    while head_dim % g:
+        g //= 2
+    return g
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    group: int  # channels per group (integer formats)
+
+    @property
+    def bits(self) -> int | None:
+        return INTS.get(self.name)
+
+    @property
+    def repr_dtype(self) -> torch.dtype:
+        """The dtype of the representative keys a store of this format keeps."""
+        return FLOATS.get(self.name, torch.bfloat16)
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        return FLOATS.get(self.name, torch.uint8)
+
+    def row(self, heads: int, dim: int) -> tuple[int, ...]:
+        """The shape of one token's row in the file."""
+        if self.bits is None:
+            return (heads, dim)
+        return (heads, dim // self.group, self.group * self.bits // 8 + _SCALE_BYTES)
+
+    def row_bytes(self, heads: int, dim: int) -> int:
+        n = 1
+        for s in self.row(heads, dim):
+            n *= s
+        return n * torch.empty(0, dtype=self.row_dtype).element_size()
+
+    def encode(self, x: Tensor) -> Tensor:
+        """x [n, H, D] (any float dtype) -> rows [n, *row(H, D)] in `row_dtype`."""
+        if self.bits is None:
+            return x.to(self.row_dtype)
+        n, h, d = x.shape
+        levels = (1 << self.bits) - 1
+        g = x.float().reshape(n, h, d // self.group, self.group)
+        lo = g.amin(-1, keepdim=True).to(torch.float16)
+        step = ((g.amax(-1, keepdim=True) - lo.float()) / levels).to(torch.float16)
+        # quantise against the float16 minimum and step actually stored, so decoding inverts it
+        lo32, step32 = lo.float(), step.float()
+        inv = torch.where(step32 > 0, 1.0 / step32, torch.zeros_like(step32))
+        codes = ((g - lo32) * inv).round_().clamp_(0, levels).to(torch.uint8)  # [n, h, groups, group]
+        if self.bits == 4:
+            codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        scales = torch.cat((lo, step), -1).view(torch.uint8)  # [n, h, groups, 4]
+        return torch.cat((codes, scales), -1)
+
+    def decode(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
+        """rows [n, *row(H, D)] -> [n, H, D] in `dtype`."""
+        if self.bits is None:
+            return rows.to(dtype)
+        n, h, groups, width = rows.shape
+        body = width - _SCALE_BYTES
+        codes = rows[..., :body]
+        lo_step = rows[..., body:].contiguous().view(torch.float16).float()  # [n, h, groups, 2]
+        if self.bits == 4:
+            codes = torch.stack((codes & 15, codes >> 4), -1).reshape(n, h, groups, 2 * body)
+        x = codes.float() * lo_step[..., 1:] + lo_step[..., :1]
+        return x.reshape(n, h, groups * self.group).to(dtype)
+
+
+def kv_format(name: str, head_dim: int) -> KVFormat:
+    if name not in FORMATS:
+        raise ValueError(f"unknown store format {name!r}: use one of {', '.join(FORMATS)}")
+    return KVFormat(name, group_size(head_dim))
+
+
+__all__ = ["KVFormat", "kv_format", "FORMATS", "FLOATS", "INTS", "group_size"]
