@@ -91,7 +91,9 @@ CASES = {
                                                                      m.update(state=None), m["geometry"].update(head_dim=4096))),
                                  (WRITE, READ), "geometry"),
     "head_dim edited": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(head_dim=8)), (READ, WRITE), "geometry"),
-    "dtype edited": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(dtype="bfloat16")), (READ, WRITE), "geometry"),
+    # opened in the dtype it names, the model hashes otherwise: refused as weights that differ
+    "dtype edited": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(dtype="bfloat16")), (READ, WRITE), "differ"),
+    "kv_format unknown": (lambda s, o: _manifest(s, lambda m: m.update(kv_format="int3")), (READ, WRITE), "kv_format"),
     "dtype unknown": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(dtype="int8")), (READ,), "dtype"),
     "event lengths huge": (lambda s, o: _events(s, [1 << 30] * (json.loads((s / "manifest.json").read_text())["rows"]["events"])),
                            (READ, WRITE, INSPECT), "events.i32 does not match"),
