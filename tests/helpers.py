@@ -84,10 +84,12 @@ def store_arrays(store: Path) -> dict[str, bytes]:
 
 
 def store_state(store: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """The state that continues the store's stream: its state file, and (from version 5) each
+    layer's initial tokens', remainder's and window's keys and values, read from the layer files."""
+    from emllm.store import Store
 
-    m = json.loads((store / "manifest.json").read_text())
-    return load_file(str(store / m["state"]["file"]))
+    with Store.open(store) as st:
+        return st.load_state()
 
 
 def assert_same_state(a: Path, b: Path) -> None:

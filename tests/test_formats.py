@@ -89,25 +89,30 @@ def test_a_store_keeps_its_format_and_a_reader_decodes_as_the_writer_stored(tiny
     assert m["kv_format"] == name and m["version"] == 5
     fmt = kv_format(name, m["geometry"]["head_dim"])
     g = m["geometry"]
+    assert m["rows"]["kv_tokens"] == m["rows"]["tokens"]  # every token's, the window's too
     for x in "kv":
         size = os.path.getsize(store / "layers" / f"00.{x}")
-        assert size == m["rows"]["event_tokens"] * fmt.row_bytes(g["kv_heads"], g["head_dim"])
+        assert size == m["rows"]["kv_tokens"] * fmt.row_bytes(g["kv_heads"], g["head_dim"])
     assert os.path.getsize(store / "layers/00.r") == m["rows"]["events"] * g["q_heads"] * g["head_dim"] * fmt.repr_dtype.itemsize
 
     with Store.open(store) as st:
         assert st.kv_format == fmt
         ev = stream.open_engine(st, model).windows[0].events
         k, v = ev.gather(torch.arange(len(ev)))
-        raw_k = fmt.decode(st.layer_files[0][0].read(), torch.float32)
-        assert torch.equal(k, raw_k.transpose(0, 1))
-        # a reader's events, closed in RAM: decode(encode(x)), as from a writer's files
+        raw_k = fmt.decode(st.layer_files[0][0].read(), torch.float32)  # from the stream's first token
+        n_init = m["profile"]["n_init"]
+        assert torch.equal(k, raw_k[n_init : n_init + m["rows"]["event_tokens"]].transpose(0, 1))
+        # a reader's tokens, kept in RAM: decode(encode(x)), as from a writer's files, and handed
+        # back so to the engine's window
         keys, values = torch.randn(2, g["kv_heads"], 20, g["head_dim"])
         mark = ev.mark()
-        ev.append(keys, values, torch.tensor([20]), torch.randn(1, g["q_heads"], g["head_dim"]))
-        k2, v2 = ev.gather(torch.tensor([len(ev) - 1]))
+        k2, v2 = ev.add_tokens(keys, values)
         want = lambda t: fmt.decode(fmt.encode(t.transpose(0, 1)), torch.float32).transpose(0, 1)  # noqa: E731
         assert torch.equal(k2, want(keys)) and torch.equal(v2, want(values))
+        k3, v3 = ev._read(torch.arange(ev.n_disk, ev.n_disk + 20))
+        assert torch.equal(k3.transpose(0, 1), k2) and torch.equal(v3.transpose(0, 1), v2)
         ev.truncate(mark)
+        assert ev.n_tokens == ev.n_disk
 
     from emllm.app.ask import Session
     with Store.open(store) as st:

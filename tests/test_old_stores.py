@@ -73,4 +73,14 @@ def test_a_store_written_by_the_old_layout_opens_and_answers_the_same(tiny, old_
         add_documents(st, tok, [("more", more)])
         run_job(st, eng, 2)
     ingest_store(tmp_path / "new", folder, prof, [("doc", text), ("more", more)])
-    assert store_arrays(store) == store_arrays(tmp_path / "new")
+    old, new = store_arrays(store), store_arrays(tmp_path / "new")
+    assert old.keys() == new.keys()
+    assert {k: v for k, v in old.items() if k[-2:] not in (".k", ".v")} == {k: v for k, v in new.items() if k[-2:] not in (".k", ".v")}
+    # the old layout goes on: its layer files hold the events' tokens; a new store's hold every
+    # token from the first (version 5), the events' from the initial tokens' end
+    m_old, m_new = (json.loads((p / "manifest.json").read_text()) for p in (store, tmp_path / "new"))
+    assert "kv_tokens" not in m_old["rows"] and m_new["rows"]["kv_tokens"] == m_new["rows"]["tokens"]
+    row = len(old["layers/00.k"]) // m_old["rows"]["event_tokens"]
+    n_init = m_new["profile"]["n_init"]
+    for k in (k for k in old if k[-2:] in (".k", ".v")):
+        assert old[k] == new[k][n_init * row : (n_init + m_old["rows"]["event_tokens"]) * row], k

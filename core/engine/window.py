@@ -88,6 +88,9 @@ class LayerWindow:
         """q [H_q, c, D], k/v [H_kv, c, D], all pre-RoPE; st: what this forward's layers share.
         Returns [H_q, c, D]."""
         c = q.shape[1]
+        # as the memory keeps them (a store's format may round them): the stream computes the same
+        # whether it goes on in this process or from the store's files
+        k, v = self.events.add_tokens(k, v)
         k_loc = torch.cat((self.local_k, k), dim=1)  # [H_kv, L, D]
         v_loc = torch.cat((self.local_v, v), dim=1)
         length = k_loc.shape[1]

@@ -46,6 +46,11 @@ class EventMemory:
     def n_tokens(self) -> int:
         return self.keys.n
 
+    def add_tokens(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Tokens the engine reads ([H_kv, c, D] each): a memory that keeps every token (a store)
+        returns them as it keeps them; this one keeps events only, given whole to `append`."""
+        return keys, values
+
     def append(self, keys: Tensor, values: Tensor, lengths: Tensor, reprs: Tensor) -> None:
         """Add events: keys/values [H_kv, sum(lengths), D], lengths [e], reprs [e, H_q, D]."""
         offsets = torch.cumsum(lengths, 0) - lengths + self.keys.n

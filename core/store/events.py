@@ -54,10 +54,17 @@ class StoredEvents:
         self.lengths = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         self.starts = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         lengths = store.events.read().long()
+        # A version-5 store's files hold every token from the stream's first, which `add_tokens`
+        # writes as the engine reads them; events begin after the initial tokens. Before, the
+        # files held the events' tokens only, written as they closed.
+        self.all_tokens = store.all_tokens
+        self.base = store.manifest["profile"].get("n_init", 0) if self.all_tokens else 0
         if lengths.numel():
             self.lengths.append(lengths)
-            self.starts.append(torch.cumsum(lengths, 0) - lengths)
-        self.n_disk = int(lengths.sum())  # event tokens in the files
+            self.starts.append(torch.cumsum(lengths, 0) - lengths + self.base)
+        self.event_end = self.base + int(lengths.sum())  # the row after the last event's
+        self.n_disk = self.k.rows  # token rows in the files
+        self.lossless = self.fmt.row_dtype == dt
         self.ram_k = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
         self.ram_v = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
         self.ram_r = GrowBuffer((0, g.q_heads, g.head_dim), 0, self.fmt.repr_dtype, torch.device("cpu"))
@@ -70,13 +77,13 @@ class StoredEvents:
     def __len__(self) -> int:
         return self.lengths.n
 
-    def mark(self) -> tuple[int, int]:
-        """(events, tokens in RAM) now: what `truncate` comes back to."""
-        return self.lengths.n, self.ram_k.n
+    def mark(self) -> tuple[int, int, int]:
+        """(events, tokens in RAM, end of the last event) now: what `truncate` comes back to."""
+        return self.lengths.n, self.ram_k.n, self.event_end
 
     def truncate(self, mark: tuple[int, int]) -> None:
         """Forget the events a reader closed in RAM after `mark` (the files are never changed)."""
-        events, ram_tokens = mark
+        events, ram_tokens, event_end = mark
         if self.store.writable:
             raise ValueError("a writer's events are in the store's files: they are not truncated")
         if events < self.r.rows or events > self.lengths.n:
@@ -84,25 +91,50 @@ class StoredEvents:
         self.lengths.n = self.starts.n = events
         self.ram_r.n = events - self.r.rows
         self.ram_k.n = self.ram_v.n = ram_tokens
+        self.event_end = event_end
 
     @property
     def n_tokens(self) -> int:
         return self.n_disk + self.ram_k.n
 
-    def append(self, keys: Tensor, values: Tensor, lengths: Tensor, reprs: Tensor) -> None:
-        """keys/values [H_kv, n, D], lengths [e], reprs [e, H_q, D]."""
-        lengths = lengths.cpu()
-        offsets = torch.cumsum(lengths, 0) - lengths + self.n_tokens
-        k, v = keys.transpose(0, 1).cpu(), values.transpose(0, 1).cpu()  # [n, H_kv, D] rows
+    def add_tokens(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values [H_kv, c, D] of tokens the engine reads, in stream order: a
+        version-5 store keeps every token's (a reader in RAM). Returns them as stored and read back
+        (the engine's window holds them so: a stream continued from the files computes the same)."""
+        if not self.all_tokens:
+            return keys, values
+        k, v = self._put(keys.transpose(0, 1).cpu(), values.transpose(0, 1).cpu())
+        if k is None:
+            return keys, values
+        return k.transpose(0, 1).to(keys.device), v.transpose(0, 1).to(values.device)
+
+    def _put(self, k: Tensor, v: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """Append token rows k/v [n, H_kv, D] to the files (a writer) or RAM (a reader); returns
+        them decoded, or (None, None) when the format keeps them as they are."""
         rk, rv = self.fmt.encode(k), self.fmt.encode(v)
+        dk = dv = None
+        if not self.lossless or not self.store.writable:
+            dk, dv = self.fmt.decode(rk, self.dtype), self.fmt.decode(rv, self.dtype)
         if self.store.writable:
             self.k.append(rk)
             self.v.append(rv)
-            self.r.append(reprs)
             self.n_disk += k.shape[0]
         else:  # as a writer would have stored them, and read back
-            self.ram_k.append(self.fmt.decode(rk, self.dtype))
-            self.ram_v.append(self.fmt.decode(rv, self.dtype))
+            self.ram_k.append(dk)
+            self.ram_v.append(dv)
+        return (None, None) if self.lossless else (dk, dv)
+
+    def append(self, keys: Tensor, values: Tensor, lengths: Tensor, reprs: Tensor) -> None:
+        """Close events of these sizes over the next tokens: keys/values [H_kv, n, D] (a
+        version-5 store has them from `add_tokens`), lengths [e], reprs [e, H_q, D]."""
+        lengths = lengths.cpu()
+        offsets = torch.cumsum(lengths, 0) - lengths + self.event_end
+        self.event_end += int(lengths.sum())
+        if not self.all_tokens:
+            self._put(keys.transpose(0, 1).cpu(), values.transpose(0, 1).cpu())
+        if self.store.writable:
+            self.r.append(reprs)
+        else:
             self.ram_r.append(reprs.cpu())
         self.starts.append(offsets)
         self.lengths.append(lengths)

@@ -126,6 +126,8 @@ def _validate(m: dict) -> None:
     rows = m.get("rows")
     t, e, et = (_int(rows, k, at="rows.") for k in ("tokens", "events", "event_tokens"))
     _need(e <= et, f"rows do not add up ({e} events of {et} tokens)")
+    if "kv_tokens" in rows:  # version 5: the layer files hold every token of the stream
+        _need(_int(rows, "kv_tokens", at="rows.") == t, "rows do not add up (keys and values of another stream's length)")
     st = m.get("state")
     if st is not None:
         gen = _int(st, "generation", 1)

@@ -48,6 +48,11 @@ from emllm.store.manifest import FORMAT_VERSION, MANIFEST, checksum, is_store, r
 from emllm.store.rows import _BY_NAME, RowFile
 
 
+# A version-5 state leaves out what the layer files hold: each layer's initial tokens', remainder's
+# and window's keys and values.
+_IN_ROWS = tuple(f".{part}_{x}" for part in ("init", "rem", "local") for x in "kv")
+
+
 def _remove_abandoned(path: Path) -> None:
     """Remove the hidden folders of creates of `path` that were interrupted (their lock is free)."""
     for p in path.parent.glob(f".{glob.escape(path.name)}.new-*"):
@@ -76,6 +81,12 @@ class Store:
         # how keys and values are kept (stores before version 5: in the compute dtype)
         self.kv_format = kv_format(manifest.get("kv_format", self.geometry.dtype), self.geometry.head_dim)
         kvf = self.kv_format
+        # Layout: from version 5 the key and value files hold every token of the stream as it is
+        # read (rows.kv_tokens), the initial tokens, remainder and window included, and the state
+        # only what is not in them (attention mass, counters): a commit writes each token once.
+        # Before, they held the events' tokens and the state the rest, rewritten at every commit.
+        self.all_tokens = "kv_tokens" in rows
+        kv_rows = rows["kv_tokens"] if self.all_tokens else rows["event_tokens"]
         f = lambda name, row, dtype, n, w=writable: RowFile(self.folder, name, row, dtype, n, w)  # noqa: E731
         self.tokens = f("tokens.i32", (), torch.int32, rows["tokens"])
         self.surprise = f("surprise.f32", (), torch.float32, rows["tokens"])
@@ -84,8 +95,8 @@ class Store:
         h, hq, d = self.geometry.kv_heads, self.geometry.q_heads, self.geometry.head_dim
         self.layer_files = [
             (
-                f(f"layers/{i:02d}.k", kvf.row(h, d), kvf.row_dtype, rows["event_tokens"]),
-                f(f"layers/{i:02d}.v", kvf.row(h, d), kvf.row_dtype, rows["event_tokens"]),
+                f(f"layers/{i:02d}.k", kvf.row(h, d), kvf.row_dtype, kv_rows),
+                f(f"layers/{i:02d}.v", kvf.row(h, d), kvf.row_dtype, kv_rows),
                 f(f"layers/{i:02d}.r", (hq, d), kvf.repr_dtype, rows["events"]),
             )
             for i in range(self.geometry.layers)
@@ -160,7 +171,7 @@ class Store:
             "profile": profile,
             "geometry": dict(geometry.__dict__),
             "kv_format": kv_format(kv or geometry.dtype, geometry.head_dim).name,
-            "rows": {"tokens": 0, "events": 0, "event_tokens": 0},
+            "rows": {"tokens": 0, "events": 0, "event_tokens": 0, "kv_tokens": 0},
             "state": None,
             "job": None,
             "sketch": None,
@@ -358,12 +369,23 @@ class Store:
             rf.sync()
         gen = (self.manifest["state"] or {}).get("generation", 0) + 1
         name = f"state-{gen}.safetensors"
+        if self.all_tokens:  # the window's keys and values are in the layer files already
+            engine_state = {k: v for k, v in engine_state.items() if not k.endswith(_IN_ROWS)}
         self.folder.write_atomic(name, save({k: v.detach().cpu().contiguous() for k, v in engine_state.items()}))
         old = self.manifest["state"]
         self.manifest["state"] = {"file": name, "generation": gen, **meta}
-        self.manifest["rows"] = {
-            "tokens": self.tokens.rows, "events": self.events.rows, "event_tokens": self.layer_files[0][0].rows,
-        }
+        rows = self.manifest["rows"]
+        kv = self.layer_files[0][0].rows
+        if self.all_tokens:
+            if kv != self.tokens.rows:
+                raise StoreError(f"{self.path}: {kv} tokens' keys and values written for a stream of "
+                                 f"{self.tokens.rows}: not committed")
+            new = self.events.read_copy(rows["events"], self.events.rows)
+            rows = {"tokens": self.tokens.rows, "events": self.events.rows,
+                    "event_tokens": rows["event_tokens"] + int(new.long().sum()), "kv_tokens": kv}
+        else:
+            rows = {"tokens": self.tokens.rows, "events": self.events.rows, "event_tokens": kv}
+        self.manifest["rows"] = rows
         self.manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self._write_manifest()
         self._retire()
@@ -552,9 +574,34 @@ class Store:
         try:
             with os.fdopen(fd, "rb") as f:
                 f.seek(0)
-                return load(f.read())
+                state = load(f.read())
         except Exception as e:  # noqa: BLE001 - any parse failure is a damaged file
             raise StoreError(f"cannot read {name}: {e}; the store is damaged") from None
+        if self.all_tokens:
+            state.update(self._window_rows(state))
+        return state
+
+    def _window_rows(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The initial tokens', remainder's and window's keys and values of each layer, [H_kv, n, D]
+        in the compute dtype, read from the layer files (a version-5 state leaves them out):
+        positions [0, min(n_init, w)), [rem_start, w) and [w, n), w the window's first position."""
+        n, n_init = self.manifest["rows"]["tokens"], self.manifest["profile"].get("n_init", 0)
+        dt = _BY_NAME[self.geometry.dtype][0]
+        try:
+            rem_start = int(state["rem_start"])
+            out = {}
+            for i, (k, v, _) in enumerate(self.layer_files):
+                w = n - state[f"layer{i}.local_mass"].shape[1]
+                if not 0 <= w <= n or not 0 <= rem_start or rem_start > max(w, n_init):
+                    raise ValueError("the window does not fit the stream")
+                spans = {"init": (0, min(n_init, w)), "rem": (min(rem_start, w), w), "local": (w, n)}
+                for part, (a, b) in spans.items():
+                    for x, rf in (("k", k), ("v", v)):
+                        rows = rf.read_copy(a, b) if b > a else torch.zeros((0, *rf.row), dtype=rf.dtype)
+                        out[f"layer{i}.{part}_{x}"] = self.kv_format.decode(rows, dt).transpose(0, 1).contiguous()
+        except (KeyError, ValueError, IndexError) as e:
+            raise StoreError(f"{self.path}: its state does not fit its rows ({e}): the store is damaged") from None
+        return out
 
     def _write_manifest(self) -> None:
         self.manifest["checksum"] = checksum(self.manifest)
