@@ -2,6 +2,10 @@
 the left to its context and a retrieval-augmented baseline (core/evals/rag.py).
 
     python benchmarks/quality.py --lengths 8k --samples 2 --out docs/results/quality.jsonl
+    python benchmarks/quality.py --dtype bfloat16 --formats bfloat16,int8,int4 --methods emllm-S ...
+
+--formats adds, for each store format, emllm-S with its memory in a scratch store of that
+format (method "emllm-S-int4", ...): the formats' quality against each other on the same prompts.
 
 For every task × length × sample one prompt (seeded by seed/task/length/sample; the needle depth
 spread evenly over the samples: (i + 0.5) / samples) is answered by every method; one JSON line per
@@ -74,6 +78,9 @@ def main() -> None:
     ap.add_argument("--rag-k", type=int, default=None, help="RAG chunks kept (default: as many as fit)")
     ap.add_argument("--rag-budget", type=int, default=None,
                     help="RAG prompt tokens (default: the model's context); e.g. n_local + n_mem to match emllm's attention")
+    ap.add_argument("--dtype", default=None, help="compute dtype (auto, float32, bfloat16; default: the profile's)")
+    ap.add_argument("--formats", default="", help="store formats to run emllm-S on, comma-separated (float32, bfloat16, int8, int4)")
+    ap.add_argument("--store-dir", default=None, help="where --formats' scratch stores go (default: a temporary folder here)")
     ap.add_argument("--out", help="JSON lines, appended (required unless --table)")
     ap.add_argument("--resume", action="store_true",
                     help="skip the answers --out has from runs of the same grid (model, profile, seed, RAG settings)")
@@ -81,12 +88,14 @@ def main() -> None:
     a = ap.parse_args()
     if a.table:
         rows = [r for r in results_log.records(a.table) if "task" in r]  # skips a line a kill cut short
-        print(table(rows, [m for m in METHODS if any(r["method"] == m for r in rows)]))
+        names = list(METHODS) + sorted({r["method"] for r in rows} - set(METHODS))
+        print(table(rows, [m for m in names if any(r["method"] == m for r in rows)]))
         return
     if not a.out:
         ap.error("--out is required")
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     for t in tasks:
         if t not in TASKS:
             ap.error(f"unknown task {t!r}: one of {', '.join(TASKS)}")
@@ -95,9 +104,21 @@ def main() -> None:
             ap.error(f"unknown method {m!r}: one of {', '.join(METHODS)}")
     lengths = [parse_length(x) for x in a.lengths.split(",")]
     src = models.resolve(a.model, log=lambda s: print(s, file=sys.stderr))
-    model, tok = models.load(src)
+    model, tok = models.load(src, dtype=a.dtype)
     factories = {f"emllm-{s}": (lambda s=s: Engine(model, src.profile.replace(segmentation=s))) for s in ("S", "SM", "F")}
+    import tempfile
+
+    from emllm.evals.scratch import ScratchStores
+    from emllm.memory.quant import FORMATS
+
+    scratch_root = tempfile.TemporaryDirectory(dir=a.store_dir or Path.cwd())
+    for f in formats:
+        if f not in FORMATS:
+            ap.error(f"unknown format {f!r}: one of {', '.join(FORMATS)}")
+        factories[f"emllm-S-{f}"] = ScratchStores(model, tok, src.profile, Path(scratch_root.name) / f, kv_format=f)
+        methods.append(f"emllm-S-{f}")
     grid = {"model": src.name, "profile": asdict(src.profile), "seed": a.seed,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "rag": {"chunk": a.rag_chunk, "k": a.rag_k, "budget": a.rag_budget}}
     done = {(r["task"], r["length"], r["sample"], r["depth"], r["method"]): r
             for r in results_log.results_of(a.out, grid)} if a.resume else {}
@@ -136,6 +157,10 @@ def main() -> None:
                     results_log.append(a.out, r)
                     print(f"{task:20} {length:>7} #{i} d{depth:.2f} {m:9} {100 * r['score']:3.0f}% {r['answer'][:60]!r} "
                           f"(want {','.join(prompt.answers)[:40]}, {r['seconds']:.0f} s)", file=sys.stderr, flush=True)
+    for f in factories.values():
+        if isinstance(f, ScratchStores):
+            f.close()
+    scratch_root.cleanup()
     print(table(rows, methods))
 
 

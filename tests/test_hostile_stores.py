@@ -51,7 +51,7 @@ def _state_of_other_shapes(store: Path) -> None:
 
     name = json.loads((store / "manifest.json").read_text())["state"]["file"]
     st = load_file(str(store / name))
-    st["layer0.local_k"] = torch.zeros(7, 3, 5)
+    st["layer0.local_mass"] = torch.zeros(7, 5)  # (the window's keys are rows of the layer files)
     save_file(st, str(store / name))
 
 
@@ -87,19 +87,22 @@ CASES = {
     "lock a link": (lambda s, o: _link(s, "lock", o / "decoy"), (WRITE,), "symbolic link"),
     "tokens.i32 a FIFO": (lambda s, o: _fifo(s, "tokens.i32"), (READ, WRITE), "not a regular file"),
     "tokens.i32 a hard link out": (lambda s, o: _hard_link(s, "tokens.i32", o / "hard"), (WRITE,), "hard link"),
-    "zero rows, huge head_dim": (lambda s, o: _manifest(s, lambda m: (m["rows"].update(tokens=0, events=0, event_tokens=0),
+    "zero rows, huge head_dim": (lambda s, o: _manifest(s, lambda m: (m["rows"].update(tokens=0, events=0, event_tokens=0, kv_tokens=0),
                                                                      m.update(state=None), m["geometry"].update(head_dim=4096))),
                                  (WRITE, READ), "geometry"),
     "head_dim edited": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(head_dim=8)), (READ, WRITE), "geometry"),
     # opened in the dtype it names, the model hashes otherwise: refused as weights that differ
     "dtype edited": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(dtype="bfloat16")), (READ, WRITE), "differ"),
+    "kv_tokens not the stream's": (lambda s, o: _manifest(s, lambda m: m["rows"].update(kv_tokens=m["rows"]["tokens"] - 1)),
+                                   (READ, WRITE), "rows do not add up"),
     "kv_format unknown": (lambda s, o: _manifest(s, lambda m: m.update(kv_format="int3")), (READ, WRITE), "kv_format"),
     "dtype unknown": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(dtype="int8")), (READ,), "dtype"),
     "event lengths huge": (lambda s, o: _events(s, [1 << 30] * (json.loads((s / "manifest.json").read_text())["rows"]["events"])),
                            (READ, WRITE, INSPECT), "events.i32 does not match"),
     "event lengths negative": (lambda s, o: _events(s, [-1] * (json.loads((s / "manifest.json").read_text())["rows"]["events"])),
                                (READ,), "events.i32 does not match"),
-    "rows past the files": (lambda s, o: _manifest(s, lambda m: (m["rows"].update(tokens=m["rows"]["tokens"] * 100),
+    "rows past the files": (lambda s, o: _manifest(s, lambda m: (m["rows"].update(tokens=m["rows"]["tokens"] * 100,
+                                                                                 kv_tokens=m["rows"]["tokens"] * 100),
                                                                 m["state"].update(tokens=m["rows"]["tokens"]))),
                             (READ, WRITE), "truncated"),
     "version 0": (lambda s, o: _manifest(s, lambda m: m.update(version=0)), (READ, WRITE, INSPECT), "version 0"),

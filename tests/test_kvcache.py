@@ -86,6 +86,7 @@ def test_store_gather_with_the_cache_equals_the_rows_written(tmp_path):
         lengths = torch.randint(1, 9, (e,), generator=gen)
         k = torch.randn(2, int(lengths.sum()), 4, generator=gen)
         v = torch.randn(2, int(lengths.sum()), 4, generator=gen)
+        ev.add_tokens(k, v)  # every token's rows as it is read, then the events over them
         ev.append(k, v, lengths, torch.randn(e, 2, 4, generator=gen))
         if ev.store.writable:
             ev.store.events.append(lengths.to(torch.int32))
@@ -109,6 +110,10 @@ def test_store_gather_with_the_cache_equals_the_rows_written(tmp_path):
     check(ev, 200)
     assert ev.cache.hit_tokens > 0 and ev.cache.miss_tokens > 0
     assert StoredEvents(st, 0, kv_cache_mb=0).cache is None
+    n = ev.k.rows  # the stream these rows are of (a version-5 store keeps every token's)
+    st.tokens.append(torch.zeros(n, dtype=torch.int32))
+    st.surprise.append(torch.zeros(n))
+    st.flags.append(torch.zeros(n, dtype=torch.uint8))
     st.commit({}, {})
     st.close()
     with Store.open(tmp_path / "s") as rd:
