@@ -62,7 +62,7 @@ def test_float_formats_are_casts(name):
     x = torch.randn(5, 2, 8)
     fmt = kv_format(name, 8)
     assert torch.equal(fmt.decode(fmt.encode(x), torch.float32), x.to(fmt.row_dtype).float())
-    assert fmt.repr_dtype == fmt.row_dtype
+    assert fmt.reprs == fmt
 
 
 def test_unknown_format_is_refused():
@@ -93,7 +93,8 @@ def test_a_store_keeps_its_format_and_a_reader_decodes_as_the_writer_stored(tiny
     for x in "kv":
         size = os.path.getsize(store / "layers" / f"00.{x}")
         assert size == m["rows"]["kv_tokens"] * fmt.row_bytes(g["kv_heads"], g["head_dim"])
-    assert os.path.getsize(store / "layers/00.r") == m["rows"]["events"] * g["q_heads"] * g["head_dim"] * fmt.repr_dtype.itemsize
+    assert fmt.reprs == (fmt if name == "bfloat16" else kv_format("int8", g["head_dim"]))
+    assert os.path.getsize(store / "layers/00.r") == m["rows"]["events"] * fmt.reprs.row_bytes(g["q_heads"], g["head_dim"])
 
     with Store.open(store) as st:
         assert st.kv_format == fmt

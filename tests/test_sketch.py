@@ -33,13 +33,13 @@ def _events(n: int, seed: int, clusters: int = 12) -> tuple[torch.Tensor, torch.
 
 
 def _write(path: Path, batches: list[int], commit_every: int, seed: int = 0,
-           outlier: tuple[int, torch.Tensor] | None = None) -> None:
+           outlier: tuple[int, torch.Tensor] | None = None, kv: str | None = None) -> None:
     """A store of sum(batches) events in both layers (layer i holds (i + 1) x the reprs),
     committed every `commit_every` batches; `outlier` (id, repr) replaces one event."""
     lengths, reprs = _events(sum(batches), seed)
     if outlier is not None:
         reprs[outlier[0]] = outlier[1].reshape(3, 32)
-    st = Store.create(path, IDENT, {"name": "t", "faiss_threshold": THRESHOLD}, G)
+    st = Store.create(path, IDENT, {"name": "t", "faiss_threshold": THRESHOLD}, G, kv=kv)
     evs = [StoredEvents(st, i) for i in range(G.layers)]
     done = 0
     for b, n in enumerate(batches):
@@ -182,11 +182,11 @@ def test_no_sketch_below_the_threshold_or_without_one(tmp_path):
 
 def _exact(st: Store, layer: int, q: torch.Tensor, budget: int):
     lengths = st.events.read().long()
-    return select_events(event_scores(st.layer_files[layer][2].read().float(), q), lengths, budget)
+    return select_events(event_scores(st.reprs_of(st.layer_files[layer][2].read()), q), lengths, budget)
 
 
-@pytest.mark.parametrize("spread", [0.3, 0.0001])
-def test_readers_select_from_the_sketch_exactly_what_the_scan_selects(tmp_path, monkeypatch, spread):
+@pytest.mark.parametrize("spread,kv", [(0.3, None), (0.0001, None), (0.3, "int4")])  # int4: int8 reprs, decoded
+def test_readers_select_from_the_sketch_exactly_what_the_scan_selects(tmp_path, monkeypatch, spread, kv):
     # spread 0.0001: near-identical events in each cluster (a repeated filler), where the
     # factor-8 candidates alone cannot tell which copies the scan takes
     monkeypatch.setattr(sketch, "FACTOR", 1)  # few candidates, so the bound has work to do
@@ -196,7 +196,7 @@ def test_readers_select_from_the_sketch_exactly_what_the_scan_selects(tmp_path, 
         pick = torch.randint(0, clusters, (n,), generator=g)
         return torch.randint(1, 9, (n,), generator=g), (centres[pick] + spread * torch.randn(n, 96, generator=g)).reshape(n, 3, 32)
     monkeypatch.setattr(sys.modules[__name__], "_events", events)
-    _write(tmp_path / "s", [150, 150, 150, 150], commit_every=1)
+    _write(tmp_path / "s", [150, 150, 150, 150], commit_every=1, kv=kv)
     g = torch.Generator().manual_seed(7)
     with Store.open(tmp_path / "s") as st:
         for layer in range(G.layers):

@@ -271,7 +271,7 @@ class TrunkStores(ScratchStores):
 
         g = geometry_of(self.model)
         fmt = kv_format(self.kv_format or g.dtype, g.head_dim)
-        reprs = g.q_heads * g.head_dim * fmt.repr_dtype.itemsize / self.profile.min_block
+        reprs = fmt.reprs.row_bytes(g.q_heads, g.head_dim) / self.profile.min_block
         return g.layers * (2 * fmt.row_bytes(g.kv_heads, g.head_dim) + reprs) + 16
 
     def _reopen(self, path: Path, ids: torch.Tensor) -> tuple[Store, Engine] | None:

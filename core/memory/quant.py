@@ -12,9 +12,13 @@ asymmetrically: a group keeps its minimum and step in float16, and each value th
 decoded as it is read, by whichever event it belongs to: nothing waits for a group of tokens to
 fill (KIVI and KVQuant quantise keys per channel across tokens, which needs such a group, kept in
 full precision until it fills; per token with groups this small, an outlier channel spoils only
-the 31 channels of its own group, which is what llama.cpp's q8_0/q4_1 caches do). Representative
-keys are kept in bfloat16 by the integer formats: they are scored exactly as stored, so search
-stays exact for them, at a quarter of the float32 bytes.
+the 31 channels of its own group, which is what llama.cpp's q8_0/q4_1 caches do).
+
+Representative keys (one per event and query head) are kept as the float formats keep keys, and
+in int8 by both integer formats: with SmolLM2's short events (13 tokens on average) they are a
+quarter of an int4 store in bfloat16 (measured: docs/benchmarks.md › Compute dtype and store
+formats). Search scores them as stored, so it stays exact for what the store holds: the scan, the
+sketch's bounds and a reader's own events all read the same decoded values.
 """
 
 from __future__ import annotations
@@ -48,9 +52,9 @@ class KVFormat:
         return INTS.get(self.name)
 
     @property
-    def repr_dtype(self) -> torch.dtype:
-        """The dtype of the representative keys a store of this format keeps."""
-        return FLOATS.get(self.name, torch.bfloat16)
+    def reprs(self) -> "KVFormat":
+        """How a store of this format keeps representative keys: the same float format, or int8."""
+        return self if self.bits is None else KVFormat("int8", self.group)
 
     @property
     def row_dtype(self) -> torch.dtype:

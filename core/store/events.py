@@ -67,7 +67,8 @@ class StoredEvents:
         self.lossless = self.fmt.row_dtype == dt
         self.ram_k = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
         self.ram_v = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
-        self.ram_r = GrowBuffer((0, g.q_heads, g.head_dim), 0, self.fmt.repr_dtype, torch.device("cpu"))
+        # a reader's own events' representative keys, as the file's rows (decoded as they are read)
+        self.ram_r = GrowBuffer((0, *self.r.row), 0, self.r.dtype, torch.device("cpu"))
         mb = store.manifest["profile"].get("kv_cache_mb", Profile.kv_cache_mb) if kv_cache_mb is None else kv_cache_mb
         cap = (mb << 20) // (g.layers * 2 * g.kv_heads * g.head_dim * dt.itemsize)  # tokens per layer
         # A ring smaller than one step's retrieval would only churn: no cache then.
@@ -132,15 +133,17 @@ class StoredEvents:
         self.event_end += int(lengths.sum())
         if not self.all_tokens:
             self._put(keys.transpose(0, 1).cpu(), values.transpose(0, 1).cpu())
+        rows = self.fmt.reprs.encode(reprs.cpu())
         if self.store.writable:
-            self.r.append(reprs)
+            self.r.append(rows)
         else:
-            self.ram_r.append(reprs.cpu())
+            self.ram_r.append(rows)
         self.starts.append(offsets)
         self.lengths.append(lengths)
 
     def _repr_block(self, start: int, stop: int) -> Tensor:
-        """Representative keys of events start..stop-1, [n, H_q * D] in the store's dtype."""
+        """Representative keys of events start..stop-1, [n, H_q * D] (the store's float dtype, or
+        float32 decoded from integer rows)."""
         n_file = self.r.rows
         if stop <= n_file:
             x = self.r.read_block(start, stop)
@@ -148,11 +151,15 @@ class StoredEvents:
             x = self.ram_r.view()[start - n_file : stop - n_file]
         else:
             x = torch.cat((self.r.read_block(start, n_file), self.ram_r.view()[: stop - n_file]))
-        return x.reshape(stop - start, self.dim)
+        return self._decoded(x).reshape(stop - start, self.dim)
+
+    def _decoded(self, rows: Tensor) -> Tensor:
+        """Rows of `layers/NN.r` as keys: a float format's as they are, an integer one's decoded."""
+        return rows if self.fmt.reprs.bits is None else self.fmt.reprs.decode(rows, torch.float32)
 
     def repr_keys(self) -> Tensor:
         """[E, H_q, D] float32, all of them (for inspection and tests: reads the whole file)."""
-        return torch.cat((self.r.read().float(), self.ram_r.view().float()))
+        return torch.cat((self._decoded(self.r.read()).float(), self._decoded(self.ram_r.view()).float()))
 
     def select(self, query: Tensor, budget: int) -> Selection:
         """As `EventMemory.select` on the exact path, bit for bit (a score depends on its row alone)."""
@@ -177,9 +184,10 @@ class StoredEvents:
     def _exact_scores(self, ids: Tensor, query: Tensor) -> Tensor:
         """Scores of events ids [m] (increasing; files, then a reader's RAM) -> [m]."""
         disk = ids[ids < self.r.rows]
-        rows = self.r.take(disk).reshape(disk.numel(), self.dim)
+        rows = self.r.take(disk)
         if disk.numel() < ids.numel():
-            rows = torch.cat((rows, self.ram_r.view()[ids[disk.numel() :] - self.r.rows].reshape(-1, self.dim)))
+            rows = torch.cat((rows, self.ram_r.view()[ids[disk.numel() :] - self.r.rows]))
+        rows = self._decoded(rows).reshape(ids.numel(), self.dim)
         return scores_in_blocks(ids.numel(), self.dim, lambda a, b: rows[a:b], query)
 
     def event_lengths(self) -> Tensor:

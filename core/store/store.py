@@ -97,7 +97,7 @@ class Store:
             (
                 f(f"layers/{i:02d}.k", kvf.row(h, d), kvf.row_dtype, kv_rows),
                 f(f"layers/{i:02d}.v", kvf.row(h, d), kvf.row_dtype, kv_rows),
-                f(f"layers/{i:02d}.r", (hq, d), kvf.repr_dtype, rows["events"]),
+                f(f"layers/{i:02d}.r", kvf.reprs.row(hq, d), kvf.reprs.row_dtype, rows["events"]),
             )
             for i in range(self.geometry.layers)
         ]
@@ -438,6 +438,10 @@ class Store:
             return None
         return t << ((n // t).bit_length() - 1)
 
+    def reprs_of(self, rows: Tensor) -> Tensor:
+        """Representative keys [n, H_q, D] float32 from rows of a `layers/NN.r` file."""
+        return self.kv_format.reprs.decode(rows, torch.float32)
+
     def update_sketch(self) -> bool:
         """Sketch the events appended since the last call, fitting the basis first (again) when the
         store has reached `sketch_target`'s next size. Data only: the next manifest commits it, and
@@ -459,7 +463,7 @@ class Store:
             r = self.layer_files[i][2]
             for a in range(p.rows, n, sketch.FIT_BLOCK_ROWS):  # a block at a time: a (re)fit sketches every event
                 b = min(n, a + sketch.FIT_BLOCK_ROWS)
-                coords, norms = sketch.project(r.read_copy(a, b).float().reshape(b - a, -1), mean, basis)
+                coords, norms = sketch.project(self.reprs_of(r.read_copy(a, b)).reshape(b - a, -1), mean, basis)
                 p.append(coords)
                 nrm.append(norms)
             wrote = True
@@ -478,7 +482,7 @@ class Store:
         idx = torch.arange(t) if m == t else torch.randperm(t, generator=torch.Generator().manual_seed(t))[:m].sort().values
 
         def sample(r: RowFile) -> Callable[[int, int], Tensor]:
-            return lambda a, b: r.take(idx[a:b]).float().reshape(b - a, -1)
+            return lambda a, b: self.reprs_of(r.take(idx[a:b])).reshape(b - a, -1)
 
         tensors: dict[str, Tensor] = {}
         for i, (_, _, r) in enumerate(self.layer_files):
