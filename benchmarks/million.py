@@ -49,12 +49,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--store", required=True, help="new folder for the store (needs ~51 kB per token on SmolLM2)")
     ap.add_argument("--every", type=int, default=100, help="progress line every N chunks")
+    ap.add_argument("--dtype", default=None, help="compute dtype (default: the profile's, auto)")
+    ap.add_argument("--format", default=None, help="store format (default: the compute dtype)")
     ap.add_argument("--out", required=True, help="JSON lines, appended")
     ap.add_argument("--ask-only", action="store_true", help="only ask the question of a store this script made (same --tokens, --depth, --seed)")
     a = ap.parse_args()
     commit = git_commit()  # the code this run loads (HEAD may move during an hour-long run)
     src = models.resolve(a.model)
-    model, tok = models.load(src)
+    model, tok = models.load(src, dtype=a.dtype)
     n = parse_length(a.tokens)
     prompt = build_prompt(tok, n, a.depth, random.Random(f"{a.seed}/{n}/{a.depth}/0"))
     cs = src.profile.chunk_size
@@ -88,7 +90,7 @@ def main() -> None:
         with open(a.out, "a") as f:
             f.write(json.dumps(row) + "\n")
         return
-    with create_store(path, src.name, model, tok, src.profile, chat=False) as st:
+    with create_store(path, src.name, model, tok, src.profile, chat=False, kv_format=a.format) as st:
         st.set_job(torch.tensor(prompt.document, dtype=torch.int32), [{
             "name": f"passkey-{n}-{a.depth}", "sha256": "", "start": 0, "tokens": len(prompt.document), "chars": 0}])
         run_job(st, open_engine(st, model), progress=progress)
@@ -106,7 +108,8 @@ def main() -> None:
     k = max(1, len(times) // 20)
     row = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-        "model": src.name, "tokens": len(prompt.document) + len(prompt.question), "depth": a.depth,
+        "model": src.name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "format": a.format or "auto", "tokens": len(prompt.document) + len(prompt.question), "depth": a.depth,
         "key": prompt.key, "answer": answer.strip(), "correct": score(answer, prompt.key),
         "tok_s_start": round(cs * k / sum(times[:k]), 1), "tok_s_end": round(cs * k / sum(times[-k:]), 1),
         "tok_s_total": round(cs * len(times) / sum(times), 1), "peak_rss_mib": vm("VmHWM") >> 20,
