@@ -109,6 +109,31 @@ def test_bf16_models_close_to_vanilla(arch, mode):
     assert (got - ref).abs().mean().item() <= 2**-8 * scale / 2
 
 
+@pytest.mark.parametrize("mode", ["one-shot", "chunks", "decode"])
+def test_smollm2_in_bf16_close_to_vanilla_in_bf16(smollm2, mode):
+    """The real model computing in bfloat16 (as --dtype auto does on this project's CPU): emllm
+    against the plain model in the same dtype, on the fused path (chunks of 100 or more queries)
+    and the written-out one (decoding). Through 30 layers bf16's rounding moves the plain model's
+    own logits by ~0.1 on average from float32's: emllm in bf16 must stay within that noise of
+    the plain model in bf16, and pick the same next token wherever the plain model is sure."""
+    from emllm import models
+
+    model32, tok, prof = smollm2
+    model, _ = models.load(models.resolve("smollm2"), dtype="bfloat16")
+    text = "The grass is green. The sky is blue. " * 30 + "Alice hid the key under the red stone in the garden."
+    ids = torch.tensor(tok(text)["input_ids"])
+    n = ids.numel()
+    ref = vanilla_logits(model, ids)
+    split = {"one-shot": [n], "chunks": [100, 100, n - 200], "decode": [n - 24] + [1] * 24}[mode]
+    got = engine_logits(model, prof.replace(chunk_size=n), ids, split)
+    noise = ref - vanilla_logits(model32, ids)  # what bf16 itself does to the plain model
+    assert (got - ref).abs().mean() <= 1.5 * noise.abs().mean()
+    assert (got - ref).abs().max() <= 2 * noise.abs().max()
+    top2 = ref.topk(2, -1).values
+    sure = (top2[:, 0] - top2[:, 1]) > 2 * noise.abs().max()
+    assert bool(sure.any()) and torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure])
+
+
 def test_rotary_bf16_matches_the_models_rotation():
     # What the attention receives at position 0 is q0 = bf16(q * bf16(s)); rotating q0 with our
     # table must give what the model's own rotation at position t gives, without a bias. Dividing
