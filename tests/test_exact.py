@@ -41,15 +41,21 @@ def test_tiny_models_equal_vanilla(arch, mode):
     assert (got - ref).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("mode", ["one-shot", "chunks", "decode"])
-def test_smollm2_equals_vanilla(smollm2, mode):
-    model, tok, prof = smollm2
+def smollm2_case(model, tok, prof, mode: str):
+    """(ids, the plain model's logits, emllm's) of a 300-token text read one-shot, in chunks of
+    100, or decoded token by token after a prefill."""
     text = "The grass is green. The sky is blue. " * 30 + "Alice hid the key under the red stone in the garden."
     ids = torch.tensor(tok(text)["input_ids"])
     n = ids.numel()
     ref = vanilla_logits(model, ids)
     split = {"one-shot": [n], "chunks": [100, 100, n - 200], "decode": [n - 24] + [1] * 24}[mode]
-    got = engine_logits(model, prof.replace(chunk_size=n), ids, split)
+    return ids, ref, engine_logits(model, prof.replace(chunk_size=n), ids, split)
+
+
+@pytest.mark.parametrize("mode", ["one-shot", "chunks", "decode"])
+def test_smollm2_equals_vanilla(smollm2, mode):
+    model, tok, prof = smollm2
+    ids, ref, got = smollm2_case(model, tok, prof, mode)
     assert (got - ref).abs().max().item() <= TOL
 
 
@@ -120,12 +126,7 @@ def test_smollm2_in_bf16_close_to_vanilla_in_bf16(smollm2, mode):
 
     model32, tok, prof = smollm2
     model, _ = models.load(models.resolve("smollm2"), dtype="bfloat16")
-    text = "The grass is green. The sky is blue. " * 30 + "Alice hid the key under the red stone in the garden."
-    ids = torch.tensor(tok(text)["input_ids"])
-    n = ids.numel()
-    ref = vanilla_logits(model, ids)
-    split = {"one-shot": [n], "chunks": [100, 100, n - 200], "decode": [n - 24] + [1] * 24}[mode]
-    got = engine_logits(model, prof.replace(chunk_size=n), ids, split)
+    ids, ref, got = smollm2_case(model, tok, prof, mode)
     noise = ref - vanilla_logits(model32, ids)  # what bf16 itself does to the plain model
     assert (got - ref).abs().mean() <= 1.5 * noise.abs().mean()
     assert (got - ref).abs().max() <= 2 * noise.abs().max()

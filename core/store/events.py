@@ -82,7 +82,7 @@ class StoredEvents:
         """(events, tokens in RAM, end of the last event) now: what `truncate` comes back to."""
         return self.lengths.n, self.ram_k.n, self.event_end
 
-    def truncate(self, mark: tuple[int, int]) -> None:
+    def truncate(self, mark: tuple[int, int, int]) -> None:
         """Forget the events a reader closed in RAM after `mark` (the files are never changed)."""
         events, ram_tokens, event_end = mark
         if self.store.writable:
@@ -155,7 +155,7 @@ class StoredEvents:
 
     def _decoded(self, rows: Tensor) -> Tensor:
         """Rows of `layers/NN.r` as keys: a float format's as they are, an integer one's decoded."""
-        return rows if self.fmt.reprs.bits is None else self.fmt.reprs.decode(rows, torch.float32)
+        return rows if self.fmt.reprs.bits is None else self.store.reprs_of(rows)
 
     def repr_keys(self) -> Tensor:
         """[E, H_q, D] float32, all of them (for inspection and tests: reads the whole file)."""
