@@ -50,6 +50,10 @@ class Profile:
     # profiles and stores written before the two were separate meant.
     sketch_threshold: int | None = 20000
     kv_cache_mb: int = 128  # RAM for recently read events' keys and values, all layers (stores; 0: none)
+    # RAM for every event's representative key in float32, all layers (stores): retrieval then
+    # estimates all scores with one matrix-vector product and scores exactly only the events that
+    # can be selected (memory/prune.py; the same selection). Past it: the exact scan of the files.
+    repr_cache_mb: int = 1024
     # compute dtype: auto is bfloat16 where the device computes it natively (CUDA, CPUs with
     # AVX-512 BF16 or AMX), else float32. A store records the dtype it was computed in.
     dtype: str = "auto"
@@ -69,6 +73,7 @@ class Profile:
 _INT_MIN = {
     "chunk_size": 1, "n_init": 0, "n_local": 1, "n_mem": 0, "repr_topk": 1,
     "min_block": 1, "max_block": 1, "neighbours": 0, "kv_cache_mb": 0,
+    "repr_cache_mb": 0,
 }
 # Far above any real setting, far below what would exhaust memory or overflow: a profile (or a
 # store's copy of one) is input, and n_local: 10**12 must be refused, not allocated.

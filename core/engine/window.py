@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from emllm.math.attention import attend
+from emllm.memory.buffers import token_index
 from emllm.memory.events import EventMemory
 from emllm.memory.selection import Selection, representative_keys, update_contiguity
 from emllm.math.rope import apply_rotary
@@ -55,6 +56,9 @@ class LayerWindow:
         self.rem_k, self.rem_v = z(h, 0, d), z(h, 0, d)
         self.rem_mass = z(self.n_q_heads, 0, dt=torch.float32)
         self.contiguity = torch.zeros(0, dtype=torch.long, device=self.device)  # event ids, oldest first
+        # the last retrieval's events (sorted ids) and their keys and values [H_kv, n, D]: the
+        # next step reads only the events it did not have (an event's rows never change)
+        self._held: tuple[Tensor, Tensor, Tensor] | None = None
 
     _STATE = ("init_k", "init_v", "local_k", "local_v", "local_mass", "rem_k", "rem_v", "rem_mass", "contiguity")
 
@@ -82,6 +86,7 @@ class LayerWindow:
                 ref = getattr(self, name)
                 setattr(self, name, state[name].to(ref.device, ref.dtype).contiguous())
         self.n_seen = int(state.get("n_seen", 0))
+        self._held = None  # events may have been forgotten (a reader's truncate): ids name others
 
     # -- the attention call ------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float, st: StepInfo) -> Tensor:
@@ -113,7 +118,7 @@ class LayerWindow:
                     )
                     extra = self.contiguity[~torch.isin(self.contiguity, ids)]
                     ids = torch.sort(torch.cat((ids, extra))).values
-                mk, mv = self.events.gather(ids)  # on the ids' device: this layer's (a store reads on the host)
+                mk, mv = self._gather(ids)
                 parts_k.append(mk)
                 parts_v.append(mv)
             parts_k.append(self.rem_k)
@@ -123,6 +128,38 @@ class LayerWindow:
         out, mass = attend(q_loc, k_rot, v_loc, q_mem, k_mem, v_mem, scaling)
         self._slide(k_loc, v_loc, mass, st)
         return out
+
+    def _gather(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of events ids [k] (sorted), [H_kv, n, D] each, on the ids' device: the
+        events the last step held are copied from what it held, only the others are read from
+        the memory (a store reads on the host). The same rows in the same order as
+        `events.gather(ids)`."""
+        held = self._held
+        if held is not None and held[0].numel() == ids.numel() and bool(torch.equal(held[0], ids)):
+            return held[1], held[2]
+        if held is None or ids.numel() == 0:
+            k, v = self.events.gather(ids)
+        else:
+            old_ids, old_k, old_v = held
+            keep = torch.isin(ids, old_ids)
+            new = ids[~keep]
+            if new.numel() == ids.numel():
+                k, v = self.events.gather(ids)
+            else:
+                lengths = self.events.event_lengths().to(ids.device)
+                n_k, n_v = self.events.gather(new)
+                old_len = lengths[old_ids]
+                old_at = torch.cumsum(old_len, 0) - old_len  # each held event's first row
+                new_len = lengths[new]
+                new_at = torch.cumsum(new_len, 0) - new_len + old_k.shape[1]  # after the held rows
+                src = torch.empty_like(ids)
+                src[keep] = old_at[torch.searchsorted(old_ids, ids[keep])]
+                src[~keep] = new_at
+                idx = token_index(src, lengths[ids])
+                k = torch.cat((old_k, n_k), 1).index_select(1, idx)
+                v = torch.cat((old_v, n_v), 1).index_select(1, idx)
+        self._held = ids, k, v
+        return k, v
 
     def retrieve(self, query: Tensor, budget: int,
                  on_retrieval: Callable[[int, Selection], None] | None = None) -> Selection:

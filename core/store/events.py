@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from emllm.config import Profile
-from emllm.memory import sketch
+from emllm.memory import prune, sketch
 from emllm.memory.cache import EventCache
 from emllm.memory.buffers import GrowBuffer, token_index
 from emllm.memory.selection import Selection, scores_in_blocks, select_events
@@ -22,12 +22,15 @@ if TYPE_CHECKING:
 class StoredEvents:
     """`EventMemory` for one layer whose keys, values and representative keys live in the store's files.
 
-    Nothing that grows with the store stays resident but the event sizes (16 bytes per event):
-    - retrieval scores every event's representative key exactly at every step, reading
-      `layers/NN.r` a block at a time into one reused buffer (pread, from the page cache once
-      warm), so neither a writer nor a reader holds the keys, whatever the store's size; a reader
-      of a store with a sketch scans the sketches instead and scores exactly only the events
-      that can be selected (the same selection);
+    What stays resident grows with the store only up to a bound:
+    - retrieval holds every event's representative key in float32 while they fit in the
+      profile's `repr_cache_mb` (all layers; 2,304 bytes an event for SmolLM2): one matrix-vector
+      product estimates every score, and only the events that can be selected are scored exactly
+      (`memory.prune`: the same selection as the scan). Past it, every event's key is scored
+      exactly at every step, reading `layers/NN.r` a block at a time into one reused buffer
+      (pread, from the page cache once warm); a reader of a store with a sketch scans the
+      sketches instead and scores exactly only the events that can be selected (the same
+      selection);
     - keys and values are read per step for the retrieved events only: from an `EventCache` of
       the events read last (fixed size: the profile's `kv_cache_mb`, or `--kv-cache-mb`), else
       from the files (`RowFile.take`: pread, nothing mapped).
@@ -74,6 +77,12 @@ class StoredEvents:
         # A ring smaller than one step's retrieval would only churn: no cache then.
         n_mem = store.manifest["profile"].get("n_mem", 0)
         self.cache = EventCache(cap, self.row, dt) if cap > 0 and cap >= n_mem else None
+        # Every event's representative key in float32, read once (within repr_cache_mb): a
+        # selection is then one mv and a few exact scores (`memory.prune`), not a scan of the file.
+        mb = store.manifest["profile"].get("repr_cache_mb", Profile.repr_cache_mb)
+        self.resident_cap = (mb << 20) // (g.layers * self.dim * 4)  # events per layer
+        self.resident = GrowBuffer((0, self.dim), 0, torch.float32, torch.device("cpu"))
+        self.resident_norms = GrowBuffer((0,), 0, torch.float32, torch.device("cpu"))
 
     def __len__(self) -> int:
         return self.lengths.n
@@ -90,6 +99,7 @@ class StoredEvents:
         if events < self.r.rows or events > self.lengths.n:
             raise ValueError("a mark of another memory")
         self.lengths.n = self.starts.n = events
+        self.resident.n = self.resident_norms.n = min(self.resident.n, events)
         self.ram_r.n = events - self.r.rows
         self.ram_k.n = self.ram_v.n = ram_tokens
         self.event_end = event_end
@@ -167,8 +177,21 @@ class StoredEvents:
             return select_events(torch.zeros(0), self.event_lengths(), 0)
         if self.sketch is not None:
             return self._select_sketched(query.cpu(), budget)
+        if len(self) <= self.resident_cap:
+            rows = self._resident_rows()
+            q = query.cpu()
+            return prune.select(rows, self.resident_norms.view(), q, self.event_lengths(), budget,
+                                lambda ids: scores_in_blocks(ids.numel(), self.dim, lambda a, b: rows[ids[a:b]], q))
         scores = scores_in_blocks(len(self), self.dim, self._repr_block, query.cpu())
         return select_events(scores, self.event_lengths(), budget)
+
+    def _resident_rows(self) -> Tensor:
+        """[E, H_q * D] float32: every event's representative key, the new ones read in."""
+        for a in range(self.resident.n, len(self), 1 << 14):
+            x = self._repr_block(a, min(len(self), a + (1 << 14))).float()
+            self.resident.append(x)
+            self.resident_norms.append(prune.norms_up(x))
+        return self.resident.view()
 
     def _select_sketched(self, query: Tensor, budget: int) -> Selection:
         """The scan's selection, reading a few events' keys: exact scores for the best-sketched

@@ -1,0 +1,140 @@
+"""Selection from a matrix-vector estimate (core/memory/prune.py): the bound holds for every event,
+the selection is the full scan's bit for bit (ties included), a store's resident keys select what
+its scan of the files selects, and a layer's reuse of the last step's events reads the same rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from emllm.engine.window import LayerWindow
+from emllm.memory import prune
+from emllm.memory.events import EventMemory
+from emllm.memory.selection import event_scores, scores_in_blocks, select_events
+from emllm.store import Geometry, Identity, Store, StoredEvents
+
+G = Geometry(layers=2, kv_heads=1, q_heads=3, head_dim=32, vocab=10, dtype="float32")
+IDENT = Identity("m", "c", "w", "t")
+
+
+def _events(n: int, seed: int, spread: float, dtype: torch.dtype = torch.float32):
+    """lengths [n], reprs [n, 96]: clusters around one large mean (keys look like that); spread
+    0 makes whole clusters of identical events (a repeated filler: exact ties)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(8, 96, generator=g) * 2 + 5
+    pick = torch.randint(0, 8, (n,), generator=g)
+    reprs = (centres[pick] + spread * torch.randn(n, 96, generator=g)).to(dtype)
+    return torch.randint(1, 9, (n,), generator=g), reprs
+
+
+def _select(rows: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor, budget: int, scored: list | None = None):
+    r32 = rows.float()
+    def score(ids):
+        if scored is not None:
+            scored.extend(ids.tolist())
+        return scores_in_blocks(ids.numel(), r32.shape[1], lambda a, b: r32[ids[a:b]], q)
+    return prune.select(r32, prune.norms_up(r32), q, lengths, budget, score)
+
+
+@pytest.mark.parametrize("spread", [1.0, 0.001, 0.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_selection_is_the_scans_bit_for_bit(spread, dtype):
+    lengths, rows = _events(3000, 1, spread, dtype)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(10):
+        q = torch.randn(96, generator=g) * 3
+        for budget in (1, 40, 400, 30_000):
+            scored: list[int] = []
+            got = _select(rows, lengths, q, budget, scored)
+            want = select_events(event_scores(rows.reshape(-1, 3, 32), q), lengths, budget)  # the scan, of the rows as stored
+            assert got.ids.tolist() == want.ids.tolist()
+            assert torch.equal(got.scores, want.scores)
+            if spread == 1.0 and budget == 40:
+                assert len(scored) < 100  # distinct events: the estimate leaves few to score exactly
+
+
+def test_the_bound_holds_for_every_event():
+    # large and small magnitudes, a query of mixed scales: exact (the scan's float32) <= bound
+    g = torch.Generator().manual_seed(3)
+    for scale in (1e-3, 1.0, 1e3):
+        rows = torch.randn(2000, 576, generator=g) * scale + torch.randn(576, generator=g) * 10 * scale
+        q = torch.randn(576, generator=g) * torch.logspace(-3, 3, 576)
+        exact = scores_in_blocks(2000, 576, lambda a, b: rows[a:b], q)
+        est = prune.estimate(rows, q)
+        ub = prune.upper_bound(est, prune.norms_up(rows), q)
+        assert bool((ub >= exact.double()).all())
+        lb = 2 * est.double() - ub  # the same slack below
+        assert bool((lb <= exact.double()).all())
+
+
+def _store(path, n_events: int, repr_cache_mb: int | None, kv: str | None = None, spread: float = 0.3) -> Store:
+    prof = {"name": "t", "faiss_threshold": None, "sketch_threshold": None}
+    if repr_cache_mb is not None:
+        prof["repr_cache_mb"] = repr_cache_mb
+    st = Store.create(path, IDENT, prof, G, kv=kv)
+    lengths, reprs = _events(n_events, 4, spread)
+    for i in range(G.layers):
+        kv_rows = torch.randn(1, int(lengths.sum()), 32)
+        StoredEvents(st, i).append(kv_rows, kv_rows, lengths, reprs.reshape(-1, 3, 32) * (i + 1))
+    st.events.append(lengths.to(torch.int32))
+    st.commit({}, {})
+    return st
+
+
+@pytest.mark.parametrize("kv,spread", [(None, 0.3), (None, 0.0), ("int4", 0.3)])
+def test_a_store_selects_from_resident_keys_what_its_scan_selects(tmp_path, kv, spread):
+    st = _store(tmp_path / "s", 700, None, kv, spread)
+    st.close()
+    with Store.open(tmp_path / "s") as fast_store, Store.open(tmp_path / "s") as scan_store:
+        scan_store.manifest["profile"]["repr_cache_mb"] = 0  # nothing resident: the scan of layers/NN.r
+        g = torch.Generator().manual_seed(5)
+        for layer in range(G.layers):
+            fast, scan = StoredEvents(fast_store, layer), StoredEvents(scan_store, layer)
+            assert scan.resident_cap == 0 and fast.resident_cap >= len(fast)
+            for _ in range(10):
+                q = torch.randn(3, 32, generator=g)
+                for budget in (8, 100):
+                    a, b = fast.select(q, budget), scan.select(q, budget)
+                    assert a.ids.tolist() == b.ids.tolist() and torch.equal(a.scores, b.scores)
+            assert fast.resident.n == len(fast) and scan.resident.n == 0
+
+
+def test_resident_keys_follow_events_closed_after_opening_and_a_truncate(tmp_path):
+    _store(tmp_path / "s", 300, None).close()
+    with Store.open(tmp_path / "s") as st:  # a reader: later events in RAM, forgotten by truncate
+        ev = StoredEvents(st, 0)
+        q = torch.randn(3, 32, generator=torch.Generator().manual_seed(6))
+        ev.select(q, 50)
+        mark = ev.mark()
+        lengths, reprs = _events(40, 9, 0.3)
+        kv_rows = torch.randn(1, int(lengths.sum()), 32)
+        ev.append(kv_rows, kv_rows, lengths, reprs.reshape(-1, 3, 32) * 3)  # far larger: they win
+        got = ev.select(q * 0 + reprs[0].reshape(3, 32), 50)
+        assert ev.resident.n == 340 and int(got.ids.max()) >= 300
+        want = select_events(event_scores(ev.repr_keys(), reprs[0]), ev.event_lengths(), 50)
+        assert got.ids.tolist() == want.ids.tolist()
+        ev.truncate(mark)
+        assert ev.resident.n == 300
+        got = ev.select(q, 50)
+        want = select_events(event_scores(ev.repr_keys(), q), ev.event_lengths(), 50)
+        assert got.ids.tolist() == want.ids.tolist() and int(got.ids.max()) < 300
+
+
+def test_a_layer_reuses_the_last_steps_events_and_reads_the_same_rows():
+    mem = EventMemory(2, 4, 8, torch.float32, torch.device("cpu"), None)
+    g = torch.Generator().manual_seed(8)
+    lengths = torch.randint(1, 6, (60,), generator=g)
+    k = torch.randn(2, int(lengths.sum()), 8, generator=g)
+    mem.append(k, -k, lengths, torch.randn(60, 4, 8, generator=g))
+    w = LayerWindow(0, 2, 4, 8, torch.float32, torch.device("cpu"), mem)
+    reads = []
+    gather = mem.gather
+    mem.gather = lambda ids: (reads.append(ids.tolist()), gather(ids))[1]
+    picks = [[3, 7, 9, 20], [3, 7, 9, 20], [3, 9, 21, 40, 41], [0, 59], [0, 5, 59], []]
+    for ids in picks:
+        ids = torch.tensor(ids, dtype=torch.long)
+        got_k, got_v = w._gather(ids)
+        want_k, want_v = gather(ids)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    # read from the memory: the first selection, nothing for the repeat, then only new events
+    assert reads == [[3, 7, 9, 20], [21, 40, 41], [0, 59], [5], []]
