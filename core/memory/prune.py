@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from emllm.memory.selection import Selection, gamma, score_error, select_events
-from emllm.memory.sketch import exact_selection
+from emllm.memory.sketch import candidates, stopper
 
 
 def norms_up(x: Tensor) -> Tensor:
@@ -42,12 +42,17 @@ def estimate(rows: Tensor, query: Tensor) -> Tensor:
 
 def upper_bound(est: Tensor, norms: Tensor, query: Tensor) -> Tensor:
     """The most each event's exact score can be, given its estimate: est [n], norms [n] (|x|,
-    rounded up), query [dim] -> [n] float64."""
+    rounded up), query [dim] -> [n] float32.
+
+    In float32 (a generated token computes this for every event of every layer): the slack is
+    taken 2^-10 wider and |est| 2^-20 wider than it is, which covers the rounding of the three
+    float32 operations here (each within 2^-24 relative) many times over."""
     q = query.reshape(-1).double()
     dim = q.numel()
-    slack = (gamma(dim) + score_error(dim)) * float(q.norm()) * (1 + 2.0**-20)
-    # float64 crumbs: est's own magnitude and the product above, rounded
-    return est.double() + slack * norms.double() + 2.0**-40 * (est.double().abs() + 1)
+    slack = (gamma(dim) + score_error(dim)) * float(q.norm()) * (1 + 2.0**-10)
+    out = est.abs().mul_(2.0**-20)
+    out.add_(norms, alpha=slack).add_(est)
+    return out.add_(2.0**-100)  # (an est of 0 with norms of 0: still >= the exact 0)
 
 
 def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: int,
@@ -60,7 +65,20 @@ def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: 
         return select_events(torch.zeros(0), lengths, 0)
     est = estimate(rows, query)
     ub = upper_bound(est, norms, query)
-    return exact_selection(est, ub, lengths, budget, score, torch.zeros(0, dtype=torch.long))
+    # One round of `sketch.exact_selection` (its loop exists for loose bounds): score the
+    # best-estimated events that hold the budget, then every event whose bound reaches their
+    # stopper. The stopper of a subset is at most the full ranking's, so an event left out ranks
+    # after the full ranking's stopper: neither selected nor stopping it.
+    first = candidates(est, lengths, budget + 1).sort().values  # more than the budget: one cannot fit
+    first_scores = score(first)
+    bar = stopper(first_scores, lengths[first], budget)
+    ids = torch.unique(torch.cat((torch.nonzero(ub >= bar).squeeze(1), first)))
+    if ids.numel() == first.numel():  # nothing beyond the first candidates can matter
+        ids, scores = first, first_scores
+    else:
+        scores = score(ids)  # (`first` again: a score depends on its row alone, the same bits)
+    sel = select_events(scores, lengths[ids], budget)
+    return Selection(ids[sel.ids], sel.scores)
 
 
 __all__ = ["norms_up", "estimate", "upper_bound", "select"]
