@@ -53,7 +53,7 @@ class Profile:
     # RAM for every event's representative key in float32, all layers (stores): retrieval then
     # estimates all scores with one matrix-vector product and scores exactly only the events that
     # can be selected (memory/prune.py; the same selection). Past it: the exact scan of the files.
-    repr_cache_mb: int = 1024
+    repr_cache_mb: int = 2048
     # compute dtype: auto is bfloat16 where the device computes it natively (CUDA, CPUs with
     # AVX-512 BF16 or AMX), else float32. A store records the dtype it was computed in.
     dtype: str = "auto"

@@ -7,6 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from emllm.memory import prune as _prune
+
+
+@pytest.fixture(autouse=True)
+def _always_prune(monkeypatch):
+    """Small cases take the estimate too (the scan is what they are compared with)."""
+    monkeypatch.setattr(_prune, "PRUNE_FROM", 1)
+
 from emllm.engine.window import LayerWindow
 from emllm.memory import prune
 from emllm.memory.events import EventMemory

@@ -24,8 +24,14 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from emllm.memory.selection import Selection, gamma, score_error, select_events
+from emllm.memory.selection import Selection, gamma, score_error, scores_in_blocks, select_events
 from emllm.memory.sketch import candidates, stopper
+
+
+# Below this many events, scoring every one exactly costs less than the estimate, the bound and
+# the extra selection steps (measured on the project's CPU, SmolLM2's 576 dims: 251 events 0.12
+# against 0.37 ms, 2,278 events 0.71 against 0.5 ms).
+PRUNE_FROM = 2048
 
 
 def norms_up(x: Tensor) -> Tensor:
@@ -63,6 +69,8 @@ def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: 
     lengths [E]; score(ids [m] increasing) -> exact scores [m] (`scores_in_blocks` over those rows)."""
     if rows.shape[0] == 0 or budget <= 0:
         return select_events(torch.zeros(0), lengths, 0)
+    if rows.shape[0] < PRUNE_FROM:
+        return select_events(scores_in_blocks(rows.shape[0], rows.shape[1], lambda a, b: rows[a:b], query), lengths, budget)
     est = estimate(rows, query)
     ub = upper_bound(est, norms, query)
     # One round of `sketch.exact_selection` (its loop exists for loose bounds): score the
@@ -81,4 +89,4 @@ def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: 
     return Selection(ids[sel.ids], sel.scores)
 
 
-__all__ = ["norms_up", "estimate", "upper_bound", "select"]
+__all__ = ["PRUNE_FROM", "norms_up", "estimate", "upper_bound", "select"]
