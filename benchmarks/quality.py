@@ -65,6 +65,57 @@ def table(rows: list[dict], methods: list[str]) -> str:
     return "\n".join(out)
 
 
+def recall_fields(found: list) -> dict:
+    """An emllm answer's recall of the asked needles (evals.recall): per needle where it was and
+    how many layers held it at the question, with ranks per layer; `retrieved`: every asked needle
+    was in the window/initial tokens or held by at least half the layers."""
+    return {"recall": [r.as_dict() for r in found],
+            "needle_layers": round(sum(r.share for r in found) / len(found), 4) if found else None,
+            "retrieved": all(r.share >= 0.5 for r in found)}
+
+
+def rag_recall(tok, prompt, chunk_tokens: int, budget: int) -> dict:
+    """The retrieval baseline's view of the asked needles at emllm's retrieval budget (n_mem tokens
+    per layer): each needle's chunk rank, and whether it is among the best chunks that fit."""
+    from emllm.evals.rag import build_context, load_embedder
+    from emllm.evals.recall import chunk_recall
+
+    rc = build_context(tok, load_embedder(), prompt.document, prompt.question, prompt.query, prompt.head,
+                       budget=1 << 40, chunk_tokens=chunk_tokens)  # every chunk, ranked
+    got = [chunk_recall(rc.ranked, rc.spans, prompt.needles[j], budget) for j in prompt.targets]
+    return {"rag_ranks": [r for r, _ in got], "rag_recall_at_n_mem": round(sum(h for _, h in got) / len(got), 4)}
+
+
+def recall_table(rows: list[dict], methods: list[str]) -> str:
+    """Per task x length x method: emllm's share of layers holding the asked needles at the question
+    (and answers: correct / retrieved but misread / not retrieved), the baseline's chunk recall at
+    the same budget (n_mem tokens)."""
+    acc: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        acc[(r["task"], r["length"], r["method"])].append(r)
+    cells = sorted({(t, n) for t, n, _ in acc}, key=lambda x: (list(TASKS).index(x[0]) if x[0] in TASKS else 99, x[1]))
+    shown = [m for m in methods if m.startswith("emllm") or m == "rag"]
+    out = ["| task | length | " + " | ".join(shown) + " |", "|---|---:|" + "---:|" * len(shown)]
+    for t, n in cells:
+        vals = []
+        for m in shown:
+            rs = acc.get((t, n, m), [])
+            if m == "rag":
+                v = [r["rag_recall_at_n_mem"] for r in rs if "rag_recall_at_n_mem" in r]
+                vals.append(f"{100 * sum(v) / len(v):.0f}%" if v else "–")
+                continue
+            rs = [r for r in rs if r.get("needle_layers") is not None]
+            if not rs:
+                vals.append("–")
+                continue
+            share = 100 * sum(r["needle_layers"] for r in rs) / len(rs)
+            ok = sum(r["score"] == 1 for r in rs)
+            misread = sum(r["score"] < 1 and r["retrieved"] for r in rs)
+            vals.append(f"{share:.0f}% ({ok} right, {misread} misread, {len(rs) - ok - misread} not retrieved)")
+        out.append(f"| {t} | {n} | " + " | ".join(vals) + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -80,6 +131,8 @@ def main() -> None:
                     help="RAG prompt tokens (default: the model's context); e.g. n_local + n_mem to match emllm's attention")
     ap.add_argument("--dtype", default=None, help="compute dtype (auto, float32, bfloat16; default: the profile's)")
     ap.add_argument("--formats", default="", help="store formats to run emllm-S on, comma-separated (float32, bfloat16, int8, int4)")
+    ap.add_argument("--centerings", default="",
+                    help="query_centering values to run emllm-S with besides the profile's, comma-separated (method emllm-S-c<value>)")
     ap.add_argument("--store-dir", default=None, help="where --formats' scratch stores go (default: a temporary folder here)")
     ap.add_argument("--out", help="JSON lines, appended (required unless --table)")
     ap.add_argument("--resume", action="store_true",
@@ -89,7 +142,11 @@ def main() -> None:
     if a.table:
         rows = [r for r in results_log.records(a.table) if "task" in r]  # skips a line a kill cut short
         names = list(METHODS) + sorted({r["method"] for r in rows} - set(METHODS))
-        print(table(rows, [m for m in names if any(r["method"] == m for r in rows)]))
+        shown = [m for m in names if any(r["method"] == m for r in rows)]
+        print(table(rows, shown))
+        if any("needle_layers" in r for r in rows):
+            print("\nRecall: share of layers holding the asked needles at the question; rag: chunk recall at n_mem tokens\n")
+            print(recall_table(rows, shown))
         return
     if not a.out:
         ap.error("--out is required")
@@ -111,6 +168,10 @@ def main() -> None:
     from emllm.evals.scratch import ScratchStores
     from emllm.memory.quant import FORMATS
 
+    for c in [x.strip() for x in a.centerings.split(",") if x.strip()]:
+        prof = src.profile.replace(segmentation="S", query_centering=float(c))
+        factories[f"emllm-S-c{c}"] = lambda prof=prof: Engine(model, prof)
+        methods.append(f"emllm-S-c{c}")
     scratch_root = tempfile.TemporaryDirectory(dir=a.store_dir or Path.cwd())
     for f in formats:
         if f not in FORMATS:
@@ -141,14 +202,17 @@ def main() -> None:
                     t0 = time.perf_counter()
                     extra = {}
                     if m in factories:
-                        answer = run_task(factories[m], tok, prompt)
+                        found: list = []
+                        answer = run_task(factories[m], tok, prompt, recall=found)
+                        extra = recall_fields([found[j] for j in prompt.targets])
                     elif m == "baseline":
                         answer = run_baseline(model, tok, prompt, max_new_tokens=prompt.max_new_tokens)
                     else:
                         answer, rc = run_rag(model, tok, prompt, chunk_tokens=a.rag_chunk, k=a.rag_k, budget=a.rag_budget)
                         hit = [any(s <= prompt.needles[j][0] < e for s, e in rc.spans) for j in prompt.targets]
                         extra = {"rag_chunks": len(rc.spans), "rag_of": rc.n_chunks, "rag_needles_found": sum(hit),
-                                 "rag_tokens": len(rc.ids)}
+                                 "rag_tokens": len(rc.ids),
+                                 **rag_recall(tok, prompt, a.rag_chunk, src.profile.n_mem)}
                     r = {"task": task, "length": length, "sample": i, "depth": depth, "method": m,
                          "answers": prompt.answers, "answer": answer.strip(), "score": prompt.score(answer),
                          "seconds": round(time.perf_counter() - t0, 2),
@@ -162,6 +226,8 @@ def main() -> None:
             f.close()
     scratch_root.cleanup()
     print(table(rows, methods))
+    print("\nRecall: share of layers holding the asked needles at the question; rag: chunk recall at n_mem tokens\n")
+    print(recall_table(rows, methods))
 
 
 if __name__ == "__main__":

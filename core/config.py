@@ -54,6 +54,10 @@ class Profile:
     # estimates all scores with one matrix-vector product and scores exactly only the events that
     # can be selected (memory/prune.py; the same selection). Past it: the exact scan of the files.
     repr_cache_mb: int = 2048
+    # Retrieval scores each event against the query minus this share of the layer's running mean
+    # query (0: the paper's plain inner product). An event that wins for any query ("hub": one that
+    # aligns with the mean query) loses that advantage: the score becomes (q - a mean_q) . repr.
+    query_centering: float = 0.0
     # compute dtype: auto is bfloat16 where the device computes it natively (CUDA, CPUs with
     # AVX-512 BF16 or AMX), else float32. A store records the dtype it was computed in.
     dtype: str = "auto"
@@ -102,6 +106,9 @@ def validate(p: Profile, where: str = "") -> Profile:
         raise bad("gamma", f"must be a number, got {p.gamma!r}")
     if not isinstance(p.contiguity_ratio, (int, float)) or not 0.0 <= p.contiguity_ratio < 1.0:
         raise bad("contiguity_ratio", f"must be a number in [0, 1), got {p.contiguity_ratio!r}")
+    if (not isinstance(p.query_centering, (int, float)) or isinstance(p.query_centering, bool)
+            or not 0.0 <= p.query_centering <= 1.0):
+        raise bad("query_centering", f"must be a number in [0, 1], got {p.query_centering!r}")
     if not isinstance(p.contiguity, bool):
         raise bad("contiguity", f"must be true or false, got {p.contiguity!r}")
     if p.dtype not in ("auto", "float32", "bfloat16"):

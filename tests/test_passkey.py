@@ -30,6 +30,8 @@ def test_prompt_places_needle(smollm2, depth):
     assert text.count(p.key) == 2
     frac = text.index(p.key) / len(text)
     assert abs(frac - depth) < 0.1
+    (s, e), = p.needles  # the needle's span holds the key twice, as the sentence does
+    assert tok.decode(p.document[s:e]).count(p.key) == 2 and tok.decode(p.document[:s]).count(p.key) == 0
     assert tok.decode(p.question).rstrip().endswith("The pass key is")
 
 
@@ -37,8 +39,12 @@ def test_prompt_places_needle(smollm2, depth):
 def test_smollm2_passkey_beyond_its_context(smollm2):
     model, tok, prof = smollm2
     p = build_prompt(tok, 10_000, 0.5, random.Random(7))  # 8k context: the plain model cannot see it all
-    answer = run_emllm(lambda: Engine(model, prof), tok, p)
+    found: list = []
+    answer = run_emllm(lambda: Engine(model, prof), tok, p, recall=found)
     assert score(answer, p.key), answer
+    # found, and retrieved: the needle lies in the memory and most layers held it at the question
+    (r,) = found
+    assert r.where == "memory" and r.share > 0.5 and min(r.ranks) == 1, r
 
 
 def test_results_log_reads_back_its_grid_only(tmp_path):

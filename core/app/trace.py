@@ -43,7 +43,7 @@ class Trace:
     def detach(self) -> None:
         self.engine.on_retrieval = None
 
-    def _record(self, layer: int, sel: Selection) -> None:
+    def _record(self, layer: int, sel: Selection, query: Tensor | None = None) -> None:
         if layer == 0 or self._step < 0:
             self._step += 1
         self.records.append(Record(self._step, layer, sel.ids.cpu(), sel.scores.float().cpu()))

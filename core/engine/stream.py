@@ -111,7 +111,7 @@ class Engine:
         self.flags = GrowBuffer((0,), 0, torch.bool, torch.device("cpu"))
         self.rem_start = profile.n_init  # stream position of the first token not yet in an event
         self.last_logits: Tensor | None = None  # [V] predicts the next token
-        self.on_retrieval: Callable[[int, Selection], None] | None = None
+        self.on_retrieval: Callable[[int, Selection, Tensor], None] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -156,7 +156,8 @@ class Engine:
         window = min(self.n_tokens, pr.n_local) + c
         cos, sin = self.rotary.table(max(window, pr.n_local), self.device, self.dtype)
         cont = int(pr.n_mem * pr.contiguity_ratio) if pr.contiguity else 0
-        step = StepInfo(cos, sin, pr.n_local, pr.n_init, pr.n_mem - cont, cont, pr.neighbours, self.on_retrieval)
+        step = StepInfo(cos, sin, pr.n_local, pr.n_init, pr.n_mem - cont, cont, pr.neighbours, pr.query_centering,
+                        self.on_retrieval)
         if self.model.config._attn_implementation != attention.NAME:  # someone ran the plain model meanwhile
             self.model.set_attn_implementation(attention.NAME)
         x = chunk.to(self.device)[None]

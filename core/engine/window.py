@@ -33,7 +33,8 @@ class StepInfo:
     budget: int  # similarity-buffer budget in tokens
     contiguity_budget: int = 0  # tokens of the contiguity buffer (0: none)
     neighbours: int = 1
-    on_retrieval: Callable[[int, Selection], None] | None = None
+    centering: float = 0.0  # share of the running mean query taken from each query (profile query_centering)
+    on_retrieval: Callable[[int, Selection, Tensor], None] | None = None  # (layer, selection, query [H_q, D])
 
 
 @dataclass
@@ -56,15 +57,20 @@ class LayerWindow:
         self.rem_k, self.rem_v = z(h, 0, d), z(h, 0, d)
         self.rem_mass = z(self.n_q_heads, 0, dt=torch.float32)
         self.contiguity = torch.zeros(0, dtype=torch.long, device=self.device)  # event ids, oldest first
+        # every retrieval query so far (one per step), summed: the running mean query
+        self.query_sum = z(self.n_q_heads, self.head_dim, dt=torch.float32)
+        self.query_n = 0
         # the last retrieval's events (sorted ids) and their keys and values [H_kv, n, D]: the
         # next step reads only the events it did not have (an event's rows never change)
         self._held: tuple[Tensor, Tensor, Tensor] | None = None
 
-    _STATE = ("init_k", "init_v", "local_k", "local_v", "local_mass", "rem_k", "rem_v", "rem_mass", "contiguity")
+    _STATE = ("init_k", "init_v", "local_k", "local_v", "local_mass", "rem_k", "rem_v", "rem_mass", "contiguity",
+              "query_sum")
 
     def state(self) -> dict[str, Tensor]:
         """The tensors that continue this layer's stream (events excluded: they are in `events`)."""
-        return {**{name: getattr(self, name) for name in self._STATE}, "n_seen": torch.tensor(self.n_seen)}
+        return {**{name: getattr(self, name) for name in self._STATE}, "n_seen": torch.tensor(self.n_seen),
+                "query_n": torch.tensor(self.query_n)}
 
     def load_state(self, state: dict[str, Tensor]) -> None:
         """Continue from `state` (read from a store: its shapes are checked first, ValueError)."""
@@ -77,6 +83,11 @@ class LayerWindow:
             m = state.get(f"{part}_mass")
             if m is None or tuple(m.shape) != (hq, state[f"{part}_k"].shape[1]):
                 raise ValueError(f"layer {self.layer_idx}: {part} attention mass of the wrong shape")
+        qs = state.get("query_sum")
+        if qs is not None and (tuple(qs.shape) != (hq, d) or not bool(torch.isfinite(qs).all())):
+            raise ValueError(f"layer {self.layer_idx}: query sum of the wrong shape, or not finite")
+        if int(state.get("query_n", 0)) < 0:
+            raise ValueError(f"layer {self.layer_idx}: a negative query count")
         c = state.get("contiguity")
         if c is not None and (c.ndim != 1 or c.dtype not in (torch.int64, torch.int32) or
                               (c.numel() and (int(c.min()) < 0 or int(c.max()) >= len(self.events)))):
@@ -86,6 +97,9 @@ class LayerWindow:
                 ref = getattr(self, name)
                 setattr(self, name, state[name].to(ref.device, ref.dtype).contiguous())
         self.n_seen = int(state.get("n_seen", 0))
+        self.query_n = int(state.get("query_n", 0))  # a store from before the key: no mean yet
+        if "query_sum" not in state:
+            self.query_sum = torch.zeros_like(self.query_sum)
         self._held = None  # events may have been forgotten (a reader's truncate): ids name others
 
     # -- the attention call ------------------------------------------------------------------
@@ -109,8 +123,9 @@ class LayerWindow:
             p = st.n_local - 1  # memory sits at one fixed distance from every query
             q_mem = apply_rotary(q, st.cos[p : p + 1].to(q.device), st.sin[p : p + 1].to(q.device))
             parts_k, parts_v = [self.init_k], [self.init_v]
+            query = q_mem.mean(1)  # [H_q, D]
             if len(self.events):
-                ids = self.retrieve(q_mem.mean(1), st.budget, st.on_retrieval).ids.to(self.contiguity.device)
+                ids = self.retrieve(self._centred(query, st.centering), st.budget, st.on_retrieval).ids.to(self.contiguity.device)
                 if st.contiguity_budget:
                     self.contiguity = update_contiguity(
                         self.contiguity, ids, self.events.event_lengths().to(ids.device), st.neighbours,
@@ -124,10 +139,18 @@ class LayerWindow:
             parts_k.append(self.rem_k)
             parts_v.append(self.rem_v)
             k_mem, v_mem = torch.cat(parts_k, 1), torch.cat(parts_v, 1)
+            self.query_sum += query.float()
+            self.query_n += 1
 
         out, mass = attend(q_loc, k_rot, v_loc, q_mem, k_mem, v_mem, scaling)
         self._slide(k_loc, v_loc, mass, st)
         return out
+
+    def _centred(self, query: Tensor, share: float) -> Tensor:
+        """query [H_q, D] less `share` of the mean of the queries before it (none yet: as it is)."""
+        if not share or not self.query_n:
+            return query
+        return query.float() - (share / self.query_n) * self.query_sum
 
     def _gather(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of events ids [k] (sorted), [H_kv, n, D] each, on the ids' device: the
@@ -162,11 +185,11 @@ class LayerWindow:
         return k, v
 
     def retrieve(self, query: Tensor, budget: int,
-                 on_retrieval: Callable[[int, Selection], None] | None = None) -> Selection:
+                 on_retrieval: Callable[[int, Selection, Tensor], None] | None = None) -> Selection:
         """query [H_q, D] (rotated at the memory position) -> the events to attend to."""
         sel = self.events.select(query, budget)
         if on_retrieval is not None:
-            on_retrieval(self.layer_idx, sel)
+            on_retrieval(self.layer_idx, sel, query)
         return sel
 
     # -- bookkeeping ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Callable, Collection
 import torch
 
 from emllm.models import input_device
+from emllm.evals.recall import RecallProbe, needle_recall
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 INTRO = (
@@ -30,6 +31,12 @@ class Prompt:
     question: list[int]  # question, end of the user turn, start of the answer: its own chunk
     key: str
     needle_at: int  # token position of the needle in `document`
+    needle_len: int = 0  # its tokens
+
+    @property
+    def needles(self) -> list[tuple[int, int]]:
+        """The needle's token span [start, end) in `document` (as the RULER prompts give theirs)."""
+        return [(self.needle_at, self.needle_at + self.needle_len)]
 
 
 @dataclass
@@ -46,6 +53,11 @@ class TrialResult:
     # Of the document, read by a trunk shared with other trials (emllm.evals.scratch.TrunkStores): in the
     # seconds of the first trial that needed them only.
     trunk_tokens: int = 0
+    # emllm only (evals.recall): where the needle was at the question ("memory", "window", "init"),
+    # the share of layers whose selection held it, and its best rank per layer (memory only)
+    needle_where: str | None = None
+    needle_layers: float | None = None
+    needle_ranks: list[int] | None = None
     # Of the document, read by an earlier process whose store this trial continued (resumed grid).
     resumed_tokens: int = 0
 
@@ -87,7 +99,7 @@ def build_prompt(tok, length: int, depth: float, rng: random.Random) -> Prompt:
     at = round(depth * (n_hay // len(unit))) * len(unit) if n_hay >= len(unit) else 0
     at = min(at, len(hay))
     document = head + hay[:at] + needle + hay[at:]
-    return Prompt(document, question, key, len(head) + at)
+    return Prompt(document, question, key, len(head) + at, len(needle))
 
 
 def score(answer: str, key: str) -> bool:
@@ -96,7 +108,7 @@ def score(answer: str, key: str) -> bool:
 
 
 def run_emllm(engine_factory: Callable[[], "object"], tok, prompt: Prompt, max_new_tokens: int = 10,
-              progress: Callable | None = None, last: bool = False) -> str:
+              progress: Callable | None = None, last: bool = False, recall: list | None = None) -> str:
     # A factory that shares prefixes (emllm.evals.scratch.TrunkStores) hands over an engine that has read
     # the document's whole chunks, the haystack before the needle (the same for every key and
     # depth) from its trunk; `last`: no later prompt will need that trunk.
@@ -104,7 +116,11 @@ def run_emllm(engine_factory: Callable[[], "object"], tok, prompt: Prompt, max_n
     eng, k = make(prompt.document, prompt.needle_at, last=last, progress=progress) if make else (engine_factory(), 0)
     if k < len(prompt.document):
         eng.feed(prompt.document[k:], progress=progress)
+    probe = RecallProbe(eng) if recall is not None else None
     eng.feed(prompt.question)
+    if probe is not None:  # (recall: a list to extend with the needle's evals.recall.NeedleRecall)
+        probe.detach()
+        recall.extend(needle_recall(eng, probe, prompt.needles))
     out = eng.generate(max_new_tokens, stop_ids=set(_stop_ids(tok, eng.model)))
     return tok.decode(out, skip_special_tokens=True)
 
@@ -149,13 +165,15 @@ def run_grid(
     counts = lambda: (getattr(engine_factory, "shared_tokens", 0), getattr(engine_factory, "resumed_tokens", 0))  # noqa: E731
     for i, ((length, depth, t, prompt), method) in enumerate(todo):
         t0, (shared, resumed) = time.perf_counter(), counts()
+        found: list = []
         if method == "emllm":
-            answer = run_emllm(engine_factory, tok, prompt, progress=progress, last=i == last_emllm)
+            answer = run_emllm(engine_factory, tok, prompt, progress=progress, last=i == last_emllm, recall=found)
         else:
             answer = run_baseline(model, tok, prompt)
         r = TrialResult(length, depth, t, prompt.key, answer.strip(), score(answer, prompt.key), method,
                         round(time.perf_counter() - t0, 2), len(prompt.document) + len(prompt.question),
-                        counts()[0] - shared, counts()[1] - resumed)
+                        counts()[0] - shared, counts()[1] - resumed,
+                        *((found[0].where, round(found[0].share, 4), found[0].ranks) if found else ()))
         results.append(r)
         if on_result:
             on_result(r)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from emllm.evals.passkey import FILLER, _stop_ids
+from emllm.evals.recall import RecallProbe, needle_recall
 
 # -- vocabularies (disjoint: no key or value word occurs in the essay filler or the templates) ---------------
 
@@ -347,11 +348,16 @@ def build_prompt(task: str, tok, length: int, depth: float, rng: random.Random) 
 
 
 def run_task(engine_factory: Callable[[], object], tok, prompt: Prompt, max_new_tokens: int | None = None,
-             progress: Callable | None = None) -> str:
-    """emllm: ingest the document, feed the question as its own chunk, generate greedily."""
+             progress: Callable | None = None, recall: list | None = None) -> str:
+    """emllm: ingest the document, feed the question as its own chunk, generate greedily.
+    recall: a list to extend with every needle's `evals.recall.NeedleRecall` at the question."""
     eng = engine_factory()
     eng.feed(prompt.document, progress=progress)
+    probe = RecallProbe(eng) if recall is not None else None
     eng.feed(prompt.question)
+    if probe is not None:
+        probe.detach()
+        recall.extend(needle_recall(eng, probe, prompt.needles))
     out = eng.generate(max_new_tokens or prompt.max_new_tokens, stop_ids=set(_stop_ids(tok, eng.model)))
     return tok.decode(out, skip_special_tokens=True)
 

@@ -1,0 +1,130 @@
+"""Hub events: how often each event is retrieved across unrelated questions, per query centering.
+
+    python -m benchmarks.hubs --tokens 8k --centerings 0,0.5,1 --out docs/results/hubs-8k.json
+
+A store is built from real prose (benchmarks.corpus: the docstrings of Python's standard library
+and of transformers' models, text nobody here wrote), then each of a dozen unrelated questions is
+read as a question of `emllm ask` (a read-only session on the store's state) and every layer's
+selection at the question step is recorded. An event every question retrieves is a hub: it
+takes budget from whatever the question is about. Per centering (profile `query_centering`, applied
+at the question; the store was read with the profile's own), reported:
+
+- hub share: of all (question, layer) selections' events, the share that are hubs (retrieved in
+  that layer by at least 3/4 of the questions);
+- overlap: the mean Jaccard similarity of two questions' selections in one layer (1: every
+  question gets the same events);
+- the three most retrieved events: in how many (question, layer) pairs, and where they are;
+- distinct: events retrieved by any question in any layer, of all events x layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from benchmarks.corpus import tokens as corpus_tokens
+from emllm import models
+from emllm.app.ask import Session
+from emllm.app.ingest import add_documents, run_job
+from emllm.app.stream import create_store, open_engine
+from emllm.evals.passkey import parse_length
+from emllm.evals.recall import RecallProbe
+from emllm.store import Store
+
+QUESTIONS = [
+    "What does the text say about exceptions?",
+    "Who wrote this document?",
+    "List the special magic numbers.",
+    "How do I parse command-line arguments?",
+    "What is a dataclass?",
+    "How are HTTP headers handled?",
+    "What happens when a subprocess times out?",
+    "Explain how logging levels work.",
+    "How is a tar archive read?",
+    "What is the median of a list of numbers?",
+    "How do I compare two sequences of lines?",
+    "Which models does the library support for images?",
+]
+
+
+def selections(store: Store, model, tok, centering: float) -> list[dict[int, list[int]]]:
+    """Per question, per layer: the event ids selected at the question step."""
+    store.manifest["profile"]["query_centering"] = centering  # in memory only: the store is read-only
+    out = []
+    for q in QUESTIONS:
+        session = Session(store, model, tok)
+        if session.tail:
+            session.engine.feed(session.tail)
+            session.tail = []
+        probe = RecallProbe(session.engine)
+        session.read_question(q)
+        probe.detach()
+        out.append({layer: sel.ids.tolist() for layer, (sel, _) in probe.last.items()})
+    return out
+
+
+def hub_report(sel: list[dict[int, list[int]]], n_events: int, spans: torch.Tensor) -> dict:
+    layers = sorted(sel[0])
+    n_q = len(sel)
+    hubs = taken = 0
+    jacc = []
+    pairs: Counter = Counter()
+    distinct = 0
+    for layer in layers:
+        count = Counter(e for s in sel for e in s[layer])
+        distinct += len(count)
+        hub = {e for e, c in count.items() if c >= 0.75 * n_q}
+        taken += sum(len(s[layer]) for s in sel)
+        hubs += sum(e in hub for s in sel for e in s[layer])
+        for i in range(n_q):
+            for j in range(i + 1, n_q):
+                a, b = set(sel[i][layer]), set(sel[j][layer])
+                jacc.append(len(a & b) / max(1, len(a | b)))
+        pairs.update(count)
+    top = [{"event": e, "pairs": c, "of": n_q * len(layers), "tokens": spans[e].tolist()}
+           for e, c in pairs.most_common(3)]
+    return {"hub_share": round(hubs / max(1, taken), 4), "overlap": round(sum(jacc) / max(1, len(jacc)), 4),
+            "top": top, "distinct": distinct, "of": n_events * len(layers)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="8k")
+    ap.add_argument("--centerings", default="0,0.5,1")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--out", default=None, help="JSON file for the results")
+    a = ap.parse_args()
+    n = parse_length(a.tokens)
+    src = models.resolve("smollm2")
+    model, tok = models.load(src, dtype=a.dtype)
+    text = tok.decode(corpus_tokens(tok, "prose", n))
+    res = {"tokens": n, "questions": QUESTIONS, "date": time.strftime("%Y-%m-%d %H:%M"),
+           "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "runs": []}
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+        st = create_store(Path(tmp) / "s", src.name, model, tok, src.profile, chat=True)
+        engine = open_engine(st, model)
+        add_documents(st, tok, [("prose", text)])
+        run_job(st, engine, 8, None)
+        st.close()
+        with Store.open(Path(tmp) / "s") as store:
+            lengths = store.events.read().long()
+            ends = torch.cumsum(lengths, 0) + src.profile.n_init
+            spans = torch.stack((ends - lengths, ends), 1)
+            for c in [float(x) for x in a.centerings.split(",")]:
+                t0 = time.perf_counter()
+                rep = hub_report(selections(store, model, tok, c), lengths.numel(), spans)
+                rep = {"centering": c, **rep, "seconds": round(time.perf_counter() - t0, 1)}
+                res["runs"].append(rep)
+                print(json.dumps(rep), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
