@@ -2,7 +2,7 @@
 
     python -m benchmarks.hubs --tokens 8k --centerings 0,0.5,1 --out docs/results/hubs-8k.json
 
-A store is built from real prose (benchmarks.corpus: the docstrings of Python's standard library
+A store is built from real prose (emllm.evals.corpus: the docstrings of Python's standard library
 and of transformers' models, text nobody here wrote), then each of a dozen unrelated questions is
 read as a question of `emllm ask` (a read-only session on the store's state) and every layer's
 selection at the question step is recorded. An event every question retrieves is a hub: it
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.corpus import tokens as corpus_tokens
+from emllm.evals.corpus import tokens as corpus_tokens
 from emllm import models
 from emllm.app.ask import Session
 from emllm.app.ingest import add_documents, run_job

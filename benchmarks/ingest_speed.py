@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from benchmarks.corpus import tokens as corpus_tokens
+from emllm.evals.corpus import tokens as corpus_tokens
 from emllm.app import ingest as ing
 from emllm.app import stream
 from emllm import models

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.corpus import prose
+from emllm.evals.corpus import prose
 
 CHILD = r"""
 import json, resource, sys, time

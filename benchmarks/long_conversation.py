@@ -17,7 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
-from benchmarks.corpus import prose
+from emllm.evals.corpus import prose
 from emllm import models
 from emllm.app.conversation import Conversation
 from emllm.app.report import retrieval_report

@@ -37,16 +37,22 @@ from emllm.evals import results_log
 from emllm.engine.stream import Engine
 from emllm.evals.passkey import parse_length, run_baseline
 from emllm.evals.rag import run_rag
-from emllm.evals.ruler import TASKS, build_prompt, run_task
+from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt, run_task
 
 METHODS = ("emllm-S", "emllm-SM", "emllm-F", "baseline", "rag")
+
+
+def _order(cell: tuple[str, int]) -> tuple:
+    """Table rows: tasks in TASKS order (a task on another haystack, "vt (prose)", after its own), then length."""
+    task = cell[0].split(" (")[0]
+    return (list(TASKS).index(task) if task in TASKS else 99, cell[0], cell[1])
 
 
 def table(rows: list[dict], methods: list[str]) -> str:
     acc: dict[tuple, list[float]] = defaultdict(list)
     for r in rows:
         acc[(r["task"], r["length"], r["method"])].append(r["score"])
-    cells = sorted({(t, n) for t, n, _ in acc}, key=lambda x: (list(TASKS).index(x[0]) if x[0] in TASKS else 99, x[1]))
+    cells = sorted({(t, n) for t, n, _ in acc}, key=_order)
     out = ["| task | length | " + " | ".join(methods) + " |", "|---|---:|" + "---:|" * len(methods)]
     for t, n in cells:
         vals = []
@@ -93,7 +99,7 @@ def recall_table(rows: list[dict], methods: list[str]) -> str:
     acc: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         acc[(r["task"], r["length"], r["method"])].append(r)
-    cells = sorted({(t, n) for t, n, _ in acc}, key=lambda x: (list(TASKS).index(x[0]) if x[0] in TASKS else 99, x[1]))
+    cells = sorted({(t, n) for t, n, _ in acc}, key=_order)
     shown = [m for m in methods if m.startswith("emllm") or m == "rag"]
     out = ["| task | length | " + " | ".join(shown) + " |", "|---|---:|" + "---:|" * len(shown)]
     for t, n in cells:
@@ -131,6 +137,8 @@ def main() -> None:
                     help="RAG prompt tokens (default: the model's context); e.g. n_local + n_mem to match emllm's attention")
     ap.add_argument("--dtype", default=None, help="compute dtype (auto, float32, bfloat16; default: the profile's)")
     ap.add_argument("--formats", default="", help="store formats to run emllm-S on, comma-separated (float32, bfloat16, int8, int4)")
+    ap.add_argument("--haystack", default=None, choices=HAYSTACKS,
+                    help="one haystack for every task instead of each task's own (prose, code: real text)")
     ap.add_argument("--centerings", default="",
                     help="query_centering values to run emllm-S with besides the profile's, comma-separated (method emllm-S-c<value>)")
     ap.add_argument("--store-dir", default=None, help="where --formats' scratch stores go (default: a temporary folder here)")
@@ -180,7 +188,7 @@ def main() -> None:
         methods.append(f"emllm-S-{f}")
     grid = {"model": src.name, "profile": asdict(src.profile), "seed": a.seed,
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "rag": {"chunk": a.rag_chunk, "k": a.rag_k, "budget": a.rag_budget}}
+            "rag": {"chunk": a.rag_chunk, "k": a.rag_k, "budget": a.rag_budget}, "haystack": a.haystack}
     done = {(r["task"], r["length"], r["sample"], r["depth"], r["method"]): r
             for r in results_log.results_of(a.out, grid)} if a.resume else {}
     if done:
@@ -197,7 +205,7 @@ def main() -> None:
                 rows += [done[(task, length, i, depth, m)] for m in methods if m not in todo]
                 if not todo:
                     continue
-                prompt = build_prompt(task, tok, length, depth, random.Random(f"{a.seed}/{task}/{length}/{i}"))
+                prompt = build_prompt(task, tok, length, depth, random.Random(f"{a.seed}/{task}/{length}/{i}"), a.haystack)
                 for m in todo:
                     t0 = time.perf_counter()
                     extra = {}
@@ -213,7 +221,7 @@ def main() -> None:
                         extra = {"rag_chunks": len(rc.spans), "rag_of": rc.n_chunks, "rag_needles_found": sum(hit),
                                  "rag_tokens": len(rc.ids),
                                  **rag_recall(tok, prompt, a.rag_chunk, src.profile.n_mem)}
-                    r = {"task": task, "length": length, "sample": i, "depth": depth, "method": m,
+                    r = {"task": task if a.haystack is None else f"{task} ({a.haystack})", "length": length, "sample": i, "depth": depth, "method": m,
                          "answers": prompt.answers, "answer": answer.strip(), "score": prompt.score(answer),
                          "seconds": round(time.perf_counter() - t0, 2),
                          "tokens": len(prompt.document) + len(prompt.question), **extra}

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.corpus import tokens as corpus_tokens
+from emllm.evals.corpus import tokens as corpus_tokens
 from emllm.app import document
 from emllm import models
 from emllm.engine.stream import Engine

@@ -131,7 +131,7 @@ def main() -> None:
         prof, name = load_profile("llama3.1"), a.config
         ids_all = lambda n: torch.randint(0, LLAMA_3_2_1B["vocab_size"], (n,), generator=torch.Generator().manual_seed(1))  # noqa: E731
     else:
-        from benchmarks.corpus import tokens as corpus_tokens
+        from emllm.evals.corpus import tokens as corpus_tokens
 
         src = models.resolve(a.model)
         model, tok = models.load(src)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.corpus import tokens as corpus_tokens
+from emllm.evals.corpus import tokens as corpus_tokens
 from emllm import models
 from emllm.app import ingest as ing
 from emllm.app import stream

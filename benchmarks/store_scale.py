@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.corpus import code, prose
+from emllm.evals.corpus import code, prose
 from emllm.evals.passkey import parse_length
 
 EMLLM = str(Path(sys.executable).parent / "emllm")

@@ -7,7 +7,7 @@ import torch
 
 from emllm.engine.stream import Engine
 from emllm.evals.recall import RecallProbe, chunk_recall, needle_recall
-from emllm.memory.selection import event_scores
+from emllm.memory.selection import event_scores, select_events
 from tests.conftest import tiny_model, tiny_profile
 
 
@@ -51,3 +51,33 @@ def test_chunk_recall_at_a_budget():
     assert chunk_recall(ranked, spans, (22, 24), budget=29) == (3, False)  # the prefix stops at chunk 0
     assert chunk_recall(ranked, spans, (12, 14), budget=100) == (4, True)
     assert chunk_recall(ranked, spans, (50, 52), budget=100) == (0, False)
+
+
+def test_query_centering_scores_against_the_query_less_the_mean_of_those_before():
+    model = tiny_model("llama3.1")
+    plain = Engine(model, tiny_profile())
+    centred = Engine(model, tiny_profile(query_centering=1.0))
+    seen: dict[str, list] = {"plain": [], "centred": []}
+    plain.on_retrieval = lambda layer, sel, q: layer == 0 and seen["plain"].append((sel, q.clone()))
+    centred.on_retrieval = lambda layer, sel, q: layer == 0 and seen["centred"].append(
+        (sel, q.clone(), len(centred.windows[0].events)))
+    ids = torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(1))
+    before = None
+    for off in range(0, 160, 8):
+        if seen["plain"] and before is None:  # layer 0 retrieved once: the two streams still agree
+            before = plain.windows[0].query_sum.clone(), plain.windows[0].query_n
+        plain.step(ids[off:off + 8])
+        centred.step(ids[off:off + 8])
+        if len(seen["plain"]) == 2:
+            break
+    # the second retrieval of layer 0: its inputs are the same in both engines (layer 0 is first)
+    (_, q_raw), (sel, q_used, n_events) = seen["plain"][1], seen["centred"][1]
+    total, n = before[0] + seen["plain"][0][1].float(), before[1] + 1
+    torch.testing.assert_close(q_used, q_raw.float() - total / n, rtol=0, atol=1e-6)
+    ev = centred.windows[0].events
+    want = select_events(event_scores(ev.repr_keys()[:n_events], q_used), ev.event_lengths()[:n_events],
+                         centred.profile.n_mem)
+    assert sel.ids.tolist() == want.ids.tolist()
+    # and the state carries the mean: a stream continued from it centres alike
+    st = centred.windows[0].state()
+    assert int(st["query_n"]) == centred.windows[0].query_n > 0 and st["query_sum"].abs().sum() > 0

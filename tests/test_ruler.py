@@ -178,3 +178,29 @@ def test_rag_retrieves_the_needle(tok):
     assert p.answers[0] in tok.decode(rc.ids)
     assert len(rc.ids) <= 400 and rc.ids[:p.head] == p.document[:p.head] and rc.ids[-len(p.question):] == p.question
     assert rc.spans == sorted(rc.spans) and best >= 0
+
+
+@pytest.mark.parametrize("haystack", ["prose", "code"])
+@pytest.mark.parametrize("task", ["niah_single_words", "niah_multikey", "vt"])
+def test_real_text_haystacks(tok, task, haystack):
+    """Any task on real text: the length, the needles where their spans say, the answers once,
+    and a haystack that is the corpus's own text from some place on (not a repeated filler)."""
+    from emllm.evals import corpus
+
+    seen = set()
+    for seed in range(3):
+        p = build_prompt(task, tok, 3000, 0.5, random.Random(seed), haystack=haystack)
+        assert abs(len(p.document) + len(p.question) - 3000) <= 4
+        doc = tok.decode(p.document)
+        for j, ans in zip(p.targets, p.answers):
+            assert ans in tok.decode(p.document[slice(*p.needles[j])])
+            # never in the haystack: only where needles put it (vt names a variable twice)
+            assert doc.count(ans) == sum(tok.decode(p.document[slice(*n)]).count(ans) for n in p.needles), (ans, task)
+        cut = sorted({0, len(p.document), p.head} | {x for s in p.needles for x in s})
+        hay = [tok.decode(p.document[a:b]) for a, b in zip(cut, cut[1:]) if (a, b) not in p.needles and a >= p.head]
+        whole = "".join(corpus.units(haystack)) * 2
+        assert all(h in whole for h in hay if h), task  # (the last piece may stop mid-sentence: still a substring)
+        seen.add(hay[0][:50])
+    assert len(seen) == 3  # each seed starts elsewhere
+    with pytest.raises(ValueError, match="unknown haystack"):
+        build_prompt(task, tok, 3000, 0.5, random.Random(0), haystack="chat")

@@ -174,10 +174,12 @@ def _wait_for_commit(store: Path, proc: subprocess.Popen, at_least: int) -> bool
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_format", ["auto", "int4"])  # int4: codes and scales, rows of bytes
-def test_kill_9_then_resume_equals_an_uninterrupted_ingest(tiny, tmp_path, kv_format):
+# int4: codes and scales, rows of bytes; query centering: the running mean query is state too
+@pytest.mark.parametrize("kv_format,centering", [("auto", 0.0), ("int4", 1.0)])
+def test_kill_9_then_resume_equals_an_uninterrupted_ingest(tiny, tmp_path, kv_format, centering):
     folder, prof, _, _ = tiny
     prof = _sketching(prof, tmp_path)
+    prof.write_text(prof.read_text() + f"query_centering: {centering}\n")
     doc = tmp_path / "doc.txt"
     doc.write_text(words(4, 3000))
     ref = tmp_path / "ref"
@@ -508,7 +510,8 @@ def test_store_scan_equals_the_in_ram_exact_path(tmp_path, monkeypatch):
     assert sum(batches[:6]) % 64 != 0  # the straddling block exists
 
 
-def test_scratch_stores_equal_the_in_ram_engine_and_leave_nothing(tiny, tmp_path):
+@pytest.mark.parametrize("centering", [0.0, 1.0])
+def test_scratch_stores_equal_the_in_ram_engine_and_leave_nothing(tiny, tmp_path, centering):
     """`passkey --memory-dir`: an engine over a throwaway store computes what the in-RAM engine
     does (same logits, bit for bit, and the same greedy tokens), and its folder is removed."""
     from emllm.evals.passkey import Prompt, run_emllm
@@ -516,7 +519,7 @@ def test_scratch_stores_equal_the_in_ram_engine_and_leave_nothing(tiny, tmp_path
 
     folder, prof, _, _ = tiny
     model, tok = load_tiny(folder)
-    profile = load_profile_file(prof)
+    profile = load_profile_file(prof).replace(query_centering=centering)
     ids = tok(words(3, 400), add_special_tokens=False)["input_ids"]
     ram = Engine(model, profile)
     want = ram.feed(ids)

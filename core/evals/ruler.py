@@ -19,7 +19,10 @@ Tasks (`TASKS`):
   document in order, plus `distractor` chains with other values; asked: every variable equal to
   the chain's value.
 
-Haystacks: the passkey filler ("noise") or essay-like sentences generated from the rng ("essay").
+Haystacks: the passkey filler ("noise") or essay-like sentences generated from the rng ("essay"),
+RULER's kinds; or real text from `emllm.evals.corpus` ("prose": library documentation, "code":
+Python sources), from a random place on, where repeated filler would hide hub events (every event
+alike).
 Needles sit on sentence borders. The rng alone decides everything, so a prompt depends only on the
 seed string the caller builds (`random.Random(f"{seed}/{task}/{length}/{sample}")`).
 """
@@ -32,6 +35,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+from emllm.evals import corpus
 from emllm.evals.passkey import FILLER, _stop_ids
 from emllm.evals.recall import RecallProbe, needle_recall
 
@@ -98,6 +102,8 @@ VT_PREFIX = (
     "assigned the value {value}, they are:"
 )
 
+HAYSTACKS_REAL = ("prose", "code")  # emllm.evals.corpus: text nobody here wrote
+HAYSTACKS = ("noise", "essay") + HAYSTACKS_REAL
 KINDS = {"words": ("words", "word"), "numbers": ("numbers", "number"), "uuids": ("uuids", "uuid")}
 
 
@@ -185,6 +191,14 @@ class _Haystack:
             while total < n:
                 self.sents.append(unit)
                 total += len(unit)
+        elif kind in HAYSTACKS_REAL:  # real text from a random place on, sentence by sentence (lines of code)
+            units = corpus.units(kind)
+            i = rng.randrange(len(units))
+            while total < n:
+                ids = enc(units[i % len(units)])
+                self.sents.append(ids)
+                total += len(ids)
+                i += 1
         else:
             cache: dict[str, list[int]] = {}
             while total < n:
@@ -258,26 +272,28 @@ def _niah(tok, length: int, depth: float, rng: random.Random, *, task: str, kind
                   max_new_tokens, {"keys": keys, "values": values})
 
 
-def niah_single_words(tok, length: int, depth: float, rng: random.Random) -> Prompt:
-    return _niah(tok, length, depth, rng, task="niah_single_words", kind="words", haystack="essay", max_new_tokens=16)
+def niah_single_words(tok, length: int, depth: float, rng: random.Random, haystack: str | None = None) -> Prompt:
+    return _niah(tok, length, depth, rng, task="niah_single_words", kind="words", haystack=haystack or "essay",
+                 max_new_tokens=16)
 
 
-def niah_single_numbers(tok, length: int, depth: float, rng: random.Random) -> Prompt:
-    return _niah(tok, length, depth, rng, task="niah_single_numbers", kind="numbers", haystack="noise",
+def niah_single_numbers(tok, length: int, depth: float, rng: random.Random, haystack: str | None = None) -> Prompt:
+    return _niah(tok, length, depth, rng, task="niah_single_numbers", kind="numbers", haystack=haystack or "noise",
                  max_new_tokens=20)
 
 
-def niah_single_uuids(tok, length: int, depth: float, rng: random.Random) -> Prompt:
-    return _niah(tok, length, depth, rng, task="niah_single_uuids", kind="uuids", haystack="essay", max_new_tokens=48)
+def niah_single_uuids(tok, length: int, depth: float, rng: random.Random, haystack: str | None = None) -> Prompt:
+    return _niah(tok, length, depth, rng, task="niah_single_uuids", kind="uuids", haystack=haystack or "essay",
+                 max_new_tokens=48)
 
 
-def niah_multikey(tok, length: int, depth: float, rng: random.Random) -> Prompt:
-    return _niah(tok, length, depth, rng, task="niah_multikey", kind="numbers", haystack="essay", n_keys=4,
+def niah_multikey(tok, length: int, depth: float, rng: random.Random, haystack: str | None = None) -> Prompt:
+    return _niah(tok, length, depth, rng, task="niah_multikey", kind="numbers", haystack=haystack or "essay", n_keys=4,
                  max_new_tokens=20)
 
 
-def niah_multivalue(tok, length: int, depth: float, rng: random.Random) -> Prompt:
-    return _niah(tok, length, depth, rng, task="niah_multivalue", kind="numbers", haystack="essay", n_values=4,
+def niah_multivalue(tok, length: int, depth: float, rng: random.Random, haystack: str | None = None) -> Prompt:
+    return _niah(tok, length, depth, rng, task="niah_multivalue", kind="numbers", haystack=haystack or "essay", n_values=4,
                  max_new_tokens=64)
 
 
@@ -291,7 +307,8 @@ def _var_name(rng: random.Random, taken: set[str]) -> str:
             return v
 
 
-def vt(tok, length: int, depth: float, rng: random.Random, hops: int = 4, distractors: int = 1) -> Prompt:
+def vt(tok, length: int, depth: float, rng: random.Random, haystack: str | None = None, hops: int = 4,
+       distractors: int = 1) -> Prompt:
     """Variable tracking. The asked chain's first statement sits at `depth`, its later hops at
     random places after it; distractor chains (other values) anywhere, each in its own order."""
     enc = _encoder(tok)
@@ -315,7 +332,7 @@ def vt(tok, length: int, depth: float, rng: random.Random, hops: int = 4, distra
     st_ids = [[enc(s) for s in st] for st in statements]
     n_fixed = sum(len(x) for st in st_ids for x in st)
     n_hay = max(0, length - len(head) - n_fixed - len(question))
-    hay = _Haystack(tok, n_hay, "noise", rng)
+    hay = _Haystack(tok, n_hay, haystack or "noise", rng)
     inserts: list[tuple[int, list[int]]] = []
     first = hay.slot(depth)
     later = sorted(rng.randint(first, hay.full) for _ in range(hops))
@@ -339,12 +356,15 @@ TASKS: dict[str, Callable[..., Prompt]] = {
 }
 
 
-def build_prompt(task: str, tok, length: int, depth: float, rng: random.Random) -> Prompt:
+def build_prompt(task: str, tok, length: int, depth: float, rng: random.Random, haystack: str | None = None) -> Prompt:
+    """haystack: one of HAYSTACKS instead of the task's own (RULER's: noise or essay)."""
     try:
         gen = TASKS[task]
     except KeyError:
         raise ValueError(f"unknown task {task!r}: one of {', '.join(TASKS)}") from None
-    return gen(tok, length, depth, rng)
+    if haystack is not None and haystack not in HAYSTACKS:
+        raise ValueError(f"unknown haystack {haystack!r}: one of {', '.join(HAYSTACKS)}")
+    return gen(tok, length, depth, rng, haystack=haystack)
 
 
 def run_task(engine_factory: Callable[[], object], tok, prompt: Prompt, max_new_tokens: int | None = None,
@@ -362,4 +382,4 @@ def run_task(engine_factory: Callable[[], object], tok, prompt: Prompt, max_new_
     return tok.decode(out, skip_special_tokens=True)
 
 
-__all__ = ["TASKS", "Prompt", "build_prompt", "run_task", "score", "score_part", "essay_sentence"]
+__all__ = ["TASKS", "HAYSTACKS", "Prompt", "build_prompt", "run_task", "score", "score_part", "essay_sentence"]

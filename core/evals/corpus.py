@@ -1,4 +1,5 @@
-"""Long texts available offline on any machine with this project installed, for benchmarks.
+"""Long texts available offline on any machine with this project installed, for benchmarks and
+the quality grid's haystacks (text nobody here wrote).
 
 - code: Python standard-library sources (a fixed list of modules, concatenated)
 - prose: the docstrings of those modules and of transformers' model docs, joined as paragraphs
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 from pathlib import Path
 
 from emllm.evals.passkey import FILLER
@@ -43,6 +45,19 @@ def prose() -> str:
     for f in sorted(docs.rglob("*.md"))[:200]:
         parts.append(f.read_text(errors="replace"))
     return "\n\n".join(parts)
+
+
+_CACHE: dict[str, list[str]] = {}
+
+
+def units(kind: str) -> list[str]:
+    """The corpus `kind` ("prose" or "code") cut where a needle may go: after a sentence's end
+    punctuation or a line break (prose), after each line (code). Joined, they give the text back."""
+    if kind not in _CACHE:
+        text = TEXTS[kind]()
+        cut = r"(?<=\n)" if kind == "code" else r"(?<=[.!?]\s)|(?<=\n)"
+        _CACHE[kind] = [u for u in re.split(cut, text) if u]
+    return _CACHE[kind]
 
 
 def haystack(n_chars: int = 400_000) -> str:
