@@ -1,13 +1,14 @@
 """Hub events: how often each event is retrieved across unrelated questions, per query centering.
 
-    python -m benchmarks.hubs --tokens 8k --centerings 0,0.5,1 --out docs/results/hubs-8k.json
+    python -m benchmarks.hubs --tokens 8k --variant c1=query_centering:1 --variant n=repr_normalise:true --out docs/results/hubs-8k.json
 
 A store is built from real prose (emllm.evals.corpus: the docstrings of Python's standard library
 and of transformers' models, text nobody here wrote), then each of a dozen unrelated questions is
 read as a question of `emllm ask` (a read-only session on the store's state) and every layer's
 selection at the question step is recorded. An event every question retrieves is a hub: it
-takes budget from whatever the question is about. Per centering (profile `query_centering`, applied
-at the question; the store was read with the profile's own), reported:
+takes budget from whatever the question is about. The profile's own scoring and each `--variant`
+(profile keys changed, e.g. `query_centering`, `repr_normalise`: a store of its own, read with it
+from the first token) report:
 
 - hub share: of all (question, layer) selections' events, the share that are hubs (retrieved in
   that layer by at least 3/4 of the questions);
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 import tempfile
 import time
 from collections import Counter
@@ -53,17 +55,13 @@ QUESTIONS = [
 ]
 
 
-def selections(store: Store, model, tok, centering: float) -> list[dict[int, list[int]]]:
+def selections(store: Store, model, tok) -> list[dict[int, list[int]]]:
     """Per question, per layer: the event ids selected at the question step."""
-    store.manifest["profile"]["query_centering"] = centering  # in memory only: the store is read-only
     out = []
     for q in QUESTIONS:
         session = Session(store, model, tok)
-        if session.tail:
-            session.engine.feed(session.tail)
-            session.tail = []
         probe = RecallProbe(session.engine)
-        session.read_question(q)
+        session.read_question(q)  # (the store's pending tail first: retrievals of the last read the probe's)
         probe.detach()
         out.append({layer: sel.ids.tolist() for layer, (sel, _) in probe.last.items()})
     return out
@@ -94,9 +92,12 @@ def hub_report(sel: list[dict[int, list[int]]], n_events: int, spans: torch.Tens
 
 
 def main() -> None:
+    from benchmarks.quality import parse_variant
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="8k")
-    ap.add_argument("--centerings", default="0,0.5,1")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=KEY:VALUE[,KEY:VALUE]",
+                    help="a store read with these profile keys changed (repeatable)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--out", default=None, help="JSON file for the results")
     a = ap.parse_args()
@@ -104,24 +105,24 @@ def main() -> None:
     src = models.resolve("smollm2")
     model, tok = models.load(src, dtype=a.dtype)
     text = tok.decode(corpus_tokens(tok, "prose", n))
+    variants = [("plain", src.profile)] + [parse_variant(v, src.profile) for v in a.variant]
     res = {"tokens": n, "questions": QUESTIONS, "date": time.strftime("%Y-%m-%d %H:%M"),
            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "runs": []}
-    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
-        st = create_store(Path(tmp) / "s", src.name, model, tok, src.profile, chat=True)
-        engine = open_engine(st, model)
-        add_documents(st, tok, [("prose", text)])
-        run_job(st, engine, 8, None)
-        st.close()
-        with Store.open(Path(tmp) / "s") as store:
-            lengths = store.events.read().long()
-            ends = torch.cumsum(lengths, 0) + src.profile.n_init
-            spans = torch.stack((ends - lengths, ends), 1)
-            for c in [float(x) for x in a.centerings.split(",")]:
-                t0 = time.perf_counter()
-                rep = hub_report(selections(store, model, tok, c), lengths.numel(), spans)
-                rep = {"centering": c, **rep, "seconds": round(time.perf_counter() - t0, 1)}
-                res["runs"].append(rep)
-                print(json.dumps(rep), flush=True)
+    for name, prof in variants:
+        with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+            t0 = time.perf_counter()
+            st = create_store(Path(tmp) / "s", src.name, model, tok, prof, chat=True)
+            add_documents(st, tok, [("prose", text)])
+            run_job(st, open_engine(st, model), 8, None)
+            st.close()
+            with Store.open(Path(tmp) / "s") as store:
+                lengths = store.events.read().long()
+                ends = torch.cumsum(lengths, 0) + prof.n_init
+                rep = hub_report(selections(store, model, tok), lengths.numel(), torch.stack((ends - lengths, ends), 1))
+        rep = {"variant": name, "changes": {k: v for k, v in asdict(prof).items() if v != getattr(src.profile, k)},
+               **rep, "seconds": round(time.perf_counter() - t0, 1)}
+        res["runs"].append(rep)
+        print(json.dumps(rep), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
 

@@ -71,6 +71,20 @@ def table(rows: list[dict], methods: list[str]) -> str:
     return "\n".join(out)
 
 
+def parse_variant(text: str, base):
+    """'NAME=key:value,key:value' -> (NAME, base with those profile keys changed; values as YAML)."""
+    import yaml
+
+    name, _, changes = text.partition("=")
+    if not name or not changes:
+        raise SystemExit(f"--variant {text!r}: expected NAME=KEY:VALUE[,KEY:VALUE]")
+    kw = {}
+    for part in changes.split(","):
+        key, _, value = part.partition(":")
+        kw[key.strip()] = yaml.safe_load(value)
+    return name, base.replace(**kw)
+
+
 def recall_fields(found: list) -> dict:
     """An emllm answer's recall of the asked needles (evals.recall): per needle where it was and
     how many layers held it at the question, with ranks per layer; `retrieved`: every asked needle
@@ -139,8 +153,9 @@ def main() -> None:
     ap.add_argument("--formats", default="", help="store formats to run emllm-S on, comma-separated (float32, bfloat16, int8, int4)")
     ap.add_argument("--haystack", default=None, choices=HAYSTACKS,
                     help="one haystack for every task instead of each task's own (prose, code: real text)")
-    ap.add_argument("--centerings", default="",
-                    help="query_centering values to run emllm-S with besides the profile's, comma-separated (method emllm-S-c<value>)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=KEY:VALUE[,KEY:VALUE]",
+                    help="emllm-S with these profile keys changed, as method emllm-S-NAME (repeatable), "
+                         "e.g. c1=query_centering:1 or n=repr_normalise:true")
     ap.add_argument("--store-dir", default=None, help="where --formats' scratch stores go (default: a temporary folder here)")
     ap.add_argument("--out", help="JSON lines, appended (required unless --table)")
     ap.add_argument("--resume", action="store_true",
@@ -176,10 +191,10 @@ def main() -> None:
     from emllm.evals.scratch import ScratchStores
     from emllm.memory.quant import FORMATS
 
-    for c in [x.strip() for x in a.centerings.split(",") if x.strip()]:
-        prof = src.profile.replace(segmentation="S", query_centering=float(c))
-        factories[f"emllm-S-c{c}"] = lambda prof=prof: Engine(model, prof)
-        methods.append(f"emllm-S-c{c}")
+    for v in a.variant:
+        name, prof = parse_variant(v, src.profile.replace(segmentation="S"))
+        factories[f"emllm-S-{name}"] = lambda prof=prof: Engine(model, prof)
+        methods.append(f"emllm-S-{name}")
     scratch_root = tempfile.TemporaryDirectory(dir=a.store_dir or Path.cwd())
     for f in formats:
         if f not in FORMATS:

@@ -58,6 +58,9 @@ class Profile:
     # query (0: the paper's plain inner product). An event that wins for any query ("hub": one that
     # aligns with the mean query) loses that advantage: the score becomes (q - a mean_q) . repr.
     query_centering: float = 0.0
+    # Representative keys scaled to unit length per query head when events close: an event then
+    # scores the sum over heads of |q_h| cos(q_h, r_h), and keys that are long win no more often.
+    repr_normalise: bool = False
     # compute dtype: auto is bfloat16 where the device computes it natively (CUDA, CPUs with
     # AVX-512 BF16 or AMX), else float32. A store records the dtype it was computed in.
     dtype: str = "auto"
@@ -109,6 +112,8 @@ def validate(p: Profile, where: str = "") -> Profile:
     if (not isinstance(p.query_centering, (int, float)) or isinstance(p.query_centering, bool)
             or not 0.0 <= p.query_centering <= 1.0):
         raise bad("query_centering", f"must be a number in [0, 1], got {p.query_centering!r}")
+    if not isinstance(p.repr_normalise, bool):
+        raise bad("repr_normalise", f"must be true or false, got {p.repr_normalise!r}")
     if not isinstance(p.contiguity, bool):
         raise bad("contiguity", f"must be true or false, got {p.contiguity!r}")
     if p.dtype not in ("auto", "float32", "bfloat16"):

@@ -46,12 +46,12 @@ def _link(store: Path, rel: str, target: Path) -> None:
     (store / rel).symlink_to(target)
 
 
-def _state_of_other_shapes(store: Path) -> None:
+def _state_of_other_shapes(store: Path, key: str = "layer0.local_mass", value=None) -> None:
     from safetensors.torch import load_file, save_file
 
     name = json.loads((store / "manifest.json").read_text())["state"]["file"]
     st = load_file(str(store / name))
-    st["layer0.local_mass"] = torch.zeros(7, 5)  # (the window's keys are rows of the layer files)
+    st[key] = torch.zeros(7, 5) if value is None else value  # (the window's keys are rows of the layer files)
     save_file(st, str(store / name))
 
 
@@ -108,6 +108,10 @@ CASES = {
     "version 0": (lambda s, o: _manifest(s, lambda m: m.update(version=0)), (READ, WRITE, INSPECT), "version 0"),
     "version from the future": (lambda s, o: _manifest(s, lambda m: m.update(version=99)), (READ,), "upgrade emllm"),
     "state of other shapes": (lambda s, o: _state_of_other_shapes(s), (READ, WRITE), "state does not fit"),
+    "running mean query not finite": (lambda s, o: _state_of_other_shapes(s, "layer1.query_sum", torch.full((4, 16), float("nan"))),
+                                      (READ, WRITE), "state does not fit"),
+    "negative query count": (lambda s, o: _state_of_other_shapes(s, "layer0.query_n", torch.tensor(-3)),
+                             (READ, WRITE), "state does not fit"),
     "state not safetensors": (lambda s, o: (s / json.loads((s / "manifest.json").read_text())["state"]["file"]).write_bytes(b"\xff" * 64),
                               (READ,), "cannot read state"),
     "profile n_local 10**12": (lambda s, o: _manifest(s, lambda m: m["profile"].update(n_local=10**12)), (READ, WRITE), "n_local"),

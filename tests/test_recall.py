@@ -81,3 +81,21 @@ def test_query_centering_scores_against_the_query_less_the_mean_of_those_before(
     # and the state carries the mean: a stream continued from it centres alike
     st = centred.windows[0].state()
     assert int(st["query_n"]) == centred.windows[0].query_n > 0 and st["query_sum"].abs().sum() > 0
+
+
+def test_repr_normalise_keeps_unit_keys_per_head_and_the_same_events():
+    model = tiny_model("llama3.1")
+    ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(2))
+    fixed = dict(segmentation="F", min_block=8, max_block=8)  # events cut alike whatever the logits
+    plain, unit = Engine(model, tiny_profile(**fixed)), Engine(model, tiny_profile(repr_normalise=True, **fixed))
+    plain.step(ids[:8]), unit.step(ids[:8])
+    for off in range(8, 200, 8):
+        plain.step(ids[off:off + 8])
+        unit.step(ids[off:off + 8])
+    a, b = plain.windows[0].events, unit.windows[0].events
+    assert torch.equal(a.event_lengths(), b.event_lengths()) and len(b) > 10
+    r = b.repr_keys()  # [E, H_q, D]
+    torch.testing.assert_close(r.norm(dim=-1), torch.ones(r.shape[:2]), rtol=0, atol=1e-5)
+    # the first event's keys and attention mass came before any retrieval: the plain ones, scaled per head
+    ra = a.repr_keys()[:1]
+    torch.testing.assert_close(r[:1], ra / ra.norm(dim=-1, keepdim=True), rtol=1e-5, atol=1e-6)

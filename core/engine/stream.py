@@ -202,7 +202,7 @@ class Engine:
             starts = self._refine(starts)
         lengths = torch.diff(starts)
         for w in self.windows:
-            w.close_events(lengths, pr.repr_topk)
+            w.close_events(lengths, pr.repr_topk, pr.repr_normalise)
         self.rem_start += int(lengths.sum())
 
     def _refine(self, starts: Tensor) -> Tensor:

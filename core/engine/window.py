@@ -217,14 +217,17 @@ class LayerWindow:
         self.local_v = v_loc[:, n_out:].contiguous()
         self.local_mass = total_mass[:, n_out:].contiguous()
 
-    def close_events(self, lengths: Tensor, repr_topk: int) -> None:
-        """Turn the first sum(lengths) remainder tokens into events of these sizes."""
+    def close_events(self, lengths: Tensor, repr_topk: int, normalise: bool = False) -> None:
+        """Turn the first sum(lengths) remainder tokens into events of these sizes (their
+        representative keys scaled to unit length per head when `normalise`)."""
         n = int(lengths.sum())
         if n == 0:
             return
         lengths = lengths.to(self.rem_k.device)
         keys, values, mass = self.rem_k[:, :n], self.rem_v[:, :n], self.rem_mass[:, :n]
-        reprs = representative_keys(keys, mass, lengths, repr_topk)
+        reprs = representative_keys(keys, mass, lengths, repr_topk)  # [e, H_q, D]
+        if normalise:
+            reprs = reprs / reprs.float().norm(dim=-1, keepdim=True).clamp_min(1e-12).to(reprs.dtype)
         self.events.append(keys, values, lengths, reprs)
         self.rem_k, self.rem_v = self.rem_k[:, n:].contiguous(), self.rem_v[:, n:].contiguous()
         self.rem_mass = self.rem_mass[:, n:].contiguous()
