@@ -1,5 +1,6 @@
 """RULER-style quality grid: emllm (segmentations S, SM, F) against the plain model truncated from
-the left to its context and a retrieval-augmented baseline (core/evals/rag.py).
+the left to its context and a retrieval-augmented baseline (core/evals/rag.py); "oracle" is the
+plain model given the asked needles alone (can the model read the task at all?).
 
     python benchmarks/quality.py --lengths 8k --samples 2 --out docs/results/quality.jsonl
     python benchmarks/quality.py --dtype bfloat16 --formats bfloat16,int8,int4 --methods emllm-S ...
@@ -37,9 +38,9 @@ from emllm.evals import results_log
 from emllm.engine.stream import Engine
 from emllm.evals.passkey import parse_length, run_baseline
 from emllm.evals.rag import run_rag
-from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt, run_task
+from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt, needle_only, run_task
 
-METHODS = ("emllm-S", "emllm-SM", "emllm-F", "baseline", "rag")
+METHODS = ("emllm-S", "emllm-SM", "emllm-F", "baseline", "rag", "oracle")
 
 
 def _order(cell: tuple[str, int]) -> tuple:
@@ -203,7 +204,8 @@ def main() -> None:
         methods.append(f"emllm-S-{f}")
     grid = {"model": src.name, "profile": asdict(src.profile), "seed": a.seed,
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "rag": {"chunk": a.rag_chunk, "k": a.rag_k, "budget": a.rag_budget}, "haystack": a.haystack}
+            "rag": {"chunk": a.rag_chunk, "k": a.rag_k, "budget": a.rag_budget},
+            **({"haystack": a.haystack} if a.haystack else {})}
     done = {(r["task"], r["length"], r["sample"], r["depth"], r["method"]): r
             for r in results_log.results_of(a.out, grid)} if a.resume else {}
     if done:
@@ -230,6 +232,8 @@ def main() -> None:
                         extra = recall_fields([found[j] for j in prompt.targets])
                     elif m == "baseline":
                         answer = run_baseline(model, tok, prompt, max_new_tokens=prompt.max_new_tokens)
+                    elif m == "oracle":  # the plain model given the asked needles alone: can it read the task?
+                        answer = run_baseline(model, tok, needle_only(prompt), max_new_tokens=prompt.max_new_tokens)
                     else:
                         answer, rc = run_rag(model, tok, prompt, chunk_tokens=a.rag_chunk, k=a.rag_k, budget=a.rag_budget)
                         hit = [any(s <= prompt.needles[j][0] < e for s, e in rc.spans) for j in prompt.targets]

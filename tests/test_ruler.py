@@ -204,3 +204,13 @@ def test_real_text_haystacks(tok, task, haystack):
     assert len(seen) == 3  # each seed starts elsewhere
     with pytest.raises(ValueError, match="unknown haystack"):
         build_prompt(task, tok, 3000, 0.5, random.Random(0), haystack="chat")
+
+
+@pytest.mark.parametrize("task", ["niah_multikey", "vt"])
+def test_needle_only_keeps_the_instructions_the_asked_needles_and_the_question(tok, task):
+    p = build_prompt(task, tok, 3000, 0.4, random.Random(5))
+    q = ruler.needle_only(p)
+    assert q.question == p.question and q.answers == p.answers and q.document[: p.head] == p.document[: p.head]
+    asked = sorted(p.needles[j] for j in p.targets)
+    assert q.document[p.head:] == [t for s, e in asked for t in p.document[s:e]]
+    assert [q.document[s:e] for s, e in q.needles] == [p.document[s:e] for s, e in asked]

@@ -29,6 +29,7 @@ seed string the caller builds (`random.Random(f"{seed}/{task}/{length}/{sample}"
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import string
 import uuid
@@ -356,6 +357,19 @@ TASKS: dict[str, Callable[..., Prompt]] = {
 }
 
 
+def needle_only(prompt: Prompt) -> Prompt:
+    """The prompt with its haystack removed: the instructions, the asked needles (in document
+    order) and the question. What the plain model answers from it says whether the model can read
+    the task at all, whatever a memory retrieves."""
+    keep = sorted(prompt.needles[j] for j in prompt.targets)
+    doc = list(prompt.document[: prompt.head])
+    spans = []
+    for s, e in keep:
+        spans.append((len(doc), len(doc) + e - s))
+        doc.extend(prompt.document[s:e])
+    return dataclasses.replace(prompt, document=doc, needles=spans, targets=list(range(len(spans))))
+
+
 def build_prompt(task: str, tok, length: int, depth: float, rng: random.Random, haystack: str | None = None) -> Prompt:
     """haystack: one of HAYSTACKS instead of the task's own (RULER's: noise or essay)."""
     try:
@@ -382,4 +396,4 @@ def run_task(engine_factory: Callable[[], object], tok, prompt: Prompt, max_new_
     return tok.decode(out, skip_special_tokens=True)
 
 
-__all__ = ["TASKS", "HAYSTACKS", "Prompt", "build_prompt", "run_task", "score", "score_part", "essay_sentence"]
+__all__ = ["TASKS", "HAYSTACKS", "needle_only", "Prompt", "build_prompt", "run_task", "score", "score_part", "essay_sentence"]
