@@ -53,34 +53,42 @@ def test_chunk_recall_at_a_budget():
     assert chunk_recall(ranked, spans, (50, 52), budget=100) == (0, False)
 
 
-def test_query_centering_scores_against_the_query_less_the_mean_of_those_before():
+def test_query_centering_scores_against_the_query_less_the_mean_of_those_before(monkeypatch):
+    from emllm.engine.window import LayerWindow
+
+    calls = []  # layer 0: (raw query, sum and count before it, the query retrieval used)
+    centred_fn = LayerWindow._centred
+    def spy(self, query, share):
+        out = centred_fn(self, query, share)
+        if self.layer_idx == 0:
+            calls.append((query.float().clone(), self.query_sum.clone(), self.query_n, out.clone()))
+        return out
+    monkeypatch.setattr(LayerWindow, "_centred", spy)
     model = tiny_model("llama3.1")
     plain = Engine(model, tiny_profile())
     centred = Engine(model, tiny_profile(query_centering=1.0))
-    seen: dict[str, list] = {"plain": [], "centred": []}
-    plain.on_retrieval = lambda layer, sel, q: layer == 0 and seen["plain"].append((sel, q.clone()))
-    centred.on_retrieval = lambda layer, sel, q: layer == 0 and seen["centred"].append(
-        (sel, q.clone(), len(centred.windows[0].events)))
+    picked = []
+    centred.on_retrieval = lambda layer, sel, q: layer == 0 and picked.append((sel, len(centred.windows[0].events)))
     ids = torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(1))
-    before = None
-    for off in range(0, 160, 8):
-        if seen["plain"] and before is None:  # layer 0 retrieved once: the two streams still agree
-            before = plain.windows[0].query_sum.clone(), plain.windows[0].query_n
-        plain.step(ids[off:off + 8])
-        centred.step(ids[off:off + 8])
-        if len(seen["plain"]) == 2:
-            break
-    # the second retrieval of layer 0: its inputs are the same in both engines (layer 0 is first)
-    (_, q_raw), (sel, q_used, n_events) = seen["plain"][1], seen["centred"][1]
-    total, n = before[0] + seen["plain"][0][1].float(), before[1] + 1
-    torch.testing.assert_close(q_used, q_raw.float() - total / n, rtol=0, atol=1e-6)
-    ev = centred.windows[0].events
-    want = select_events(event_scores(ev.repr_keys()[:n_events], q_used), ev.event_lengths()[:n_events],
-                         centred.profile.n_mem)
-    assert sel.ids.tolist() == want.ids.tolist()
-    # and the state carries the mean: a stream continued from it centres alike
-    st = centred.windows[0].state()
-    assert int(st["query_n"]) == centred.windows[0].query_n > 0 and st["query_sum"].abs().sum() > 0
+    plain.feed(ids)
+    calls_plain = len(calls)
+    assert plain.windows[0].query_n == 0 and bool((plain.windows[0].query_sum == 0).all())  # kept only when used
+    calls.clear()
+    centred.feed(ids)
+    assert len(calls) == calls_plain >= 5
+    for i, (q, total, n, used) in enumerate(calls):
+        assert n > 0 or i == 0
+        want_q = q - total / n if n else q  # less the mean of those before (none yet: as it is)
+        torch.testing.assert_close(used.float(), want_q, rtol=0, atol=1e-6)
+        if i:  # every step retrieves once events exist: the sum grew by the previous step's query
+            torch.testing.assert_close(total - calls[i - 1][1], calls[i - 1][0], rtol=1e-5, atol=1e-5)
+        sel, n_events = picked[i]
+        ev = centred.windows[0].events
+        want = select_events(event_scores(ev.repr_keys()[:n_events], used), ev.event_lengths()[:n_events],
+                             centred.profile.n_mem)
+        assert sel.ids.tolist() == want.ids.tolist()
+    st = centred.windows[0].state()  # the state carries the mean: a stream continued from it centres alike
+    assert int(st["query_n"]) == centred.windows[0].query_n >= len(calls) and st["query_sum"].abs().sum() > 0
 
 
 def test_repr_normalise_keeps_unit_keys_per_head_and_the_same_events():

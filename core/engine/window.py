@@ -139,8 +139,9 @@ class LayerWindow:
             parts_k.append(self.rem_k)
             parts_v.append(self.rem_v)
             k_mem, v_mem = torch.cat(parts_k, 1), torch.cat(parts_v, 1)
-            self.query_sum += query.float()
-            self.query_n += 1
+            if st.centering:  # (kept only when used: a store that does not centre writes zeros, as before)
+                self.query_sum += query.float()
+                self.query_n += 1
 
         out, mass = attend(q_loc, k_rot, v_loc, q_mem, k_mem, v_mem, scaling)
         self._slide(k_loc, v_loc, mass, st)
