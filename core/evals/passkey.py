@@ -53,13 +53,13 @@ class TrialResult:
     # Of the document, read by a trunk shared with other trials (emllm.evals.scratch.TrunkStores): in the
     # seconds of the first trial that needed them only.
     trunk_tokens: int = 0
+    # Of the document, read by an earlier process whose store this trial continued (resumed grid).
+    resumed_tokens: int = 0
     # emllm only (evals.recall): where the needle was at the question ("memory", "window", "init"),
     # the share of layers whose selection held it, and its best rank per layer (memory only)
     needle_where: str | None = None
     needle_layers: float | None = None
     needle_ranks: list[int] | None = None
-    # Of the document, read by an earlier process whose store this trial continued (resumed grid).
-    resumed_tokens: int = 0
 
 
 MAX_LENGTH = 1 << 30  # tokens: a haystack past this would not fit in memory to build, nor in a day to read
@@ -173,7 +173,8 @@ def run_grid(
         r = TrialResult(length, depth, t, prompt.key, answer.strip(), score(answer, prompt.key), method,
                         round(time.perf_counter() - t0, 2), len(prompt.document) + len(prompt.question),
                         counts()[0] - shared, counts()[1] - resumed,
-                        *((found[0].where, round(found[0].share, 4), found[0].ranks) if found else ()))
+                        **({"needle_where": found[0].where, "needle_layers": round(found[0].share, 4),
+                            "needle_ranks": found[0].ranks} if found else {}))
         results.append(r)
         if on_result:
             on_result(r)
