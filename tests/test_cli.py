@@ -76,6 +76,12 @@ def test_passkey_json(tmp_path, smollm2):  # smollm2: the converted model exists
     # 1k fits the window: emllm is the plain model here, so both must agree.
     by = {(x["depth"], x["method"]): x["answer"] for x in doc["results"]}
     assert by[(0.0, "emllm")] == by[(0.0, "baseline")]
+    # 1k is all window: the needle was attended by every layer, nothing to retrieve
+    for x in doc["results"]:
+        if x["method"] == "emllm":
+            assert x["needle_where"] in ("init", "window") and x["needle_layers"] == 1.0 and x["needle_ranks"] == []
+        else:
+            assert x["needle_where"] is None
 
 
 @pytest.fixture
