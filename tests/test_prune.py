@@ -146,3 +146,4 @@ def test_a_layer_reuses_the_last_steps_events_and_reads_the_same_rows():
         assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     # read from the memory: the first selection, nothing for the repeat, then only new events
     assert reads == [[3, 7, 9, 20], [21, 40, 41], [0, 59], [5], []]
+

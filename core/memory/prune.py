@@ -72,6 +72,8 @@ def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: 
     if rows.shape[0] < PRUNE_FROM:
         return select_events(scores_in_blocks(rows.shape[0], rows.shape[1], lambda a, b: rows[a:b], query), lengths, budget)
     est = estimate(rows, query)
+    if not bool(torch.isfinite(est).all()):  # a NaN or inf key (a damaged store): no bound holds, scan
+        return select_events(scores_in_blocks(rows.shape[0], rows.shape[1], lambda a, b: rows[a:b], query), lengths, budget)
     ub = upper_bound(est, norms, query)
     # One round of `sketch.exact_selection` (its loop exists for loose bounds): score the
     # best-estimated events that hold the budget, then every event whose bound reaches their
