@@ -163,6 +163,24 @@ def test_rotary_bf16_matches_the_models_rotation():
     assert float((got - w).abs().mean() / w.abs().mean()) < 2.5e-3  # rounding noise only
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotary_in_place_rounds_as_the_plain_formula(dtype):
+    # apply_rotary writes x * cos, then subtracts/adds the half products in place: each product
+    # rounded, then the sum, as x * cos + rotate_half(x) * sin rounds them (the engine's answers
+    # depend on these bits). Partial rotary (phi3-style) keeps the rest as it is.
+    from emllm.math.rope import apply_rotary, rotate_half
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 700, 64, generator=g) * 4).to(dtype)
+    ang = torch.rand(700, 32, generator=g) * 300
+    cos, sin = torch.cat((ang.cos(),) * 2, -1).to(dtype), torch.cat((ang.sin(),) * 2, -1).to(dtype)
+    assert torch.equal(apply_rotary(x, cos, sin), x * cos + rotate_half(x) * sin)
+    part = apply_rotary(x, cos[:, :32], sin[:, :32])
+    assert torch.equal(part[..., 32:], x[..., 32:])
+    xr = x[..., :32]
+    assert torch.equal(part[..., :32], xr * cos[:, :32] + rotate_half(xr) * sin[:, :32])
+
+
 @pytest.mark.parametrize("arch", ["llama3.1", "phi3"])
 def test_rotary_table_cache(arch):
     from emllm.math.rope import Rotary
