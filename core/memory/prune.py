@@ -12,19 +12,17 @@ are float32 sums of the same products, so they differ by at most
                  <= (gamma(dim) + score_error(dim)) * |q| |x|
 
 (Higham 3.1, any order of summation, fused or not). With |x| kept per event, that is an upper
-bound for every event's exact score from its estimate; `sketch.exact_selection` then scores
-exactly the best-estimated events and every event whose bound reaches the stopper, and selects
-what the full scan selects, bit for bit (the same rows, the same exact scores).
+bound for every event's exact score from its estimate; `select` then scores exactly the
+best-estimated events and every event whose bound reaches their stopper, and selects what the
+full scan selects, bit for bit (the same rows, the same exact scores).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import Tensor
 
-from emllm.memory.selection import Selection, gamma, score_error, scores_in_blocks, select_events
+from emllm.memory.selection import Selection, event_scores, gamma, score_error, select_events
 from emllm.memory.sketch import candidates, stopper
 
 
@@ -61,32 +59,28 @@ def upper_bound(est: Tensor, norms: Tensor, query: Tensor) -> Tensor:
     return out.add_(2.0**-100)  # (an est of 0 with norms of 0: still >= the exact 0)
 
 
-def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: int,
-           score: Callable[[Tensor], Tensor]) -> Selection:
-    """`select_events(exact scores of all rows, lengths, budget)` from an mv estimate.
+def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: int) -> Selection:
+    """`select_events(event_scores(rows, query), lengths, budget)` from an mv estimate.
 
-    rows [E, dim] float32 (every event's representative key), norms [E] from `norms_up`,
-    lengths [E]; score(ids [m] increasing) -> exact scores [m] (`scores_in_blocks` over those rows)."""
+    rows [E, dim] float32 (every event's representative key), norms [E] from `norms_up`, lengths [E]."""
     if rows.shape[0] == 0 or budget <= 0:
         return select_events(torch.zeros(0), lengths, 0)
-    if rows.shape[0] < PRUNE_FROM:
-        return select_events(scores_in_blocks(rows.shape[0], rows.shape[1], lambda a, b: rows[a:b], query), lengths, budget)
-    est = estimate(rows, query)
-    if not bool(torch.isfinite(est).all()):  # a NaN or inf key (a damaged store): no bound holds, scan
-        return select_events(scores_in_blocks(rows.shape[0], rows.shape[1], lambda a, b: rows[a:b], query), lengths, budget)
+    est = estimate(rows, query) if rows.shape[0] >= PRUNE_FROM else None
+    if est is None or not bool(torch.isfinite(est).all()):  # few events; or a NaN/inf key: no bound holds
+        return select_events(event_scores(rows, query), lengths, budget)
     ub = upper_bound(est, norms, query)
     # One round of `sketch.exact_selection` (its loop exists for loose bounds): score the
     # best-estimated events that hold the budget, then every event whose bound reaches their
     # stopper. The stopper of a subset is at most the full ranking's, so an event left out ranks
     # after the full ranking's stopper: neither selected nor stopping it.
     first = candidates(est, lengths, budget + 1).sort().values  # more than the budget: one cannot fit
-    first_scores = score(first)
+    first_scores = event_scores(rows[first], query)  # a score's bits depend on its row alone
     bar = stopper(first_scores, lengths[first], budget)
     ids = torch.unique(torch.cat((torch.nonzero(ub >= bar).squeeze(1), first)))
     if ids.numel() == first.numel():  # nothing beyond the first candidates can matter
         ids, scores = first, first_scores
     else:
-        scores = score(ids)  # (`first` again: a score depends on its row alone, the same bits)
+        scores = event_scores(rows[ids], query)
     sel = select_events(scores, lengths[ids], budget)
     return Selection(ids[sel.ids], sel.scores)
 

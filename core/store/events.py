@@ -178,10 +178,7 @@ class StoredEvents:
         if self.sketch is not None:
             return self._select_sketched(query.cpu(), budget)
         if len(self) <= self.resident_cap:
-            rows = self._resident_rows()
-            q = query.cpu()
-            return prune.select(rows, self.resident_norms.view(), q, self.event_lengths(), budget,
-                                lambda ids: scores_in_blocks(ids.numel(), self.dim, lambda a, b: rows[ids[a:b]], q))
+            return prune.select(self._resident_rows(), self.resident_norms.view(), query.cpu(), self.event_lengths(), budget)
         scores = scores_in_blocks(len(self), self.dim, self._repr_block, query.cpu())
         return select_events(scores, self.event_lengths(), budget)
 
