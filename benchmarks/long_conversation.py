@@ -19,14 +19,20 @@ from pathlib import Path
 
 from emllm.evals.corpus import prose
 from emllm import models
+from emllm.app.ask import Session
 from emllm.app.conversation import Conversation
+from emllm.models import stop_token_ids
 from emllm.app.report import retrieval_report
 from emllm.app.stream import create_store
 from emllm.engine.sampling import Sampling
 from emllm.store import Store
 
-FACT = "Please remember this: my locker code is 4721."
-QUESTION = "What is my locker code?"
+# A fact SmolLM2 reads back from its own window after several exchanges of other text (checked with
+# the plain model, whole conversation in its context); "my locker code is 4721" it does not read
+# back even two exchanges later, so a miss there measures the model, not the memory.
+FACT = "Remember: the secret word is pineapple."
+QUESTION = "What is the secret word?"
+EXPECT = "pineapple"
 
 
 def main() -> None:
@@ -35,6 +41,12 @@ def main() -> None:
     ap.add_argument("--store", required=True)
     ap.add_argument("--out")
     ap.add_argument("--model", "-m", default="smollm2", help="a profile alias, a local folder or a cached hub id")
+    ap.add_argument("--fact", default=FACT, help="stated at the end of the first message")
+    ap.add_argument("--question", default=QUESTION, help="asked after the last exchange")
+    ap.add_argument("--expect", default=EXPECT, help="the answer is found if it holds this text")
+    ap.add_argument("--control", action="store_true",
+                    help="also ask the plain model with the whole conversation in its context (when it fits): "
+                         "whether the model reads the fact at all, memory aside")
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="for every answer (greedy otherwise)")
     a = ap.parse_args()
     path = Path(a.store)
@@ -50,30 +62,48 @@ def main() -> None:
     with Conversation(path, model, tok) as talk:
         # the fact after ~120 tokens of other text: past the initial tokens (n_init), which every
         # step attends to anyway, so it is recalled from an event, or not at all
-        talk.say_all(" ".join(text[-90:]) + " " + FACT, **opts)
+        talk.say_all(" ".join(text[-90:]) + " " + a.fact, **opts)
         for i in range(a.exchanges - 1):
             words = text[(i * 90) % (len(text) - 90):][:90]
             talk.say_all("Here is more of the text: " + " ".join(words), **opts)
             if (i + 1) % 10 == 0:
                 with Store.open(path) as s:
                     print(f"{i + 2} exchanges, {s.manifest['rows']['tokens']} tokens, {time.perf_counter() - t0:.0f} s", flush=True)
-        answer = talk.say_all(QUESTION, **opts)
+        answer = talk.say_all(a.question, **opts)
     with Store.open(path) as s:
         tokens, events = s.manifest["rows"]["tokens"], s.manifest["rows"]["events"]
         ids = s.tokens.read().tolist()
-        code = tok.encode("4721", add_special_tokens=False)
+        code = tok.encode(" " + a.expect, add_special_tokens=False)[:1]  # the fact's first token
         at = next(i for i in range(len(ids)) if ids[i : i + len(code)] == code)  # the fact's position
-        report = retrieval_report(s, model, tok, QUESTION, top=100)
+        report = retrieval_report(s, model, tok, a.question, top=100)
+        control = plain_answer(s, model, tok, a.question) if a.control else None
     spans = [e for e in report["top_events"] if e["tokens"][0] <= at < e["tokens"][1]]
     layers = spans[0]["layers"] if spans else 0
     in_window = at >= report["window_start"] or at < report["initial_tokens"]
     row = {"exchanges": a.exchanges, "repetition_penalty": a.repetition_penalty, "tokens": tokens, "events": events, "fact_at": at, "answer": answer,
-           "found": "4721" in answer, "fact_event_layers": layers, "fact_in_window_or_initial": in_window,
+           "fact": a.fact, "question": a.question, "found": a.expect.lower() in answer.lower(), "fact_event_layers": layers, "fact_in_window_or_initial": in_window,
            "seconds": round(time.perf_counter() - t0, 1)}
+    if control is not None:
+        row.update(control_answer=control, control_found=a.expect.lower() in control.lower())
     print(json.dumps(row))
     if a.out:
         with open(a.out, "a") as f:
             f.write(json.dumps({"date": time.strftime("%Y-%m-%d"), **row}) + "\n")
+
+
+def plain_answer(st: Store, model, tok, question: str, max_new_tokens: int = 16) -> str | None:
+    """The plain model's greedy answer to `question` after the store's whole stream, as one
+    context (the same token ids emllm reads); None when that exceeds the model's context."""
+    import torch
+
+    session = Session(st, model, tok)
+    ids = st.tokens.read().tolist() + session.tail + session.question_ids(question)
+    if len(ids) + max_new_tokens > model.config.max_position_embeddings:
+        return None
+    model.set_attn_implementation("sdpa")
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=sorted(stop_token_ids(tok, model)))
+    return tok.decode(out[0, len(ids):], skip_special_tokens=True).strip()
 
 
 if __name__ == "__main__":
