@@ -103,8 +103,9 @@ def test_store_gather_with_the_cache_equals_the_rows_written(tmp_path):
             assert torch.equal(k, k_all[:, rows]) and torch.equal(v, v_all[:, rows])
 
     st = Store.create(tmp_path / "s", Identity("m", "c", "w", "t"), {"name": "t"}, g)
-    ev = StoredEvents(st, 0)
-    assert ev.cache is not None and ev.cache.cap == (128 << 20) // (2 * 2 * 4 * 4)  # the default: 128 MiB
+    assert StoredEvents(st, 0).cache is None  # the default: no cache
+    ev = StoredEvents(st, 0, kv_cache_mb=128)
+    assert ev.cache is not None and ev.cache.cap == (128 << 20) // (2 * 2 * 4 * 4)
     ev.cache = EventCache(40, ev.k.row, torch.float32)  # small: it fills and evicts
     fill(ev, 50)
     check(ev, 200)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from emllm.math.attention import attend
-from emllm.memory.buffers import token_index
+from emllm.memory.buffers import SlidingRows, token_index
 from emllm.memory.events import EventMemory
 from emllm.memory.selection import Selection, representative_keys, update_contiguity
 from emllm.math.rope import apply_rotary
@@ -64,12 +64,32 @@ class LayerWindow:
         # next step reads only the events it did not have (an event's rows never change)
         self._held: tuple[Tensor, Tensor, Tensor] | None = None
 
+    # the local window's keys and values live in sliding buffers (a step appends its rows and drops
+    # the evicted ones without copying the window); these are views of them
+    @property
+    def local_k(self) -> Tensor:
+        return self._lk.view()
+
+    @local_k.setter
+    def local_k(self, t: Tensor) -> None:
+        self._lk = SlidingRows(t)
+
+    @property
+    def local_v(self) -> Tensor:
+        return self._lv.view()
+
+    @local_v.setter
+    def local_v(self, t: Tensor) -> None:
+        self._lv = SlidingRows(t)
+
     _STATE = ("init_k", "init_v", "local_k", "local_v", "local_mass", "rem_k", "rem_v", "rem_mass", "contiguity",
               "query_sum")
 
     def state(self) -> dict[str, Tensor]:
         """The tensors that continue this layer's stream (events excluded: they are in `events`)."""
-        return {**{name: getattr(self, name) for name in self._STATE}, "n_seen": torch.tensor(self.n_seen),
+        own = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731 (views of buffers a step overwrites)
+        return {**{name: own(getattr(self, name)) if name.startswith("local") else getattr(self, name) for name in self._STATE},
+                "n_seen": torch.tensor(self.n_seen),
                 "query_n": torch.tensor(self.query_n)}
 
     def load_state(self, state: dict[str, Tensor]) -> None:
@@ -110,8 +130,8 @@ class LayerWindow:
         # as the memory keeps them (a store's format may round them): the stream computes the same
         # whether it goes on in this process or from the store's files
         k, v = self.events.add_tokens(k, v)
-        k_loc = torch.cat((self.local_k, k), dim=1)  # [H_kv, L, D]
-        v_loc = torch.cat((self.local_v, v), dim=1)
+        k_loc = self._lk.append(k)  # [H_kv, L, D] (a view: valid until the next step's append)
+        v_loc = self._lv.append(v)
         length = k_loc.shape[1]
         cos, sin = st.cos[:length].to(q.device), st.sin[:length].to(q.device)
         q_loc = apply_rotary(q, cos[length - c :], sin[length - c :])
@@ -199,7 +219,7 @@ class LayerWindow:
 
         mass [H_q, L]: attention drawn by each window token in this step, added to what it had."""
         n_old = self.local_mass.shape[1]
-        total_mass = mass.clone()
+        total_mass = mass  # (attend's own tensor)
         total_mass[:, :n_old] += self.local_mass
         c = k_loc.shape[1] - n_old
         self.n_seen += c
@@ -214,9 +234,9 @@ class LayerWindow:
                 self.rem_k = torch.cat((self.rem_k, k_loc[:, to_init:n_out]), 1)
                 self.rem_v = torch.cat((self.rem_v, v_loc[:, to_init:n_out]), 1)
                 self.rem_mass = torch.cat((self.rem_mass, total_mass[:, to_init:n_out]), 1)
-        self.local_k = k_loc[:, n_out:].contiguous()
-        self.local_v = v_loc[:, n_out:].contiguous()
-        self.local_mass = total_mass[:, n_out:].contiguous()
+        self._lk.drop_front(n_out)
+        self._lv.drop_front(n_out)
+        self.local_mass = total_mass[:, n_out:]  # a view: the next step adds to it
 
     def close_events(self, lengths: Tensor, repr_topk: int, normalise: bool = False) -> None:
         """Turn the first sum(lengths) remainder tokens into events of these sizes (their

@@ -33,6 +33,47 @@ class GrowBuffer:
         return self.buf.narrow(self.dim, 0, self.n)
 
 
+class SlidingRows:
+    """Rows along dim 1 (a layer's local window: [H, n, ...]) that grow at the back and leave at
+    the front, kept in one buffer with slack: appending writes only the new rows and dropping moves
+    an offset, so a generated token does not copy the whole window twice per layer. The rows are
+    moved to a new buffer's front only when the back runs out (once every `slack` rows or so)."""
+
+    def __init__(self, rows: Tensor, slack: int = 256) -> None:
+        self.slack = slack
+        self.set(rows)
+
+    def set(self, rows: Tensor) -> None:
+        """Hold a copy of rows [H, n, ...]."""
+        n = rows.shape[1]
+        shape = list(rows.shape)
+        shape[1] = n + self.slack
+        self.buf = torch.empty(shape, dtype=rows.dtype, device=rows.device)
+        self.buf[:, :n].copy_(rows)
+        self.a, self.b = 0, n
+
+    def view(self) -> Tensor:
+        """[H, n, ...]: a view of the buffer, valid until the next `append` or `set`."""
+        return self.buf[:, self.a : self.b]
+
+    def append(self, x: Tensor) -> Tensor:
+        """Append rows x [H, c, ...]; returns the view of all rows, x's last."""
+        c = x.shape[1]
+        if self.b + c > self.buf.shape[1]:
+            n = self.b - self.a
+            shape = list(self.buf.shape)
+            shape[1] = n + c + max(self.slack, n // 4)
+            grown = torch.empty(shape, dtype=self.buf.dtype, device=self.buf.device)
+            grown[:, :n].copy_(self.view())
+            self.buf, self.a, self.b = grown, 0, n
+        self.buf[:, self.b : self.b + c].copy_(x)
+        self.b += c
+        return self.view()
+
+    def drop_front(self, n: int) -> None:
+        self.a = min(self.b, self.a + n)
+
+
 def token_index(starts: Tensor, lengths: Tensor) -> Tensor:
     """Concatenation of arange(s, s + l) for each (s, l), without a Python loop."""
     total = lengths.sum()

@@ -66,7 +66,9 @@ def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: 
     if rows.shape[0] == 0 or budget <= 0:
         return select_events(torch.zeros(0), lengths, 0)
     est = estimate(rows, query) if rows.shape[0] >= PRUNE_FROM else None
-    if est is None or not bool(torch.isfinite(est).all()):  # few events; or a NaN/inf key: no bound holds
+    # few events; or a NaN/inf key (its estimate, hence the sum, is not finite): no bound holds.
+    # (A sum that overflows with finite terms also takes the scan: slower, still exact.)
+    if est is None or not bool(torch.isfinite(est.sum())):
         return select_events(event_scores(rows, query), lengths, budget)
     ub = upper_bound(est, norms, query)
     # One round of `sketch.exact_selection` (its loop exists for loose bounds): score the
