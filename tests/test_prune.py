@@ -144,12 +144,12 @@ def test_a_layer_reuses_the_last_steps_events_and_reads_the_same_rows():
     reads = []
     gather = mem.gather
     mem.gather = lambda ids: (reads.append(ids.tolist()), gather(ids))[1]
-    picks = [[3, 7, 9, 20], [3, 7, 9, 20], [3, 9, 21, 40, 41], [0, 59], [0, 5, 59], []]
+    picks = [[3, 7, 9, 20], [3, 7, 9, 20], [3, 9, 21, 40, 41], [0, 59], [0, 5, 59], [], [4, 5], [5, 6]]
     for ids in picks:
         ids = torch.tensor(ids, dtype=torch.long)
         got_k, got_v = w._gather(ids)
         want_k, want_v = gather(ids)
         assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     # read from the memory: the first selection, nothing for the repeat, then only new events
-    assert reads == [[3, 7, 9, 20], [21, 40, 41], [0, 59], [5], []]
+    assert reads == [[3, 7, 9, 20], [21, 40, 41], [0, 59], [5], [], [4, 5], [6]]
 

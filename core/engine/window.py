@@ -181,11 +181,12 @@ class LayerWindow:
         held = self._held
         if held is not None and held[0].numel() == ids.numel() and bool(torch.equal(held[0], ids)):
             return held[1], held[2]
-        if held is None or ids.numel() == 0:
+        if held is None or ids.numel() == 0 or held[0].numel() == 0:
             k, v = self.events.gather(ids)
         else:
             old_ids, old_k, old_v = held
-            keep = torch.isin(ids, old_ids)
+            at_old = torch.searchsorted(old_ids, ids).clamp_max_(old_ids.numel() - 1)  # both sorted
+            keep = old_ids[at_old] == ids  # (isin, a sort-based op, cost ~10x more here)
             new = ids[~keep]
             if new.numel() == ids.numel():
                 k, v = self.events.gather(ids)
@@ -197,7 +198,7 @@ class LayerWindow:
                 new_len = lengths[new]
                 new_at = torch.cumsum(new_len, 0) - new_len + old_k.shape[1]  # after the held rows
                 src = torch.empty_like(ids)
-                src[keep] = old_at[torch.searchsorted(old_ids, ids[keep])]
+                src[keep] = old_at[at_old[keep]]
                 src[~keep] = new_at
                 idx = token_index(src, lengths[ids])
                 k = torch.cat((old_k, n_k), 1).index_select(1, idx)
