@@ -31,9 +31,10 @@ class StoredEvents:
       (pread, from the page cache once warm); a reader of a store with a sketch scans the
       sketches instead and scores exactly only the events that can be selected (the same
       selection);
-    - keys and values are read per step for the retrieved events only: from an `EventCache` of
-      the events read last (fixed size: the profile's `kv_cache_mb`, or `--kv-cache-mb`), else
-      from the files (`RowFile.take`: pread, nothing mapped).
+    - keys and values are read per step for the retrieved events only (the engine's layers keep
+      the last step's and ask only for the others): from the files (`RowFile.take`: pread,
+      nothing mapped), or from an `EventCache` of the events read last where the profile's
+      `kv_cache_mb` (or `--kv-cache-mb`) gives it RAM (none by default: the page cache serves).
     A read-only store (asking) keeps events closed after opening in RAM instead, so asking never
     changes the files. No faiss graph over a store: it would need RAM and upkeep per event.
     """
