@@ -36,8 +36,8 @@ def _events(n: int, seed: int, spread: float, dtype: torch.dtype = torch.float32
 
 
 def _select(rows: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor, budget: int, scored: list | None = None):
-    """prune.select over rows (as float32); `scored` collects the rows it scored exactly."""
-    r32 = rows.float()
+    """prune.select over rows (as given: float32 or bfloat16); `scored` collects the rows it scored exactly."""
+    r32 = rows
     real = _prune.event_scores
     def counting(x, query):
         if scored is not None and x.shape[0] < r32.shape[0]:
@@ -73,12 +73,23 @@ def test_the_bound_holds_for_every_event():
     for scale in (1e-3, 1.0, 1e3):
         rows = torch.randn(2000, 576, generator=g) * scale + torch.randn(576, generator=g) * 10 * scale
         q = torch.randn(576, generator=g) * torch.logspace(-3, 3, 576)
-        exact = scores_in_blocks(2000, 576, lambda a, b: rows[a:b], q)
-        est = prune.estimate(rows, q)
-        ub = prune.upper_bound(est, prune.norms_up(rows), q)
-        assert bool((ub >= exact.double()).all())
-        lb = 2 * est.double() - ub  # the same slack below
-        assert bool((lb <= exact.double()).all())
+        for x in (rows, rows.bfloat16()):  # half rows: estimated a block at a time, widened
+            exact = scores_in_blocks(2000, 576, lambda a, b: x[a:b], q)
+            est = prune.estimate(x, q)
+            ub = prune.upper_bound(est, prune.norms_up(x), q)
+            assert bool((ub >= exact.double()).all())
+            lb = 2 * est.double() - ub  # the same slack below
+            assert bool((lb <= exact.double()).all())
+
+
+def test_half_rows_are_estimated_as_their_float32_widening(monkeypatch):
+    monkeypatch.setattr(_prune, "ESTIMATE_BLOCK", 700)  # several blocks, the last one short
+    g = torch.Generator().manual_seed(9)
+    rows = (torch.randn(2000, 96, generator=g) + 4).bfloat16()
+    q = torch.randn(96, generator=g)
+    est = prune.estimate(rows, q)
+    want = torch.cat([torch.mv(rows[a : a + 700].float(), q) for a in range(0, 2000, 700)])
+    assert est.dtype == torch.float32 and torch.equal(est, want)
 
 
 def _store(path, n_events: int, repr_cache_mb: int | None, kv: str | None = None, spread: float = 0.3) -> Store:
@@ -95,7 +106,7 @@ def _store(path, n_events: int, repr_cache_mb: int | None, kv: str | None = None
     return st
 
 
-@pytest.mark.parametrize("kv,spread", [(None, 0.3), (None, 0.0), ("int4", 0.3)])
+@pytest.mark.parametrize("kv,spread", [(None, 0.3), (None, 0.0), ("int4", 0.3), ("bfloat16", 0.3), ("bfloat16", 0.0)])
 def test_a_store_selects_from_resident_keys_what_its_scan_selects(tmp_path, kv, spread):
     st = _store(tmp_path / "s", 700, None, kv, spread)
     st.close()
@@ -105,6 +116,7 @@ def test_a_store_selects_from_resident_keys_what_its_scan_selects(tmp_path, kv, 
         for layer in range(G.layers):
             fast, scan = StoredEvents(fast_store, layer), StoredEvents(scan_store, layer)
             assert scan.resident_cap == 0 and fast.resident_cap >= len(fast)
+            assert fast.resident.buf.dtype == (torch.bfloat16 if kv == "bfloat16" else torch.float32)
             for _ in range(10):
                 q = torch.randn(3, 32, generator=g)
                 for budget in (8, 100):

@@ -23,8 +23,9 @@ class StoredEvents:
     """`EventMemory` for one layer whose keys, values and representative keys live in the store's files.
 
     What stays resident grows with the store only up to a bound:
-    - retrieval holds every event's representative key in float32 while they fit in the
-      profile's `repr_cache_mb` (all layers; 2,304 bytes an event for SmolLM2): one matrix-vector
+    - retrieval holds every event's representative key (bfloat16 as a bfloat16 store keeps it,
+      float32 otherwise) while they fit in the profile's `repr_cache_mb` (all layers; 1,152 or
+      2,304 bytes an event a layer for SmolLM2): one matrix-vector
       product estimates every score, and only the events that can be selected are scored exactly
       (`memory.prune`: the same selection as the scan). Past it, every event's key is scored
       exactly at every step, reading `layers/NN.r` a block at a time into one reused buffer
@@ -81,8 +82,11 @@ class StoredEvents:
         # Every event's representative key in float32, read once (within repr_cache_mb): a
         # selection is then one mv and a few exact scores (`memory.prune`), not a scan of the file.
         mb = store.manifest["profile"].get("repr_cache_mb", Profile.repr_cache_mb)
-        self.resident_cap = (mb << 20) // (g.layers * self.dim * 4)  # events per layer
-        self.resident = GrowBuffer((0, self.dim), 0, torch.float32, torch.device("cpu"))
+        # As the store holds them: a half format's rows stay half (widened exactly when scored:
+        # half the RAM and half the memory traffic per step); integer rows decoded to float32.
+        rdt = self.r.dtype if self.fmt.reprs.bits is None else torch.float32
+        self.resident_cap = (mb << 20) // (g.layers * self.dim * rdt.itemsize)  # events per layer
+        self.resident = GrowBuffer((0, self.dim), 0, rdt, torch.device("cpu"))
         self.resident_norms = GrowBuffer((0,), 0, torch.float32, torch.device("cpu"))
 
     def __len__(self) -> int:
@@ -184,9 +188,10 @@ class StoredEvents:
         return select_events(scores, self.event_lengths(), budget)
 
     def _resident_rows(self) -> Tensor:
-        """[E, H_q * D] float32: every event's representative key, the new ones read in."""
+        """[E, H_q * D]: every event's representative key (as the store holds it, or float32
+        decoded from integers), the new ones read in."""
         for a in range(self.resident.n, len(self), 1 << 14):
-            x = self._repr_block(a, min(len(self), a + (1 << 14))).float()
+            x = self._repr_block(a, min(len(self), a + (1 << 14))).to(self.resident.buf.dtype)
             self.resident.append(x)
             self.resident_norms.append(prune.norms_up(x))
         return self.resident.view()
