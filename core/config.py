@@ -53,7 +53,7 @@ class Profile:
     # a layer keeps the last step's events anyway (engine/window.py), and for the rest the page
     # cache serves preads faster than this cache's bookkeeping (measured: docs/benchmarks.md, decoding)
     kv_cache_mb: int = 0
-    # RAM for every event's representative key (float32; a half store's then in its own dtype), all layers (stores): retrieval then
+    # RAM for every event's representative key (a half store's in its dtype, else float32), all layers (stores): retrieval then
     # estimates all scores with one matrix-vector product and scores exactly only the events that
     # can be selected (memory/prune.py; the same selection). Past it: the exact scan of the files.
     repr_cache_mb: int = 2048

@@ -23,9 +23,9 @@ class StoredEvents:
     """`EventMemory` for one layer whose keys, values and representative keys live in the store's files.
 
     What stays resident grows with the store only up to a bound:
-    - retrieval holds every event's representative key while they fit in the profile's
-      `repr_cache_mb` (all layers; in float32, 2,304 bytes an event a layer for SmolLM2, then for
-      a half store in its own dtype, 1,152 bytes, up to twice as many events): one matrix-vector
+    - retrieval holds every event's representative key (bfloat16 as a bfloat16 store keeps it,
+      float32 otherwise) while they fit in the profile's `repr_cache_mb` (all layers; 1,152 or
+      2,304 bytes an event a layer for SmolLM2): one matrix-vector
       product estimates every score, and only the events that can be selected are scored exactly
       (`memory.prune`: the same selection as the scan). Past it, every event's key is scored
       exactly at every step, reading `layers/NN.r` a block at a time into one reused buffer
@@ -79,16 +79,16 @@ class StoredEvents:
         # A ring smaller than one step's retrieval would only churn: no cache then.
         n_mem = store.manifest["profile"].get("n_mem", 0)
         self.cache = EventCache(cap, self.row, dt) if cap > 0 and cap >= n_mem else None
-        # Every event's representative key, read once (within repr_cache_mb): a selection is then
-        # one mv and a few exact scores (`memory.prune`), not a scan of the file. Kept in float32
-        # while that fits (one mv, the fastest); a half store's keys then go on in their own dtype
-        # (exact; estimated through a float32 block: ~9% slower a step at 256k, half the RAM), so
-        # the fast path reaches twice as many events before the scan.
+        # Every event's representative key in float32, read once (within repr_cache_mb): a
+        # selection is then one mv and a few exact scores (`memory.prune`), not a scan of the file.
         mb = store.manifest["profile"].get("repr_cache_mb", Profile.repr_cache_mb)
-        self.half = self.r.dtype if self.fmt.reprs.bits is None and self.r.dtype != torch.float32 else None
-        self.float_cap = (mb << 20) // (g.layers * self.dim * 4)  # events per layer in float32
-        self.resident_cap = self.float_cap if self.half is None else 2 * self.float_cap
-        self.resident = GrowBuffer((0, self.dim), 0, torch.float32, torch.device("cpu"))
+        # As the store holds them: a half format's rows stay half (widened exactly when scored;
+        # half the RAM of float32, and a question's first token sooner: at 128k tokens ask's peak
+        # RSS 1,128 against 1,939 MiB, 2.0 against 2.5 s; a generated token ~9% slower at 256k:
+        # docs/benchmarks.md); integer rows decoded to float32.
+        rdt = self.r.dtype if self.fmt.reprs.bits is None else torch.float32
+        self.resident_cap = (mb << 20) // (g.layers * self.dim * rdt.itemsize)  # events per layer
+        self.resident = GrowBuffer((0, self.dim), 0, rdt, torch.device("cpu"))
         self.resident_norms = GrowBuffer((0,), 0, torch.float32, torch.device("cpu"))
 
     def __len__(self) -> int:
@@ -190,12 +190,8 @@ class StoredEvents:
         return select_events(scores, self.event_lengths(), budget)
 
     def _resident_rows(self) -> Tensor:
-        """[E, H_q * D]: every event's representative key (float32; or the half store's own
-        dtype once float32 would not fit), the new ones read in."""
-        if self.half is not None and self.resident.buf.dtype == torch.float32 and len(self) > self.float_cap:
-            rows = self.resident.view().to(self.half)  # exact: they were widened from these
-            self.resident = GrowBuffer((0, self.dim), 0, self.half, torch.device("cpu"), cap=len(self))
-            self.resident.append(rows)
+        """[E, H_q * D]: every event's representative key (as the store holds it, or float32
+        decoded from integers), the new ones read in."""
         for a in range(self.resident.n, len(self), 1 << 14):
             x = self._repr_block(a, min(len(self), a + (1 << 14))).to(self.resident.buf.dtype)
             self.resident.append(x)
