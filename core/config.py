@@ -49,7 +49,7 @@ class Profile:
     # selections stay exact; null: never). Unset in a profile: the same as faiss_threshold, as
     # profiles and stores written before the two were separate meant.
     sketch_threshold: int | None = 20000
-    # RAM for recently read events' keys and values, all layers (stores; 0: none). None by default:
+    # RAM for recently read events' keys and values, all layers (stores; 0: none). Off by default:
     # a layer keeps the last step's events anyway (engine/window.py), and for the rest the page
     # cache serves preads faster than this cache's bookkeeping (measured: docs/benchmarks.md, decoding)
     kv_cache_mb: int = 0

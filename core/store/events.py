@@ -79,8 +79,8 @@ class StoredEvents:
         # A ring smaller than one step's retrieval would only churn: no cache then.
         n_mem = store.manifest["profile"].get("n_mem", 0)
         self.cache = EventCache(cap, self.row, dt) if cap > 0 and cap >= n_mem else None
-        # Every event's representative key in float32, read once (within repr_cache_mb): a
-        # selection is then one mv and a few exact scores (`memory.prune`), not a scan of the file.
+        # Every event's representative key, read once (within repr_cache_mb): a selection is
+        # then one mv and a few exact scores (`memory.prune`), not a scan of the file.
         mb = store.manifest["profile"].get("repr_cache_mb", Profile.repr_cache_mb)
         # As the store holds them: a half format's rows stay half (widened exactly when scored;
         # half the RAM of float32, and a question's first token sooner: at 128k tokens ask's peak
