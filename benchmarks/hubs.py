@@ -34,7 +34,7 @@ from emllm.evals.corpus import tokens as corpus_tokens
 from emllm import models
 from emllm.app.ask import Session
 from emllm.app.ingest import add_documents, run_job
-from emllm.app.stream import create_store, open_engine
+from emllm.app.stream import SEPARATOR, create_store, encode, open_engine
 from emllm.evals.passkey import parse_length
 from emllm.evals.recall import RecallProbe
 from emllm.store import Store
@@ -55,13 +55,20 @@ QUESTIONS = [
 ]
 
 
-def selections(store: Store, model, tok) -> list[dict[int, list[int]]]:
-    """Per question, per layer: the event ids selected at the question step."""
+def selections(store: Store, model, tok, bare: bool = False) -> list[dict[int, list[int]]]:
+    """Per question, per layer: the event ids selected at the question step. bare: the question's
+    own words only, without the chat template's framing (which every question shares)."""
     out = []
     for q in QUESTIONS:
         session = Session(store, model, tok)
         probe = RecallProbe(session.engine)
-        session.read_question(q)  # (the store's pending tail first: retrievals of the last read the probe's)
+        if bare:
+            if session.tail:  # the pending tail first, unrecorded (its own chunk either way)
+                session.engine.feed(session.tail)
+                probe.last.clear()
+            session.engine.feed(encode(tok, SEPARATOR + q))
+        else:
+            session.read_question(q)  # (the store's pending tail first: retrievals of the last read the probe's)
         probe.detach()
         out.append({layer: sel.ids.tolist() for layer, (sel, _) in probe.last.items()})
     return out
@@ -99,6 +106,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=KEY:VALUE[,KEY:VALUE]",
                     help="a store read with these profile keys changed (repeatable)")
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--bare", action="store_true",
+                    help="ask with the questions' own words only (no chat-template framing, which all questions share)")
     ap.add_argument("--out", default=None, help="JSON file for the results")
     a = ap.parse_args()
     n = parse_length(a.tokens)
@@ -118,8 +127,8 @@ def main() -> None:
             with Store.open(Path(tmp) / "s") as store:
                 lengths = store.events.read().long()
                 ends = torch.cumsum(lengths, 0) + prof.n_init
-                rep = hub_report(selections(store, model, tok), lengths.numel(), torch.stack((ends - lengths, ends), 1))
-        rep = {"variant": name, "changes": {k: v for k, v in asdict(prof).items() if v != getattr(src.profile, k)},
+                rep = hub_report(selections(store, model, tok, a.bare), lengths.numel(), torch.stack((ends - lengths, ends), 1))
+        rep = {"variant": name, "bare_questions": a.bare, "changes": {k: v for k, v in asdict(prof).items() if v != getattr(src.profile, k)},
                **rep, "seconds": round(time.perf_counter() - t0, 1)}
         res["runs"].append(rep)
         print(json.dumps(rep), flush=True)
