@@ -2,8 +2,10 @@
 attention scores after a round trip through each integer format, on the model's own pre-RoPE keys
 and values over real prose, beside two ways of quantising keys that the row formats do not use:
 
-- per token (the store's `int8`/`int4`: groups of 32 channels of one token, each with its own
-  minimum and step),
+- per token (the store's `int8`/`int4` up to version 5, and its values: groups of 32 channels of
+  one token, each with its own minimum and step),
+- per token after a fixed per-channel centre and scale fitted on the first 512 tokens (the store's
+  keys from version 6: `emllm.memory.quant.fit_equaliser`),
 - per token after a Hadamard rotation of each head (QuaRot's way of spreading outlier channels
   over all channels; stateless, so it would fit the row formats),
 - per channel over blocks of 32 tokens (KIVI/KVQuant's way for keys: a channel's scale is shared
@@ -27,7 +29,7 @@ from torch import Tensor
 
 from emllm import models
 from emllm.evals.corpus import tokens as corpus_tokens
-from emllm.memory.quant import kv_format
+from emllm.memory.quant import decode_keys, encode_keys, fit_equaliser, kv_format
 
 
 def hadamard(n: int) -> Tensor:
@@ -47,6 +49,14 @@ def per_token(x: Tensor, name: str) -> Tensor:
 def rotated(x: Tensor, name: str) -> Tensor:
     h = hadamard(x.shape[-1])
     return per_token(x @ h, name) @ h.T
+
+
+def equalised(x: Tensor, name: str, first: int = 512) -> Tensor:
+    """Per token after the store's key equaliser (version 6): each channel's centre and scale fitted
+    on the first `first` tokens (a store fits them on its first chunk), then fixed."""
+    fmt = kv_format(name, x.shape[-1])
+    eq = fit_equaliser(x[:first])
+    return decode_keys(fmt, encode_keys(fmt, x, eq), eq, torch.float32)
 
 
 def per_channel(x: Tensor, name: str, block: int = 32) -> Tensor:
@@ -90,7 +100,8 @@ def main() -> None:
         model(ids)
     for hk in hooks:
         hk.remove()
-    ways = {"per token (the store's)": per_token, "per token, Hadamard-rotated": rotated,
+    ways = {"per token (the store's up to version 5)": per_token, "per token, Hadamard-rotated": rotated,
+            "per token, equalised per channel (the store's keys from version 6)": equalised,
             "per channel over 32 tokens": per_channel}
     rows = []
     for name in ("int8", "int4"):
@@ -100,7 +111,7 @@ def main() -> None:
                 q = seen[(i, "q")][0].float().reshape(-1, h_q, d)
                 k = seen[(i, "k")][0].float().reshape(-1, h_kv, d)
                 v = seen[(i, "v")][0].float().reshape(-1, h_kv, d)
-                kq, vq = f(k, name), f(v, name)
+                kq, vq = f(k, name), (per_token if f is equalised else f)(v, name)  # the store equalises keys only
                 k, v = k[: kq.shape[0]], v[: vq.shape[0]]
                 g = h_q // h_kv
                 s = torch.einsum("nhd,mhd->hnm", q[-64:], k.repeat_interleave(g, 1))

@@ -241,7 +241,8 @@ def store_summary(s: dict):
     t.add_column()
     t.add_row("store", shown(s["store"]))
     t.add_row("model", f"{shown(s['model'])}  [dim]config {shown(s['identity']['config_hash'])}[/dim]")
-    t.add_row("format", f"keys and values in {shown(s['format'])}, computed in {shown(s['dtype'])}")
+    keys = " (keys equalised)" if s.get("key_equaliser") else ""
+    t.add_row("format", f"keys and values in {shown(s['format'])}{keys}, computed in {shown(s['dtype'])}")
     t.add_row("profile", f"{shown(s['profile']['name'])}: {shown(s['profile']['segmentation'])}, n_local {s['profile']['n_local']}, "
               f"n_mem {s['profile']['n_mem']}, chunk {s['profile']['chunk_size']}")
     t.add_row("tokens", f"{s['tokens']}" + ("" if s["complete"] else "  [yellow](ingest unfinished: --resume)[/yellow]"))

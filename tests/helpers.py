@@ -79,7 +79,7 @@ def store_files(store: Path) -> dict[str, bytes]:
 def store_arrays(store: Path) -> dict[str, bytes]:
     """The arrays, the sketch's included."""
     return {k: v for k, v in store_files(store).items()
-            if k.endswith((".i32", ".f32", ".u8", ".k", ".v", ".r", ".p", ".n", ".o")) and not k.startswith("job")
+            if k.endswith((".i32", ".f32", ".u8", ".k", ".v", ".e", ".r", ".p", ".n", ".o")) and not k.startswith("job")
             or k.startswith("sketch") and k.endswith(".safetensors")}
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from emllm import models
 from emllm.app import stream
-from emllm.memory.quant import FORMATS, kv_format
+from emllm.memory.quant import EQUALISER_MIN_ROWS, FORMATS, decode_keys, encode_keys, fit_equaliser, kv_format
 from emllm.store import Store
 
 from .helpers import QUESTION, ingest_store, load_tiny, run, words
@@ -57,6 +58,52 @@ def test_integer_formats_equal_a_brute_force_quantiser(name, head_dim):
     assert bool((err <= step * 0.51 + 1e-2).all())
 
 
+def keys_with_channel_offsets(n: int, seed: int) -> torch.Tensor:
+    """Keys as models make them [n, 3, 64]: every channel its own offset and range, a few large."""
+    gen = torch.Generator().manual_seed(seed)
+    offset = torch.randn(1, 3, 64, generator=gen) * 3
+    scale = torch.rand(1, 3, 64, generator=gen) * 0.9 + 0.1
+    scale[..., :4] = 8.0  # outlier channels, in every token
+    return torch.randn(n, 3, 64, generator=gen) * scale + offset
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_equalised_keys_are_the_format_of_keys_centred_and_scaled_per_channel(name):
+    """Encoding keys through an equaliser is the brute-force quantiser of (k - centre) / scale,
+    undone after; fitted on the first rows, it makes later keys' error smaller than per token
+    alone (per channel offsets and outliers, as keys have them)."""
+    fmt = kv_format(name, 64)
+    first, later = keys_with_channel_offsets(512, 1), keys_with_channel_offsets(2048, 1)[512:]
+    eq = fit_equaliser(first)
+    centre, spread = first.mean(0), (first - first.mean(0)).abs().amax(0)
+    torch.testing.assert_close(eq[0], centre, atol=0, rtol=0)
+    torch.testing.assert_close(eq[1], torch.maximum(spread, spread.amax(-1, keepdim=True) * 0.1), atol=0, rtol=0)
+    got = decode_keys(fmt, encode_keys(fmt, later, eq), eq, torch.float32)
+    brute = brute_quantise((later - eq[0]) / eq[1], fmt.bits, fmt.group) * eq[1] + eq[0]
+    torch.testing.assert_close(got, brute, atol=0, rtol=0)
+    plain = fmt.decode(fmt.encode(later), torch.float32)
+    err = lambda y: float((y - later).norm() / later.norm())  # noqa: E731
+    assert err(got) < 0.5 * err(plain), (err(got), err(plain))
+    # no equaliser: the format alone
+    assert torch.equal(decode_keys(fmt, encode_keys(fmt, later, None), None, torch.float32), plain)
+
+
+def test_an_equaliser_of_too_few_or_constant_rows_is_the_identity():
+    few = keys_with_channel_offsets(EQUALISER_MIN_ROWS - 1, 2)
+    flat = torch.ones(40, 3, 64)
+    flat[:, 1] = torch.randn(40, 64)  # one head moves: only it is equalised
+    for eq, moving in ((fit_equaliser(few), []), (fit_equaliser(flat), [1])):
+        for h in range(3):
+            if h not in moving:
+                assert torch.equal(eq[0, h], torch.zeros(64)) and torch.equal(eq[1, h], torch.ones(64))
+    assert bool((fit_equaliser(flat)[1, 1] > 0).all())
+    # a quiet channel's scale is at least a tenth of its head's widest: later keys stay bounded
+    x = keys_with_channel_offsets(64, 3)
+    x[:, :, 10] = 5.0
+    eq = fit_equaliser(x)
+    assert bool((eq[1, :, 10] >= 0.1 * eq[1].amax(-1)).all())
+
+
 @pytest.mark.parametrize("name", ["float32", "bfloat16", "float16"])
 def test_float_formats_are_casts(name):
     x = torch.randn(5, 2, 8)
@@ -86,7 +133,7 @@ def test_a_store_keeps_its_format_and_a_reader_decodes_as_the_writer_stored(tiny
     ingest_store(store, folder, prof, [("doc", words(7, 700))], kv_format=name)
     model, tok = load_tiny(folder)
     m = json.loads((store / "manifest.json").read_text())
-    assert m["kv_format"] == name and m["version"] == 5
+    assert m["kv_format"] == name and m["version"] == 6 and m["key_equaliser"] == (name != "bfloat16")
     fmt = kv_format(name, m["geometry"]["head_dim"])
     g = m["geometry"]
     assert m["rows"]["kv_tokens"] == m["rows"]["tokens"]  # every token's, the window's too
@@ -100,7 +147,13 @@ def test_a_store_keeps_its_format_and_a_reader_decodes_as_the_writer_stored(tiny
         assert st.kv_format == fmt
         ev = stream.open_engine(st, model).windows[0].events
         k, v = ev.gather(torch.arange(len(ev)))
-        raw_k = fmt.decode(st.layer_files[0][0].read(), torch.float32)  # from the stream's first token
+        eq = None
+        if name != "bfloat16":  # each layer's key equaliser, fitted on its first rows, in its own file
+            eq = torch.from_numpy(np.fromfile(store / "layers/00.e", dtype="<f4")).reshape(2, g["kv_heads"], g["head_dim"])
+            assert bool((eq[1] > 0).all()) and not torch.equal(eq[1], torch.ones_like(eq[1]))
+        unequalise = (lambda t: t) if eq is None else (lambda t: t * eq[1] + eq[0])  # noqa: E731
+        equalise = (lambda t: t) if eq is None else (lambda t: (t - eq[0]) / eq[1])  # noqa: E731
+        raw_k = unequalise(fmt.decode(st.layer_files[0][0].read(), torch.float32))  # from the stream's first token
         n_init = m["profile"]["n_init"]
         assert torch.equal(k, raw_k[n_init : n_init + m["rows"]["event_tokens"]].transpose(0, 1))
         # a reader's tokens, kept in RAM: decode(encode(x)), as from a writer's files, and handed
@@ -109,7 +162,8 @@ def test_a_store_keeps_its_format_and_a_reader_decodes_as_the_writer_stored(tiny
         mark = ev.mark()
         k2, v2 = ev.add_tokens(keys, values)
         want = lambda t: fmt.decode(fmt.encode(t.transpose(0, 1)), torch.float32).transpose(0, 1)  # noqa: E731
-        assert torch.equal(k2, want(keys)) and torch.equal(v2, want(values))
+        want_k = unequalise(fmt.decode(fmt.encode(equalise(keys.transpose(0, 1))), torch.float32)).transpose(0, 1)
+        assert torch.equal(k2, want_k) and torch.equal(v2, want(values))
         k3, v3 = ev._read(torch.arange(ev.n_disk, ev.n_disk + 20))
         assert torch.equal(k3.transpose(0, 1), k2) and torch.equal(v3.transpose(0, 1), v2)
         ev.truncate(mark)
@@ -134,8 +188,12 @@ def test_format_through_the_executable(tiny, tmp_path):
     assert (q["format"], q["dtype"], f["format"], f["dtype"]) == ("int8", "float32", "float32", "float32")
     # keys and values per event token: head size 16, one group of 16 channels, a byte each plus
     # four of scales, against four bytes a value
-    per_token = lambda s: s["bytes"]["keys+values"] / s["event_tokens"]  # noqa: E731
-    assert per_token(q) / per_token(f) == pytest.approx((16 + 4) / (16 * 4))
+    # (the integer store's key equalisers, a fixed [2, H, D] float32 per layer, counted apart)
+    eq_bytes = sum(p.stat().st_size for p in (tmp_path / "stores" / "q" / "layers").glob("*.e"))
+    g = json.loads((tmp_path / "stores" / "q" / "manifest.json").read_text())["geometry"]
+    assert eq_bytes == g["layers"] * 2 * g["kv_heads"] * g["head_dim"] * 4 and q["key_equaliser"] and not f["key_equaliser"]
+    per_token = lambda s, extra=0: (s["bytes"]["keys+values"] - extra) / s["event_tokens"]  # noqa: E731
+    assert per_token(q, eq_bytes) / per_token(f) == pytest.approx((16 + 4) / (16 * 4))
     r = run("ingest", str(doc), "--store", "q", "--append", "--format", "int4", home=tmp_path)
     assert r.returncode == 1 and "keeps keys and values in int8" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = run("ingest", str(doc), "--store", "z", "--format", "int3", home=tmp_path)
@@ -143,7 +201,7 @@ def test_format_through_the_executable(tiny, tmp_path):
     r = run("ask", QUESTION, "--store", "q", "-n", "4", home=tmp_path)
     assert r.returncode == 0, r.stderr
     r = run("show", "q", home=tmp_path)
-    assert r.returncode == 0 and "keys and values in int8, computed in float32" in r.stdout
+    assert r.returncode == 0 and "keys and values in int8 (keys equalised), computed in float32" in r.stdout
 
 
 # -- the compute dtype -------------------------------------------------------------------------

@@ -33,6 +33,22 @@ def good_store(tiny, tmp_path_factory) -> Path:  # noqa: F811
     return root / "s"
 
 
+@pytest.fixture(scope="module")
+def good_int4_store(tiny, tmp_path_factory) -> Path:  # noqa: F811
+    folder, prof, _, _ = tiny
+    root = tmp_path_factory.mktemp("good4")
+    ingest_store(root / "s", folder, prof, [("doc", words(3, 300))], kv_format="int4")
+    return root / "s"
+
+
+def _equaliser(store: Path, layer: int, row: int, value: float) -> None:
+    """Overwrite one row (0: centre, 1: scale) of a layer's key equaliser."""
+    p = store / "layers" / f"{layer:02d}.e"
+    eq = torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.float32).reshape(2, -1)
+    eq[row] = value
+    p.write_bytes(eq.numpy().tobytes())
+
+
 def _manifest(store: Path, change) -> None:
     """Edit the manifest as an attacker would: the checksum recomputed (anyone can)."""
     m = json.loads((store / "manifest.json").read_text())
@@ -124,6 +140,14 @@ CASES = {
     "manifest not JSON": (lambda s, o: (s / "manifest.json").write_text("{\"format\": "), (READ, INSPECT), "unreadable"),
     "manifest nested deep": (lambda s, o: (s / "manifest.json").write_text("[" * 100000 + "]" * 100000), (READ,), "unreadable"),
     "manifest a list": (lambda s, o: (s / "manifest.json").write_text("[]"), (READ,), "not an emllm store"),
+    "key_equaliser not true or false": (lambda s, o: _manifest(s, lambda m: m.update(key_equaliser="yes")), (READ, WRITE), "key_equaliser"),
+    "key_equaliser on a float store": (lambda s, o: _manifest(s, lambda m: m.update(key_equaliser=True)), (READ, WRITE), "not integer"),
+    # an int4 store's key equalisers (layers/NN.e)
+    "key equaliser scale zero": (lambda s, o: _equaliser(s, 1, 1, 0.0), (READ, WRITE), "not a key equaliser", "int4"),
+    "key equaliser centre NaN": (lambda s, o: _equaliser(s, 0, 0, float("nan")), (READ, WRITE), "not a key equaliser", "int4"),
+    "key equaliser missing": (lambda s, o: (s / "layers/00.e").unlink(), (READ, WRITE), "missing", "int4"),
+    "key equaliser truncated": (lambda s, o: (s / "layers/01.e").write_bytes(b"\0" * 8), (READ, WRITE), "truncated", "int4"),
+    "key equaliser a link out": (lambda s, o: _link(s, "layers/00.e", o / "decoy"), (READ, WRITE), "symbolic link", "int4"),
 }
 
 
@@ -158,8 +182,9 @@ def _args(cmd: str, store: Path, doc: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_hostile_store_is_refused_and_nothing_outside_it_is_touched(case, good_store, tmp_path):
-    damage, commands, needle = CASES[case]
+def test_a_hostile_store_is_refused_and_nothing_outside_it_is_touched(case, request, tmp_path):
+    damage, commands, needle, *kind = CASES[case]
+    good_store = request.getfixturevalue("good_int4_store" if kind == ["int4"] else "good_store")
     outside = tmp_path / "outside"
     _decoys(outside)
     store = tmp_path / "store"

@@ -84,3 +84,72 @@ def test_a_store_written_by_the_old_layout_opens_and_answers_the_same(tiny, old_
     n_init = m_new["profile"]["n_init"]
     for k in (k for k in old if k[-2:] in (".k", ".v")):
         assert old[k] == new[k][n_init * row : (n_init + m_old["rows"]["event_tokens"]) * row], k
+
+
+# the last commit whose integer stores quantise keys per token alone (store format 5, no key equaliser)
+OLD_INT = "787438b"
+
+WRITE_INT = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from emllm.app import ingest as ing, stream
+from emllm.app.ask import Session
+from emllm.config import load_profile_file
+from emllm.store import Store
+folder, prof, path, text, question, more = sys.argv[1:7]
+model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+tok = AutoTokenizer.from_pretrained(folder)
+def write(p, docs):
+    with stream.create_store(p, folder, model, tok, load_profile_file(prof), kv_format="int4") as st:
+        eng = stream.open_engine(st, model)
+        ing.add_documents(st, tok, docs)
+        ing.run_job(st, eng, 2)
+write(path, [("doc", text)])
+write(path + "-whole", [("doc", text), ("more", more)])
+with Store.open(path) as st:
+    print(json.dumps(list(Session(st, model, tok).answer(question, 8))))
+"""
+
+
+@pytest.fixture(scope="module")
+def old_int_code(tmp_path_factory) -> Path:
+    r = subprocess.run(["git", "-C", str(REPO), "archive", OLD_INT, "core"], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"commit {OLD_INT} is not in this clone's history (a shallow clone?)")
+    out = tmp_path_factory.mktemp("old-int")
+    with tarfile.open(fileobj=BytesIO(r.stdout)) as tar:
+        tar.extractall(out, filter="data")
+    (out / "core").rename(out / "emllm")  # the package as it was installed
+    return out
+
+
+def test_an_int4_store_of_version_5_opens_answers_and_goes_on_without_an_equaliser(tiny, old_int_code, tmp_path):
+    """An int4 store written before key equalisers (per token alone) decodes as it was written: the
+    same answer; today's writer continues it in its own way, byte for byte what the old code
+    writes for the whole stream; a new int4 store equalises its keys (version 6)."""
+    folder, prof, _, _ = tiny
+    text, more = words(23, 400), words(24, 120)
+    store = tmp_path / "old-int4"
+    r = subprocess.run([sys.executable, "-c", WRITE_INT, str(folder), str(prof), str(store), text, QUESTION, more],
+                       capture_output=True, text=True, cwd=old_int_code,
+                       env={"PYTHONPATH": str(old_int_code), "PATH": "/usr/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    old_answer = json.loads(r.stdout.strip().splitlines()[-1])
+    m = json.loads((store / "manifest.json").read_text())
+    assert m["version"] == 5 and m["kv_format"] == "int4" and "key_equaliser" not in m
+    model, tok = load_tiny(folder)
+    with Store.open(store) as st:
+        assert not st.key_equalised
+        assert list(Session(st, model, tok).answer(QUESTION, 8)) == old_answer
+    with Store.open(store, writable=True) as st:
+        eng = stream.open_engine(st, model)
+        add_documents(st, tok, [("more", more)])
+        run_job(st, eng, 2)
+    assert store_arrays(store) == store_arrays(tmp_path / "old-int4-whole")
+    assert not list((store / "layers").glob("*.e"))
+    new = tmp_path / "new-int4"
+    ingest_store(new, folder, prof, [("doc", text)], kv_format="int4")
+    m = json.loads((new / "manifest.json").read_text())
+    assert m["version"] == 6 and m["key_equaliser"] is True and (new / "layers/00.e").stat().st_size > 0
+    assert store_arrays(new)["layers/00.k"] != store_arrays(tmp_path / "old-int4")["layers/00.k"][: (new / "layers/00.k").stat().st_size]

@@ -34,7 +34,7 @@ def store_summary(st: Store) -> dict:
     return {
         "store": str(st.path), "format_version": m["version"], "model": m["identity"]["model"],
         "identity": m["identity"], "profile": m["profile"], "created": m["created"], "updated": m["updated"],
-        "dtype": st.geometry.dtype, "format": st.kv_format.name,
+        "dtype": st.geometry.dtype, "format": st.kv_format.name, "key_equaliser": st.key_equalised,
         "tokens": m["rows"]["tokens"] + pending_count(m),
         "processed_tokens": m["rows"]["tokens"], "events": m["rows"]["events"],
         "event_tokens": m["rows"]["event_tokens"],

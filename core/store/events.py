@@ -110,6 +110,8 @@ class StoredEvents:
         self.ram_r.n = events - self.r.rows
         self.ram_k.n = self.ram_v.n = ram_tokens
         self.event_end = event_end
+        if self.n_tokens == 0:  # the next first rows fit the equaliser again, as a writer's would
+            self.store.forget_equaliser(self.layer)
 
     @property
     def n_tokens(self) -> int:
@@ -129,10 +131,10 @@ class StoredEvents:
     def _put(self, k: Tensor, v: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """Append token rows k/v [n, H_kv, D] to the files (a writer) or RAM (a reader); returns
         them decoded, or (None, None) when the format keeps them as they are."""
-        rk, rv = self.fmt.encode(k), self.fmt.encode(v)
+        rk, rv = self.store.encode_keys(self.layer, k), self.fmt.encode(v)
         dk = dv = None
         if not self.lossless or not self.store.writable:
-            dk, dv = self.fmt.decode(rk, self.dtype), self.fmt.decode(rv, self.dtype)
+            dk, dv = self.store.decode_keys(self.layer, rk, self.dtype), self.fmt.decode(rv, self.dtype)
         if self.store.writable:
             self.k.append(rk)
             self.v.append(rv)
@@ -260,12 +262,13 @@ class StoredEvents:
     def _read(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         """Token rows idx [n] of the layer's events (files, then a reader's RAM): [n, H_kv, D] each."""
         disk = idx < self.n_disk
-        dec = lambda rows: self.fmt.decode(rows, self.dtype)  # noqa: E731
+        dec_k = lambda rows: self.store.decode_keys(self.layer, rows, self.dtype)  # noqa: E731
+        dec_v = lambda rows: self.fmt.decode(rows, self.dtype)  # noqa: E731
         if bool(disk.all()):
-            return dec(self.k.take(idx)), dec(self.v.take(idx))
+            return dec_k(self.k.take(idx)), dec_v(self.v.take(idx))
         k = torch.empty((idx.numel(), *self.row), dtype=self.dtype)
         v = torch.empty_like(k)
-        k[disk], v[disk] = dec(self.k.take(idx[disk])), dec(self.v.take(idx[disk]))
+        k[disk], v[disk] = dec_k(self.k.take(idx[disk])), dec_v(self.v.take(idx[disk]))
         ram = idx[~disk] - self.n_disk
         k[~disk], v[~disk] = self.ram_k.view()[ram], self.ram_v.view()[ram]
         return k, v

@@ -15,7 +15,8 @@ from emllm.store.identity import Geometry
 # as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
 # a version-2 sketch is not used); a version-3 sketch is a version-4 one fitted once.
 
-FORMAT_VERSION = 5  # 5: kv_format (keys and values in a format of their own: bfloat16, int8, int4)
+FORMAT_VERSION = 6  # 5: kv_format (keys and values in a format of their own: bfloat16, int8, int4);
+# 6: key_equaliser (an integer store's keys equalised per channel before they are quantised)
 MANIFEST = "manifest.json"
 
 def checksum(manifest: dict) -> str:
@@ -123,6 +124,9 @@ def _validate(m: dict) -> None:
 
         _need(m["kv_format"] in FORMATS, f"kv_format {m['kv_format']!r} is not one a store holds")
         _need(g["head_dim"] % 2 == 0 or m["kv_format"] != "int4", "int4 needs an even head size")
+    if "key_equaliser" in m:
+        _need(isinstance(m["key_equaliser"], bool), "key_equaliser is not true or false")
+        _need(not m["key_equaliser"] or m.get("kv_format") in ("int8", "int4"), "key_equaliser on a store that is not integer")
     rows = m.get("rows")
     t, e, et = (_int(rows, k, at="rows.") for k in ("tokens", "events", "event_tokens"))
     _need(e <= et, f"rows do not add up ({e} events of {et} tokens)")

@@ -47,8 +47,10 @@ class RowFile:
         self._rfd: int | None = None  # a reader's descriptor
         self._trimmed = False  # a writer drops the uncommitted tail at its first append, not at open
         if writable:
-            try:
-                self._fd = folder.open(name, os.O_RDWR | os.O_CREAT, single_link=True)
+            try:  # a file the manifest gives rows must be there: never created empty in its place
+                self._fd = folder.open(name, os.O_RDWR | (0 if rows else os.O_CREAT), single_link=True)
+            except FileNotFoundError:
+                raise StoreError(f"{name} is missing from the store: the store is damaged") from None
             except UnsafePath as e:
                 raise StoreError(f"{e}: the store is refused (emllm writes only files that are its own)") from None
             if rows:

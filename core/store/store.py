@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from emllm.memory import sketch
+from emllm.memory import quant
 from emllm.memory.quant import kv_format
 from emllm.store.errors import ModelMismatchError, StoreError, lock_store
 from emllm.store.files import Folder, UnsafePath, fsync_dir
@@ -101,6 +102,14 @@ class Store:
             )
             for i in range(self.geometry.layers)
         ]
+        # An integer store of version 6 equalises each layer's keys per channel before quantising
+        # them (memory.quant.fit_equaliser): `layers/NN.e` holds the layer's [2, H_kv, D] centre
+        # and scale, fitted on its first rows and written before them, so it is committed with them.
+        self.key_equalised = bool(manifest.get("key_equaliser")) and kvf.bits is not None
+        eq_rows = 2 if self.key_equalised and kv_rows else 0
+        self.equaliser_files = [f(f"layers/{i:02d}.e", (h, d), torch.float32, eq_rows)
+                                for i in range(self.geometry.layers)] if self.key_equalised else []
+        self._equalisers: list[Tensor | None] = [None] * self.geometry.layers
         job = manifest.get("job")
         # written once when a job starts (set_job), read-only after: never truncated
         self.job: RowFile | None = f(job["file"], (), torch.int32, job["tokens"], False) if job else None
@@ -121,7 +130,8 @@ class Store:
     def all_files(self) -> list[RowFile]:
         job = [self.job] if self.job is not None else []
         sk = [x for t in self.sketch_files for x in t] if self.sketch_files is not None else []
-        return [self.tokens, self.surprise, self.flags, self.events, *job] + [x for t in self.layer_files for x in t] + sk
+        return ([self.tokens, self.surprise, self.flags, self.events, *job] + [x for t in self.layer_files for x in t]
+                + self.equaliser_files + sk)
 
     def close(self) -> None:
         for rf in self.all_files():
@@ -171,6 +181,7 @@ class Store:
             "profile": profile,
             "geometry": dict(geometry.__dict__),
             "kv_format": kv_format(kv or geometry.dtype, geometry.head_dim).name,
+            "key_equaliser": kv_format(kv or geometry.dtype, geometry.head_dim).bits is not None,
             "rows": {"tokens": 0, "events": 0, "event_tokens": 0, "kv_tokens": 0},
             "state": None,
             "job": None,
@@ -438,6 +449,43 @@ class Store:
             return None
         return t << ((n // t).bit_length() - 1)
 
+    def key_equaliser(self, layer: int, first_keys: Tensor | None = None) -> Tensor | None:
+        """A layer's key equaliser [2, H_kv, D] float32 (None where the store keeps keys without
+        one): read from its file, or fitted on `first_keys` [n, H_kv, D], the layer's first rows,
+        and appended to the file by a writer (committed with those rows)."""
+        if not self.key_equalised:
+            return None
+        eq = self._equalisers[layer]
+        if eq is None:
+            rf = self.equaliser_files[layer]
+            g = self.geometry
+            if rf.rows:
+                eq = rf.read_copy(0, 2)
+                if not quant.equaliser_ok(eq, g.kv_heads, g.head_dim):
+                    raise StoreError(f"{rf.name} is not a key equaliser (a scale not positive, or not finite): "
+                                     "the store is damaged")
+            elif first_keys is None:
+                raise StoreError(f"{rf.name} is missing while keys are stored: the store is damaged")
+            else:
+                eq = quant.fit_equaliser(first_keys)
+                if self.writable:
+                    rf.append(eq)
+            self._equalisers[layer] = eq
+        return eq
+
+    def forget_equaliser(self, layer: int) -> None:
+        """Drop a layer's equaliser fitted in RAM (a reader's, on a store without keys yet)."""
+        if self.key_equalised and not self.equaliser_files[layer].rows:
+            self._equalisers[layer] = None
+
+    def encode_keys(self, layer: int, k: Tensor) -> Tensor:
+        """A layer's keys [n, H_kv, D], the next rows of its stream, as its key file keeps them."""
+        return quant.encode_keys(self.kv_format, k, self.key_equaliser(layer, k))
+
+    def decode_keys(self, layer: int, rows: Tensor, dtype: torch.dtype) -> Tensor:
+        """Rows of a layer's key file -> keys [n, H_kv, D] in dtype."""
+        return quant.decode_keys(self.kv_format, rows, self.key_equaliser(layer), dtype)
+
     def reprs_of(self, rows: Tensor) -> Tensor:
         """Representative keys [n, H_q, D] float32 from rows of a `layers/NN.r` file."""
         return self.kv_format.reprs.decode(rows, torch.float32)
@@ -602,7 +650,8 @@ class Store:
                 for part, (a, b) in spans.items():
                     for x, rf in (("k", k), ("v", v)):
                         rows = rf.read_copy(a, b) if b > a else torch.zeros((0, *rf.row), dtype=rf.dtype)
-                        out[f"layer{i}.{part}_{x}"] = self.kv_format.decode(rows, dt).transpose(0, 1).contiguous()
+                        x_ = self.decode_keys(i, rows, dt) if x == "k" else self.kv_format.decode(rows, dt)
+                        out[f"layer{i}.{part}_{x}"] = x_.transpose(0, 1).contiguous()
         except (KeyError, ValueError, IndexError) as e:
             raise StoreError(f"{self.path}: its state does not fit its rows ({e}): the store is damaged") from None
         return out
@@ -655,7 +704,7 @@ class Store:
                 continue
             n, name = st.st_size, rel.rsplit("/", 1)[-1]
             suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
-            if suffix in (".k", ".v"):
+            if suffix in (".k", ".v", ".e"):
                 parts["keys+values"] += n
             elif suffix == ".r":
                 parts["representative keys"] += n
