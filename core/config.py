@@ -61,6 +61,10 @@ class Profile:
     # query (0: the paper's plain inner product). An event that wins for any query ("hub": one that
     # aligns with the mean query) loses that advantage: the score becomes (q - a mean_q) . repr.
     query_centering: float = 0.0
+    # The same, only while a question is read and answered (after `Engine.begin_question`; 0: as
+    # query_centering): the document is read with the paper's scoring, and only the question's
+    # retrieval is taken away from the hubs. The running mean is kept whenever either is > 0.
+    question_centering: float = 0.0
     # Representative keys scaled to unit length per query head when events close: an event then
     # scores the sum over heads of |q_h| cos(q_h, r_h), and keys that are long win no more often.
     repr_normalise: bool = False
@@ -112,9 +116,10 @@ def validate(p: Profile, where: str = "") -> Profile:
         raise bad("gamma", f"must be a number, got {p.gamma!r}")
     if not isinstance(p.contiguity_ratio, (int, float)) or not 0.0 <= p.contiguity_ratio < 1.0:
         raise bad("contiguity_ratio", f"must be a number in [0, 1), got {p.contiguity_ratio!r}")
-    if (not isinstance(p.query_centering, (int, float)) or isinstance(p.query_centering, bool)
-            or not 0.0 <= p.query_centering <= 1.0):
-        raise bad("query_centering", f"must be a number in [0, 1], got {p.query_centering!r}")
+    for key in ("query_centering", "question_centering"):
+        v = getattr(p, key)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 <= v <= 1.0:
+            raise bad(key, f"must be a number in [0, 1], got {v!r}")
     if not isinstance(p.repr_normalise, bool):
         raise bad("repr_normalise", f"must be true or false, got {p.repr_normalise!r}")
     if not isinstance(p.contiguity, bool):

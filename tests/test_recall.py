@@ -107,3 +107,33 @@ def test_repr_normalise_keeps_unit_keys_per_head_and_the_same_events():
     # the first event's keys and attention mass came before any retrieval: the plain ones, scaled per head
     ra = a.repr_keys()[:1]
     torch.testing.assert_close(r[:1], ra / ra.norm(dim=-1, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
+def test_question_centering_reads_the_document_plainly_and_centres_the_question():
+    """question_centering: the document's retrievals are the plain profile's (same events, same
+    selections), the running mean query is kept meanwhile; from `begin_question` each query is
+    centred by the mean of all queries before it, the document's included."""
+    model = tiny_model("llama3.1")
+    ids = torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(3))
+    question = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(4))
+    plain, asked = Engine(model, tiny_profile()), Engine(model, tiny_profile(question_centering=1.0))
+    seen: dict[str, list] = {"plain": [], "asked": []}
+    for name, eng in (("plain", plain), ("asked", asked)):
+        eng.on_retrieval = lambda layer, sel, q, name=name: layer == 0 and seen[name].append((sel.ids.tolist(), q.float().clone()))
+        eng.feed(ids)
+    assert seen["plain"] == [] or [s for s, _ in seen["plain"]] == [s for s, _ in seen["asked"]]
+    assert len(seen["asked"]) >= 5
+    for (a, qa), (b, qb) in zip(seen["plain"], seen["asked"]):
+        assert a == b and torch.equal(qa, qb)  # the document read with the paper's scoring
+    w = asked.windows[0]
+    assert w.query_n >= len(seen["asked"]) and plain.windows[0].query_n == 0  # the mean kept for the question
+    total, n = w.query_sum.clone(), w.query_n
+    before = len(seen["asked"])
+    asked.begin_question()
+    asked.feed(question)
+    sel, used = seen["asked"][before]
+    raw = w.query_sum - total  # the question chunk's own query, added after its retrieval
+    torch.testing.assert_close(used, raw - total / n, rtol=0, atol=1e-5)
+    ev = w.events
+    want = select_events(event_scores(ev.repr_keys(), used), ev.event_lengths(), asked.profile.n_mem)
+    assert sel == want.ids.tolist()

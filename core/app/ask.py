@@ -64,6 +64,7 @@ class Session:
         """As `read_question`, for a question already tokenized (benchmarks with their own form)."""
         if self.tail:
             self.engine.feed(self.tail)
+        self.engine.begin_question()
         return self.engine.feed(ids)
 
     def answer(self, question: str, max_new_tokens: int = 256, sampling: Sampling | None = None) -> Iterator[int]:

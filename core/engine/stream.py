@@ -112,6 +112,12 @@ class Engine:
         self.rem_start = profile.n_init  # stream position of the first token not yet in an event
         self.last_logits: Tensor | None = None  # [V] predicts the next token
         self.on_retrieval: Callable[[int, Selection, Tensor], None] | None = None
+        self.answering = False  # a question is being read or answered (`begin_question`)
+
+    def begin_question(self) -> None:
+        """What comes next is a question and its answer: retrieval scores with the profile's
+        `question_centering` from here on (where it is set)."""
+        self.answering = True
 
     @property
     def n_tokens(self) -> int:
@@ -156,8 +162,9 @@ class Engine:
         window = min(self.n_tokens, pr.n_local) + c
         cos, sin = self.rotary.table(max(window, pr.n_local), self.device, self.dtype)
         cont = int(pr.n_mem * pr.contiguity_ratio) if pr.contiguity else 0
-        step = StepInfo(cos, sin, pr.n_local, pr.n_init, pr.n_mem - cont, cont, pr.neighbours, pr.query_centering,
-                        self.on_retrieval)
+        centering = pr.question_centering if self.answering and pr.question_centering else pr.query_centering
+        step = StepInfo(cos, sin, pr.n_local, pr.n_init, pr.n_mem - cont, cont, pr.neighbours, centering,
+                        bool(pr.query_centering or pr.question_centering), self.on_retrieval)
         if self.model.config._attn_implementation != attention.NAME:  # someone ran the plain model meanwhile
             self.model.set_attn_implementation(attention.NAME)
         x = chunk.to(self.device)[None]

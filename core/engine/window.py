@@ -34,6 +34,7 @@ class StepInfo:
     contiguity_budget: int = 0  # tokens of the contiguity buffer (0: none)
     neighbours: int = 1
     centering: float = 0.0  # share of the running mean query taken from each query (profile query_centering)
+    keep_mean: bool = False  # whether the running mean query is kept (the profile centres at some point)
     on_retrieval: Callable[[int, Selection, Tensor], None] | None = None  # (layer, selection, query [H_q, D])
 
 
@@ -159,7 +160,7 @@ class LayerWindow:
             parts_k.append(self.rem_k)
             parts_v.append(self.rem_v)
             k_mem, v_mem = torch.cat(parts_k, 1), torch.cat(parts_v, 1)
-            if st.centering:  # (kept only when used: a store that does not centre writes zeros, as before)
+            if st.keep_mean:  # (kept only when used: a store that does not centre writes zeros, as before)
                 self.query_sum += query.float()
                 self.query_n += 1
 

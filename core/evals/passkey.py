@@ -117,6 +117,7 @@ def run_emllm(engine_factory: Callable[[], "object"], tok, prompt: Prompt, max_n
     if k < len(prompt.document):
         eng.feed(prompt.document[k:], progress=progress)
     probe = RecallProbe(eng) if recall is not None else None
+    eng.begin_question()
     eng.feed(prompt.question)
     if probe is not None:  # (recall: a list to extend with the needle's evals.recall.NeedleRecall)
         probe.detach()

@@ -388,6 +388,7 @@ def run_task(engine_factory: Callable[[], object], tok, prompt: Prompt, max_new_
     eng = engine_factory()
     eng.feed(prompt.document, progress=progress)
     probe = RecallProbe(eng) if recall is not None else None
+    eng.begin_question()
     eng.feed(prompt.question)
     if probe is not None:
         probe.detach()
