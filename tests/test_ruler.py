@@ -180,7 +180,7 @@ def test_rag_retrieves_the_needle(tok):
     assert rc.spans == sorted(rc.spans) and best >= 0
 
 
-@pytest.mark.parametrize("haystack", ["prose", "code"])
+@pytest.mark.parametrize("haystack", ["prose", "code", "chat"])
 @pytest.mark.parametrize("task", ["niah_single_words", "niah_multikey", "vt"])
 def test_real_text_haystacks(tok, task, haystack):
     """Any task on real text: the length, the needles where their spans say, the answers once,
@@ -201,9 +201,11 @@ def test_real_text_haystacks(tok, task, haystack):
         whole = "".join(corpus.units(haystack)) * 2
         assert all(h in whole for h in hay if h), task  # (the last piece may stop mid-sentence: still a substring)
         seen.add(hay[0][:50])
+        if haystack == "chat":  # turns of dialogues, a user's and an assistant's
+            assert "\nUser: " in doc and "\nAssistant: " in doc
     assert len(seen) == 3  # each seed starts elsewhere
     with pytest.raises(ValueError, match="unknown haystack"):
-        build_prompt(task, tok, 3000, 0.5, random.Random(0), haystack="chat")
+        build_prompt(task, tok, 3000, 0.5, random.Random(0), haystack="tweets")
 
 
 @pytest.mark.parametrize("task", ["niah_multikey", "vt"])

@@ -103,7 +103,7 @@ VT_PREFIX = (
     "assigned the value {value}, they are:"
 )
 
-HAYSTACKS_REAL = ("prose", "code")  # emllm.evals.corpus: text nobody here wrote
+HAYSTACKS_REAL = ("prose", "code", "chat")  # emllm.evals.corpus: text nobody here wrote
 HAYSTACKS = ("noise", "essay") + HAYSTACKS_REAL
 KINDS = {"words": ("words", "word"), "numbers": ("numbers", "number"), "uuids": ("uuids", "uuid")}
 
