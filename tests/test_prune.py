@@ -67,6 +67,24 @@ def test_the_selection_is_the_scans_bit_for_bit(spread, dtype):
                 assert len(scored) < 100  # distinct events: the estimate leaves few to score exactly
 
 
+@pytest.mark.parametrize("spread", [1.0, 0.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resident_rows_and_a_scanned_tail_select_what_the_scan_selects(spread, dtype):
+    """Past what stays resident, a store scores its newest events exactly from the file (the tail):
+    the selection of rows and tail together is the scan's, bit for bit, ties included."""
+    lengths, rows = _events(3000, 7, spread, dtype)
+    g = torch.Generator().manual_seed(8)
+    for held in (0, 700, 2500, 3000):  # none resident, too few to estimate, estimated, all
+        res = rows[:held]
+        for _ in range(4):
+            q = torch.randn(96, generator=g) * 3
+            tail = scores_in_blocks(3000 - held, 96, lambda a, b: rows[held + a : held + b], q) if held < 3000 else None
+            for budget in (1, 40, 400):
+                got = prune.select(res, prune.norms_up(res), q, lengths, budget, tail)
+                want = select_events(event_scores(rows.reshape(-1, 3, 32), q), lengths, budget)
+                assert got.ids.tolist() == want.ids.tolist() and torch.equal(got.scores, want.scores), (held, budget)
+
+
 def test_the_bound_holds_for_every_event():
     # large and small magnitudes, a query of mixed scales: exact (the scan's float32) <= bound
     g = torch.Generator().manual_seed(3)
@@ -123,6 +141,22 @@ def test_a_store_selects_from_resident_keys_what_its_scan_selects(tmp_path, kv, 
                     a, b = fast.select(q, budget), scan.select(q, budget)
                     assert a.ids.tolist() == b.ids.tolist() and torch.equal(a.scores, b.scores)
             assert fast.resident.n == len(fast) and scan.resident.n == 0
+
+
+@pytest.mark.parametrize("kv", [None, "bfloat16"])
+def test_a_store_with_more_events_than_it_keeps_resident_selects_what_its_scan_selects(tmp_path, kv):
+    _store(tmp_path / "s", 3000, None, kv).close()
+    with Store.open(tmp_path / "s") as fast_store, Store.open(tmp_path / "s") as scan_store:
+        scan_store.manifest["profile"]["repr_cache_mb"] = 0
+        g = torch.Generator().manual_seed(11)
+        fast, scan = StoredEvents(fast_store, 1), StoredEvents(scan_store, 1)
+        fast.resident_cap = 2500  # (a cap of repr_cache_mb's size: 2,500 of 3,000 events resident)
+        for _ in range(6):
+            q = torch.randn(3, 32, generator=g)
+            for budget in (8, 100):
+                a, b = fast.select(q, budget), scan.select(q, budget)
+                assert a.ids.tolist() == b.ids.tolist() and torch.equal(a.scores, b.scores)
+        assert fast.resident.n == 2500 and scan.resident.n == 0
 
 
 def test_resident_keys_follow_events_closed_after_opening_and_a_truncate(tmp_path):

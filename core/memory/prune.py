@@ -78,31 +78,48 @@ def upper_bound(est: Tensor, norms: Tensor, query: Tensor) -> Tensor:
     return out.add_(2.0**-100)  # (an est of 0 with norms of 0: still >= the exact 0)
 
 
-def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: int) -> Selection:
+def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: int,
+           tail: Tensor | None = None) -> Selection:
     """`select_events(event_scores(rows, query), lengths, budget)` from an mv estimate.
 
-    rows [E, dim] float32, or bfloat16/float16 (every event's representative key, as a store of
-    that format holds it), norms [E] from `norms_up`, lengths [E]."""
-    if rows.shape[0] == 0 or budget <= 0:
+    rows [R, dim] float32, or bfloat16/float16 (every event's representative key, as a store of
+    that format holds it), norms [R] from `norms_up`; tail [T] (optional): the exact scores of T
+    more events after those (a store's events past what stays resident, scanned from its file);
+    lengths [R + T]. The selection is the one of all R + T exact scores, bit for bit."""
+    tail = torch.zeros(0) if tail is None else tail.float()
+    n = rows.shape[0]
+    if n + tail.numel() == 0 or budget <= 0:
         return select_events(torch.zeros(0), lengths, 0)
-    est = estimate(rows, query) if rows.shape[0] >= PRUNE_FROM else None
+    est = estimate(rows, query) if n >= PRUNE_FROM else None
     # few events; or a NaN/inf key (its estimate, hence the sum, is not finite): no bound holds.
     # (A sum that overflows with finite terms also takes the scan: slower, still exact.)
-    if est is None or not bool(torch.isfinite(est.sum())):
-        return select_events(event_scores(rows, query), lengths, budget)
-    ub = upper_bound(est, norms, query)
+    if est is None or not bool(torch.isfinite(est.sum() + tail.sum())):
+        return select_events(torch.cat((event_scores(rows, query), tail)), lengths, budget)
+    # a tail event's bound and estimate are its exact score
+    ub = torch.cat((upper_bound(est, norms, query), tail))
+    est = torch.cat((est, tail))
+
+    def exact(ids: Tensor) -> Tensor:  # ids [m] (sorted) -> their exact scores [m]
+        held = ids < n
+        if bool(held.all()):
+            return event_scores(rows[ids], query)  # a score's bits depend on its row alone
+        out = torch.empty(ids.numel(), dtype=torch.float32)
+        out[held] = event_scores(rows[ids[held]], query)
+        out[~held] = tail[ids[~held] - n]
+        return out
+
     # One round of `sketch.exact_selection` (its loop exists for loose bounds): score the
     # best-estimated events that hold the budget, then every event whose bound reaches their
     # stopper. The stopper of a subset is at most the full ranking's, so an event left out ranks
     # after the full ranking's stopper: neither selected nor stopping it.
     first = candidates(est, lengths, budget + 1).sort().values  # more than the budget: one cannot fit
-    first_scores = event_scores(rows[first], query)  # a score's bits depend on its row alone
+    first_scores = exact(first)
     bar = stopper(first_scores, lengths[first], budget)
     ids = torch.unique(torch.cat((torch.nonzero(ub >= bar).squeeze(1), first)))
     if ids.numel() == first.numel():  # nothing beyond the first candidates can matter
         ids, scores = first, first_scores
     else:
-        scores = event_scores(rows[ids], query)
+        scores = exact(ids)
     sel = select_events(scores, lengths[ids], budget)
     return Selection(ids[sel.ids], sel.scores)
 

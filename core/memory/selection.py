@@ -92,7 +92,7 @@ def scores_in_blocks(n: int, dim: int, block: Callable[[int, int], Tensor], quer
 
 def event_scores(reprs: Tensor, query: Tensor) -> Tensor:
     """Score of each event: sum over query heads of dot(query_h, repr_h). reprs [E, H, D], query [H, D] -> [E]."""
-    flat = reprs.reshape(reprs.shape[0], -1)
+    flat = reprs.reshape(reprs.shape[0], query.numel())  # (no rows: still [0, dim])
     return scores_in_blocks(flat.shape[0], flat.shape[1], lambda a, b: flat[a:b], query)
 
 

@@ -186,16 +186,18 @@ class StoredEvents:
             return select_events(torch.zeros(0), self.event_lengths(), 0)
         if self.sketch is not None:
             return self._select_sketched(query.cpu(), budget)
-        if len(self) <= self.resident_cap:
-            return prune.select(self._resident_rows(), self.resident_norms.view(), query.cpu(), self.event_lengths(), budget)
-        scores = scores_in_blocks(len(self), self.dim, self._repr_block, query.cpu())
-        return select_events(scores, self.event_lengths(), budget)
+        q = query.cpu()
+        n = min(len(self), self.resident_cap)
+        # the events past what stays resident are scanned from the file (exact scores), the rest
+        # estimated from RAM: the scan's selection either way
+        tail = None if n == len(self) else scores_in_blocks(len(self) - n, self.dim, lambda a, b: self._repr_block(n + a, n + b), q)
+        return prune.select(self._resident_rows(n), self.resident_norms.view(), q, self.event_lengths(), budget, tail)
 
-    def _resident_rows(self) -> Tensor:
-        """[E, H_q * D]: every event's representative key (as the store holds it, or float32
-        decoded from integers), the new ones read in."""
-        for a in range(self.resident.n, len(self), 1 << 14):
-            x = self._repr_block(a, min(len(self), a + (1 << 14))).to(self.resident.buf.dtype)
+    def _resident_rows(self, n: int) -> Tensor:
+        """[n, H_q * D]: the first n events' representative keys (as the store holds them, or
+        float32 decoded from integers), the new ones read in."""
+        for a in range(self.resident.n, n, 1 << 14):
+            x = self._repr_block(a, min(n, a + (1 << 14))).to(self.resident.buf.dtype)
             self.resident.append(x)
             self.resident_norms.append(prune.norms_up(x))
         return self.resident.view()

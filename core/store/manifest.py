@@ -17,6 +17,9 @@ from emllm.store.identity import Geometry
 
 FORMAT_VERSION = 6  # 5: kv_format (keys and values in a format of their own: bfloat16, int8, int4);
 # 6: key_equaliser (an integer store's keys equalised per channel before they are quantised)
+# A store is written with the lowest version that reads it: one without key equalisers as version 5
+# (an emllm of version 5 reads it), an integer store with them as version 6.
+PLAIN_VERSION = 5
 MANIFEST = "manifest.json"
 
 def checksum(manifest: dict) -> str:

@@ -45,7 +45,7 @@ from emllm.memory.quant import kv_format
 from emllm.store.errors import ModelMismatchError, StoreError, lock_store
 from emllm.store.files import Folder, UnsafePath, fsync_dir
 from emllm.store.identity import Geometry, Identity
-from emllm.store.manifest import FORMAT_VERSION, MANIFEST, checksum, is_store, read_manifest
+from emllm.store.manifest import FORMAT_VERSION, MANIFEST, PLAIN_VERSION, checksum, is_store, read_manifest
 from emllm.store.rows import _BY_NAME, RowFile
 
 
@@ -174,7 +174,7 @@ class Store:
         now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         manifest = {
             "format": "emllm-store",
-            "version": FORMAT_VERSION,
+            "version": FORMAT_VERSION if kv_format(kv or geometry.dtype, geometry.head_dim).bits else PLAIN_VERSION,
             "created": now,
             "updated": now,
             "identity": identity.as_dict(),
@@ -548,7 +548,7 @@ class Store:
         self._basis = tensors
         dims = tensors["0.basis"].shape[1]
         self.manifest["sketch"] = {"file": name, "dims": dims, "trained_on": t}
-        self.manifest["version"] = FORMAT_VERSION
+        self.manifest["version"] = max(self.manifest["version"], 4)  # the sketch's layout is version 4's
         mk = lambda name, row, dtype: RowFile(self.folder, name, row, dtype, 0, True)  # noqa: E731
         self.sketch_files = [
             (mk(p, (dims,), torch.float16), mk(n, (3,), torch.float32)) for p, n in layer_names
