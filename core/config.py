@@ -65,6 +65,9 @@ class Profile:
     # query_centering): the document is read with the paper's scoring, and only the question's
     # retrieval is taken away from the hubs. The running mean is kept whenever either is > 0.
     question_centering: float = 0.0
+    # Whether the answer's tokens score with question_centering too (false: only the question's
+    # chunks do; the answer's tokens score as the document's did).
+    question_centering_answer: bool = True
     # Representative keys scaled to unit length per query head when events close: an event then
     # scores the sum over heads of |q_h| cos(q_h, r_h), and keys that are long win no more often.
     repr_normalise: bool = False
@@ -120,6 +123,8 @@ def validate(p: Profile, where: str = "") -> Profile:
         v = getattr(p, key)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 <= v <= 1.0:
             raise bad(key, f"must be a number in [0, 1], got {v!r}")
+    if not isinstance(p.question_centering_answer, bool):
+        raise bad("question_centering_answer", f"must be true or false, got {p.question_centering_answer!r}")
     if not isinstance(p.repr_normalise, bool):
         raise bad("repr_normalise", f"must be true or false, got {p.repr_normalise!r}")
     if not isinstance(p.contiguity, bool):

@@ -137,3 +137,23 @@ def test_question_centering_reads_the_document_plainly_and_centres_the_question(
     ev = w.events
     want = select_events(event_scores(ev.repr_keys(), used), ev.event_lengths(), asked.profile.n_mem)
     assert sel == want.ids.tolist()
+
+
+def test_question_centering_answer_false_centres_the_question_alone():
+    model = tiny_model("llama3.1")
+    ids = torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(5))
+    for centre_answer in (True, False):
+        eng = Engine(model, tiny_profile(question_centering=1.0, question_centering_answer=centre_answer))
+        got: list = []
+        eng.on_retrieval = lambda layer, sel, q: layer == 0 and got.append(q.float().clone())
+        eng.feed(ids)
+        eng.begin_question()
+        eng.feed(ids[:5])
+        w = eng.windows[0]
+        total, n = w.query_sum.clone(), w.query_n
+        k = len(got)
+        next(iter(eng.generate_iter(2)))  # the first token is chosen from the question's logits
+        list(eng.generate_iter(1))  # one step of the answer
+        raw = w.query_sum - total
+        want = raw - total / n if centre_answer else raw
+        torch.testing.assert_close(got[k], want, rtol=0, atol=1e-5)

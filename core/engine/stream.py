@@ -293,6 +293,8 @@ class Engine:
         if self.last_logits is None:
             raise ValueError("feed a prompt before generating")
         stop_ids = stop_ids or set()
+        if not self.profile.question_centering_answer:
+            self.answering = False  # the answer's tokens score as the document's did
         answer: list[int] = []
         for _ in range(max_new_tokens):
             tok = choose(answer, self.last_logits)
