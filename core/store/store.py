@@ -172,16 +172,17 @@ class Store:
         (tmp / "layers").mkdir(parents=True)
         lock_fd = lock_store(tmp)
         now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        fmt = kv_format(kv or geometry.dtype, geometry.head_dim)
         manifest = {
             "format": "emllm-store",
-            "version": FORMAT_VERSION if kv_format(kv or geometry.dtype, geometry.head_dim).bits else PLAIN_VERSION,
+            "version": FORMAT_VERSION if fmt.bits else PLAIN_VERSION,
             "created": now,
             "updated": now,
             "identity": identity.as_dict(),
             "profile": profile,
             "geometry": dict(geometry.__dict__),
-            "kv_format": kv_format(kv or geometry.dtype, geometry.head_dim).name,
-            "key_equaliser": kv_format(kv or geometry.dtype, geometry.head_dim).bits is not None,
+            "kv_format": fmt.name,
+            "key_equaliser": fmt.bits is not None,
             "rows": {"tokens": 0, "events": 0, "event_tokens": 0, "kv_tokens": 0},
             "state": None,
             "job": None,
