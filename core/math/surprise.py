@@ -17,7 +17,8 @@ def token_surprise(logits: Tensor, ids: Tensor, prev_logits: Tensor | None) -> T
     # Row t-1 predicts token t. No concatenation of the [c, V] logits: the row carried over from
     # the last chunk is done alone.
     out = torch.empty(c, dtype=torch.float32, device=logits.device)
-    out[0] = float("nan") if prev_logits is None else _nll(prev_logits[None], ids[:1])[0]
+    # prev_logits may come from a saved state, read on the CPU: the chunk's device decides
+    out[0] = float("nan") if prev_logits is None else _nll(prev_logits.to(logits.device)[None], ids[:1])[0]
     if c > 1:
         out[1:] = _nll(logits[:-1], ids[1:])
     return out

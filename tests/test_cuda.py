@@ -1,0 +1,156 @@
+"""The engine on a CUDA device: the same results as on the CPU, and as the plain model on the GPU.
+
+Skipped where torch sees no CUDA device (CI has none). Run on a lent GPU with
+`python -m pytest -q tests/test_cuda.py`; what ran where is in docs/benchmarks.md (Accelerators).
+`EMLLM_TEST_ACCELERATOR=cpu` runs them with the CPU in the GPU's place: a dry run of the tests
+themselves where no GPU is (every comparison then holds trivially or bit for bit).
+The CPU tests cover the same paths bit for bit; these check what only a GPU exercises: the memory's
+attention written out instead of the CPU's flash kernel, tensors and store reads on the device, the
+faiss index fed from device memory, a model whose layers wait in CPU RAM (accelerate's offload).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from emllm import models
+from emllm.app import ingest as ing
+from emllm.app import stream
+from emllm.app.ask import Session
+from emllm.config import load_profile_file
+from emllm.engine.stream import Engine
+from emllm.store import Store
+from .conftest import ARCHS, tiny_model, tiny_profile
+from .helpers import QUESTION, ingest_store, load_tiny, store_arrays, words
+from .test_exact import TOL, engine_logits, tiny_model_dtype, vanilla_logits
+
+CUDA = torch.device(os.environ.get("EMLLM_TEST_ACCELERATOR", "cuda"))
+pytestmark = pytest.mark.skipif(CUDA.type == "cuda" and not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def ieee_float32():
+    """TF32 rounds matmul inputs to 10 bits: exactness to 1e-4 needs true float32 products."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(old)
+
+
+def _ids(n: int, vocab: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["one-shot", "chunks", "decode"])
+def test_tiny_models_on_cuda_equal_vanilla_on_cuda(arch, mode):
+    model = tiny_model(arch).to(CUDA)
+    n = 60
+    ids = _ids(n, model.config.vocab_size)
+    ref = vanilla_logits(model, ids.to(CUDA)).cpu()
+    split = {"one-shot": [n], "chunks": [16, 16, 16, 12], "decode": [20] + [1] * 40}[mode]
+    got = engine_logits(model, tiny_profile(n_local=64, chunk_size=64 if mode == "one-shot" else 16), ids, split)
+    assert got.device.type == CUDA.type
+    assert (got.cpu() - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("arch", ["llama3.1", "phi3"])
+@pytest.mark.parametrize("mode", ["one-shot", "chunks", "decode"])
+def test_bf16_on_cuda_close_to_vanilla_bf16_on_cuda(arch, mode):
+    model = tiny_model_dtype(arch, torch.bfloat16).to(CUDA)
+    n = 60
+    ids = _ids(n, model.config.vocab_size)
+    ref = vanilla_logits(model, ids.to(CUDA)).cpu()
+    split = {"one-shot": [n], "chunks": [16, 16, 16, 12], "decode": [20] + [1] * 40}[mode]
+    got = engine_logits(model, tiny_profile(n_local=64, chunk_size=64 if mode == "one-shot" else 16), ids, split).cpu()
+    scale = ref.abs().max().item()  # the CPU test's bounds (test_exact.test_bf16_models_close_to_vanilla)
+    assert (got - ref).abs().max().item() <= 4 * 2**-8 * scale
+    assert (got - ref).abs().mean().item() <= 2**-8 * scale / 2
+
+
+def _run(engine: Engine, ids: torch.Tensor, decode: int) -> tuple[torch.Tensor, list[int]]:
+    """Logits of a stream read in chunks, then the greedy tokens of `decode` steps."""
+    logits = engine.feed(ids).float().cpu()
+    toks = []
+    for _ in range(decode):
+        t = int(engine.last_logits.argmax())
+        toks.append(t)
+        engine.step(torch.tensor([t]))
+    return logits, toks
+
+
+@pytest.mark.parametrize("arch", ["llama3.1", "qwen2"])
+@pytest.mark.parametrize("faiss", [False, True])
+def test_memory_on_cuda_equals_memory_on_cpu(arch, faiss):
+    """A stream far beyond the window: events formed, stored and retrieved on the GPU give the CPU
+    engine's events, logits (to float32 rounding) and greedy tokens; with faiss_threshold 1 the
+    retrieval goes through the faiss graph, fed from device memory."""
+    prof = tiny_profile(faiss_threshold=1 if faiss else None)
+    ids = _ids(600, 300, seed=11)
+    cpu_model, gpu_model = tiny_model(arch), tiny_model(arch).to(CUDA)
+    a, b = Engine(cpu_model, prof), Engine(gpu_model, prof)
+    assert all(w.local_k.device.type == CUDA.type for w in b.windows)
+    la, ta = _run(a, ids, 12)
+    lb, tb = _run(b, ids, 12)
+    assert a.n_events > 20 and a.n_events == b.n_events
+    for wa, wb in zip(a.windows, b.windows):
+        assert torch.equal(wa.events.event_lengths().cpu(), wb.events.event_lengths().cpu())
+    assert (la - lb).abs().max().item() <= TOL
+    assert ta == tb
+
+
+def test_store_written_on_cuda_is_the_cpu_store(tiny, tmp_path):
+    """`emllm ingest`'s loop with the model on the GPU writes the CPU's store (events and boundaries
+    exactly, keys and values to float32 rounding); asked on the GPU it answers as the CPU does."""
+    folder, prof, _, _ = tiny
+    docs = [("doc", words(8, 400))]
+    ingest_store(tmp_path / "cpu", folder, prof, docs)
+    model, tok = load_tiny(folder)
+    model.to(CUDA)
+    with stream.create_store(tmp_path / "gpu", str(folder), model, tok, load_profile_file(prof)) as st:
+        engine = stream.open_engine(st, model)
+        ing.add_documents(st, tok, docs)
+        ing.run_job(st, engine, 2)
+    a, b = store_arrays(tmp_path / "cpu"), store_arrays(tmp_path / "gpu")
+    assert a.keys() == b.keys()
+    floats = 0
+    for name in a:
+        if name.endswith((".i32", ".u8")):  # events, boundaries, offsets: exactly
+            assert a[name] == b[name], name
+        elif not name.endswith(".safetensors"):  # float32 rows: close, not equal (another kernel's sums)
+            x, y = (torch.frombuffer(bytearray(d[name]), dtype=torch.float32) for d in (a, b))
+            torch.testing.assert_close(x, y, atol=TOL, rtol=0, equal_nan=True, msg=name)  # NaN: no surprise
+            floats += 1
+    assert floats >= 4
+    cpu_model, _ = load_tiny(folder)
+    answers = []
+    for m in (cpu_model, model):
+        with Store.open(tmp_path / "gpu") as st:
+            answers.append(list(Session(st, m, tok).answer(QUESTION, 8)))
+    assert answers[0] == answers[1] and answers[0]
+
+
+def test_model_split_between_cuda_and_cpu(tiny, tmp_path):
+    """accelerate's device map with layer 1 kept in CPU RAM: its weights wait on meta and are brought
+    to the GPU for each forward, so its memory lives on the GPU too (where the layer computes); the
+    results are the whole model's on the CPU."""
+    folder, prof, _, _ = tiny
+    gpu = 0 if CUDA.type == "cuda" else "cpu"
+    split_map = {"model.embed_tokens": gpu, "model.rotary_emb": gpu, "model.layers.0": gpu, "model.layers.1": "cpu",
+                 "model.norm": gpu, "lm_head": gpu}  # lm_head is tied to the embedding
+    split, _ = models.load(models.ModelSource(str(folder), folder, None), device_map=split_map)
+    whole, tok = load_tiny(folder)
+    profile = load_profile_file(prof)
+    ids = torch.tensor(tok(words(7, 300))["input_ids"])
+    a, b = Engine(whole, profile), Engine(split, profile)
+    if CUDA.type == "cuda":
+        assert split.model.layers[1].self_attn.q_proj.weight.device.type == "meta"  # really offloaded
+    assert [w.local_k.device.type for w in b.windows] == [CUDA.type, CUDA.type]
+    la, ta = _run(a, ids, 6)
+    lb, tb = _run(b, ids, 6)
+    assert a.n_events > 5 and a.n_events == b.n_events
+    assert (la - lb).abs().max().item() <= TOL
+    assert ta == tb
