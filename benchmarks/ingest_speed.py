@@ -41,8 +41,9 @@ class Vanilla:
     def step(self, x: torch.Tensor) -> None:
         self.model.set_attn_implementation("sdpa")
         past = self.cache.get_seq_length()
-        pos = torch.arange(past, past + x.numel())[None]
-        self.model(input_ids=x[None], past_key_values=self.cache, position_ids=pos, use_cache=True)
+        dev = models.input_device(self.model)
+        pos = torch.arange(past, past + x.numel(), device=dev)[None]
+        self.model(input_ids=x.to(dev)[None], past_key_values=self.cache, position_ids=pos, use_cache=True)
         for layer in self.cache.layers:  # slide: keep the last `window` tokens
             layer.keys, layer.values = layer.keys[:, :, -self.window :], layer.values[:, :, -self.window :]
 

@@ -18,8 +18,12 @@ after it would time the disk's write-back and a cold event cache, not the steady
 visited in increasing order with the same engine, so the whole grid costs one fill to the
 largest L (and full attention's cache only up to --full-max).
 
-`--config llama-3.2-1b` builds that model's shapes with random weights (float32; no download) and
-uses the llama3.1 profile.
+`--config llama-3.2-1b` builds that model's shapes with random weights (no download) and uses the
+llama3.1 profile; `--random-weights` does the same with `--model`'s own config (its shapes without
+its weights file: timing where the weights cannot travel). `--device cuda` runs every method on the
+GPU (times taken after a device synchronise); `--dtype` as `emllm ingest --dtype`.
+
+    python -m benchmarks.speed_grid --device cuda --dtype bfloat16 --random-weights --lengths 4k,32k,256k --out gpu.jsonl
 """
 
 from __future__ import annotations
@@ -67,16 +71,17 @@ class Full:
         if m <= 0:
             return
         h, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        dt = next(self.model.parameters()).dtype
+        p = next(self.model.parameters())
         for i in range(cfg.num_hidden_layers):
-            kv = torch.randn(1, h, m, d, dtype=dt)
+            kv = torch.randn(1, h, m, d, dtype=p.dtype, device=p.device)
             self.cache.update(kv, kv.clone(), i)
 
     @torch.no_grad()
     def step(self, x: torch.Tensor) -> torch.Tensor:
         self.model.set_attn_implementation("sdpa")
-        pos = torch.arange(self.n, self.n + x.numel())[None]
-        return self.model(input_ids=x[None], past_key_values=self.cache, position_ids=pos, use_cache=True).logits[0, -1]
+        dev = models.input_device(self.model)
+        pos = torch.arange(self.n, self.n + x.numel(), device=dev)[None]
+        return self.model(input_ids=x.to(dev)[None], past_key_values=self.cache, position_ids=pos, use_cache=True).logits[0, -1]
 
 
 def fill_memory(engine, m: int, gen: torch.Generator) -> None:
@@ -107,6 +112,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--config", choices=["llama-3.2-1b"], default=None, help="random weights of these shapes instead")
+    ap.add_argument("--random-weights", action="store_true", help="--model's shapes with random weights")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where torch sees one)")
+    ap.add_argument("--dtype", default=None, choices=models.DTYPES, help="compute dtype (default: the profile's, auto)")
     ap.add_argument("--lengths", default="4k,16k,64k,256k")
     ap.add_argument("--chunks", type=int, default=2, help="timed chunks per method and length")
     ap.add_argument("--decode", type=int, default=4, help="timed greedy tokens per method and length")
@@ -122,19 +130,24 @@ def main() -> None:
         if a.plot:
             plot(rows, meta, a.plot)
         return
-    if a.config:
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.config or a.random_weights:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+        src = models.resolve(a.model)
+        cfg = LlamaConfig(**LLAMA_3_2_1B) if a.config else AutoConfig.from_pretrained(src.path)
+        prof, name = (load_profile("llama3.1"), a.config) if a.config else (src.profile, f"{a.model} (random weights)")
+        dt = models.compute_dtype(a.dtype or os.environ.get("EMLLM_DTYPE") or prof.dtype, device)
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**LLAMA_3_2_1B)).eval()
-        tok = AutoTokenizer.from_pretrained(models.resolve("smollm2").path)
-        prof, name = load_profile("llama3.1"), a.config
-        ids_all = lambda n: torch.randint(0, LLAMA_3_2_1B["vocab_size"], (n,), generator=torch.Generator().manual_seed(1))  # noqa: E731
+        with torch.device(device):  # initialised where it computes: a 1B model's random init is slow on a CPU
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dt).eval()
+        tok = AutoTokenizer.from_pretrained(src.path)
+        ids_all = lambda n: torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(1))  # noqa: E731
     else:
         from emllm.evals.corpus import tokens as corpus_tokens
 
         src = models.resolve(a.model)
-        model, tok = models.load(src)
+        model, tok = models.load(src, dtype=a.dtype, device=device)
         prof, name = src.profile, a.model
         ids_all = lambda n: torch.tensor(corpus_tokens(tok, "prose", n))  # noqa: E731
     cfg = model.config
@@ -143,7 +156,10 @@ def main() -> None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * next(model.parameters()).element_size()
     if a.full_max is None:
-        avail = int(next(ln for ln in open("/proc/meminfo") if ln.startswith("MemAvailable")).split()[1]) * 1024
+        if device.startswith("cuda"):
+            avail = torch.cuda.mem_get_info()[0]
+        else:
+            avail = int(next(ln for ln in open("/proc/meminfo") if ln.startswith("MemAvailable")).split()[1]) * 1024
         full_max = avail // 2 // kv_bytes
     else:
         full_max = parse_length(a.full_max)
@@ -162,7 +178,9 @@ def main() -> None:
             with torch.no_grad():
                 f(ids[off : off + cs])
     pos = prefix
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+    where = torch.cuda.get_device_name() if device.startswith("cuda") else f"{platform.machine()}, {torch.get_num_threads()} threads"
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": where, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "model": name, "profile": prof.name, "window": w_size, "chunk": cs, "kv_bytes_per_token": kv_bytes,
             "full_max": full_max}
     with open(a.out, "a") as f:
@@ -187,17 +205,21 @@ def main() -> None:
             x = ids[pos : pos + cs]
             pos += cs
             for m, f in active.items():
+                sync()
                 t = time.perf_counter()
                 with torch.no_grad():
                     f(x)
+                sync()
                 times[m].append(time.perf_counter() - t)
         dec: dict[str, list[float]] = {m: [] for m in active}
         for i in range(a.decode):
             x = ids[pos + i : pos + i + 1]
             for m, f in active.items():
+                sync()
                 t = time.perf_counter()
                 with torch.no_grad():
                     f(x)
+                sync()
                 dec[m].append(time.perf_counter() - t)
         pos += cs
         row = {"length": n, "tokens_read": read, "events": em.n_events, "memory_tokens": em.windows[0].events.n_tokens, "full_cache": full.n,
@@ -229,7 +251,7 @@ def last_run(path: str) -> tuple[dict, list[dict]]:
 
 
 def table(rows: list[dict], meta: dict) -> str:
-    out = [f"{meta['model']} ({meta['profile']} profile, window {meta['window']}), {meta['machine']}, {meta['date']}",
+    out = [f"{meta['model']} ({meta['profile']} profile, window {meta['window']}, {meta.get('dtype', 'float32')}), {meta['machine']}, {meta['date']}",
            "", "| tokens read | events/layer | emllm s/chunk | window s/chunk | full s/chunk | emllm/window | emllm/full "
            "| emllm s/token | window s/token | full s/token |", "|" + "---:|" * 10]
     base = rows[0]["emllm_chunk_s"]

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The checks a lent GPU machine runs, in order of worth, each under its own time limit so one that
+# fails or hangs leaves the others their time. Logs and JSON lines go to $OUT.
+#
+# That machine has torch with CUDA but cannot reach a package index, and SmolLM2's weights do not
+# travel (its file is larger than what may be carried). So, prepared here, in the repo's root:
+#   .whl/       wheels of what the image lacks or has in another version (transformers==5.24.0, faiss-cpu==1.15.1)
+#   .gpu/home/  an emllm home whose models/smollm2 holds SmolLM2's config and tokenizer, no weights
+# and run there (the tool `device`): `bash scripts/gpu_check.sh [STEP...]` carrying .whl and .gpu;
+# steps: tests grid cli prof grid1b (default: all but prof, in that order).
+# Models there are random weights of real shapes: the timings hold, the answers are noise.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 EMLLM_HOME=$PWD/.gpu/home
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# emllm laid out as pyproject.toml installs it (core/ as emllm, profiles/ as emllm.profiles)
+PP=${PP:-/tmp/pp}
+rm -rf "$PP" && mkdir -p "$PP" /tmp/bin
+cp -r core "$PP/emllm" && cp -r profiles "$PP/emllm/profiles" && cp -r emllm_cli "$PP/emllm_cli"
+export PYTHONPATH=$PP:/tmp/site PATH=/tmp/bin:$PATH
+printf '#!/bin/sh\nexec python3 -c "import sys; sys.argv[0] = \\"emllm\\"; from emllm_cli.main import cli; cli()" "$@"\n' >/tmp/bin/emllm
+printf 'import sys\nsys.argv[0] = "emllm"\nfrom emllm_cli.main import cli\ncli()\n' >/tmp/bin/emllm-py
+chmod +x /tmp/bin/emllm
+step() { echo "== $1 $(date +%T)"; }
+
+step env
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, transformers, faiss; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee "$OUT/env.txt"
+
+tests() {
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rs --durations=5 tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
+}
+
+grid() {
+  timeout 150 python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --random-weights --lengths 4k,32k,256k \
+    --chunks 3 --decode 8 --out "$OUT/speed-smollm2-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed.log"
+}
+
+cli() {
+  python3 - <<'EOF2' 2>&1 | tail -2
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from emllm.evals.corpus import code
+src = ".gpu/home/models/smollm2"
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=torch.bfloat16).save_pretrained("/tmp/rand-smollm2")
+AutoTokenizer.from_pretrained(src).save_pretrained("/tmp/rand-smollm2")
+open("/tmp/doc.txt", "w").write(code()[:120_000])
+EOF2
+  for fmt in auto int4; do
+    ( time timeout 60 emllm ingest /tmp/doc.txt --model /tmp/rand-smollm2 --profile smollm2 --format $fmt --store /tmp/st-$fmt ) 2>&1 | tail -6
+    ( time timeout 30 emllm ask "What does the module do?" --store /tmp/st-$fmt -n 16 --json ) 2>&1 | tail -12
+  done | tee "$OUT/cli.log"
+  du -sh /tmp/st-* | tee -a "$OUT/cli.log"
+}
+
+prof() {  # where an ingest's time goes on the GPU (after cli: its model and text)
+  timeout 90 python3 -m cProfile -s tottime /tmp/bin/emllm-py ingest /tmp/doc.txt --model /tmp/rand-smollm2 --profile smollm2 \
+    --store /tmp/st-prof 2>&1 | head -60 | tee "$OUT/prof.log"
+}
+
+grid1b() {
+  timeout 150 python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --config llama-3.2-1b --lengths 4k,32k,256k \
+    --chunks 3 --decode 8 --out "$OUT/speed-llama1b-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed-llama1b.log"
+}
+
+for s in "${@:-tests grid cli grid1b}"; do
+  for t in $s; do step "$t"; "$t"; done
+done
+step done
