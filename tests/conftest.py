@@ -55,6 +55,11 @@ def tiny_model(arch: str, seed: int = 0):
     return m
 
 
+def tiny_model_dtype(arch: str, dtype: torch.dtype, seed: int = 0):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(arch), dtype=dtype).eval()
+
+
 def tiny_profile(**kw):
     base = dict(chunk_size=8, n_init=4, n_local=32, n_mem=24, min_block=2, max_block=8, repr_topk=2)
     base.update(kw)

@@ -34,6 +34,63 @@ def run(*args: str, home: Path, timeout: int = 600, env: dict | None = None) -> 
     return subprocess.run([EMLLM, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
+TOL = 1e-4  # emllm against the plain model in float32, where the whole stream fits the window
+
+
+@torch.no_grad()
+def vanilla_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The plain model's logits [n, V] float32 over ids [n] (eager attention), on the ids' device."""
+    model.set_attn_implementation("eager")
+    return model(ids[None]).logits[0].float()
+
+
+def engine_logits(model, profile, ids, split: list[int]) -> torch.Tensor:
+    """Feed ids in pieces of the given sizes, each one forward; concatenated logits."""
+    from emllm.engine.stream import Engine
+
+    eng = Engine(model, profile)
+    out, off = [], 0
+    for n in split:
+        out.append(eng.step(ids[off : off + n]))
+        off += n
+    assert off == ids.numel()
+    return torch.cat(out).float()
+
+
+def run_in_process(*args: str, home: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`run`, in this process: the executable's entry point (`emllm_cli.main.cli`) with these
+    arguments, its exit code, stdout and stderr. Saves the ~3 s start-up of a new interpreter
+    (torch and transformers imported again) where a test runs many commands; tests of the
+    executable itself use `run`."""
+    import contextlib
+    import io
+
+    from emllm.home import models_dir
+    from emllm_cli.main import cli
+
+    env = {"EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1", **(env or {})}
+    saved_env = {k: os.environ.get(k) for k in env}
+    saved_argv = sys.argv
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    try:
+        os.environ.update(env)
+        sys.argv = ["emllm", *args]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved_argv
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(["emllm", *args], code, out.getvalue(), err.getvalue())
+
+
 TINY_PROFILE = """\
 description: tiny test profile
 chunk_size: 16

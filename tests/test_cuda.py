@@ -23,9 +23,8 @@ from emllm.app.ask import Session
 from emllm.config import load_profile_file
 from emllm.engine.stream import Engine
 from emllm.store import Store
-from .conftest import ARCHS, tiny_model, tiny_profile
-from .helpers import QUESTION, ingest_store, load_tiny, store_arrays, words
-from .test_exact import TOL, engine_logits, tiny_model_dtype, vanilla_logits
+from .conftest import ARCHS, tiny_model, tiny_model_dtype, tiny_profile
+from .helpers import QUESTION, TOL, engine_logits, ingest_store, load_tiny, store_arrays, vanilla_logits, words
 
 CUDA = torch.device(os.environ.get("EMLLM_TEST_ACCELERATOR", "cuda"))
 pytestmark = pytest.mark.skipif(CUDA.type == "cuda" and not torch.cuda.is_available(), reason="no CUDA device")

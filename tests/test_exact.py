@@ -6,27 +6,8 @@ import pytest
 import torch
 
 from emllm.engine.stream import Engine, UnsupportedModelError
-from tests.conftest import ARCHS, tiny_model, tiny_profile
-
-TOL = 1e-4
-
-
-@torch.no_grad()
-def vanilla_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    model.set_attn_implementation("eager")
-    return model(ids[None]).logits[0].float()
-
-
-def engine_logits(model, profile, ids, split: list[int]) -> torch.Tensor:
-    """Feed ids in pieces of the given sizes, each one forward; concatenated logits."""
-    eng = Engine(model, profile)
-    out, off = [], 0
-    for n in split:
-        out.append(eng.step(ids[off : off + n]))
-        off += n
-    assert off == ids.numel()
-    return torch.cat(out).float()
-
+from tests.conftest import ARCHS, tiny_model, tiny_model_dtype, tiny_profile
+from tests.helpers import TOL, engine_logits, vanilla_logits
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["one-shot", "chunks", "decode"])
@@ -90,15 +71,6 @@ def test_sliding_window_smaller_than_local_window_is_refused():
 
 
 # -- low precision and the rotary tables ---------------------------------------------------------
-def tiny_model_dtype(arch: str, dtype: torch.dtype, seed: int = 0):
-    from transformers import AutoModelForCausalLM
-
-    from tests.conftest import tiny_config
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(arch), dtype=dtype).eval()
-
-
 @pytest.mark.parametrize("arch", ["llama3.1", "phi3"])  # llama3 rope scaling; LongRoPE with attention scaling
 @pytest.mark.parametrize("mode", ["one-shot", "chunks"])
 def test_bf16_models_close_to_vanilla(arch, mode):
