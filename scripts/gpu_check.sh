@@ -4,10 +4,11 @@
 #
 # That machine has torch with CUDA but cannot reach a package index, and SmolLM2's weights do not
 # travel (its file is larger than what may be carried). So, prepared here, in the repo's root:
-#   .whl/       wheels of what the image lacks or has in another version (transformers==5.24.0, faiss-cpu==1.15.1)
+#   .whl/       wheels of what the image lacks or has in another version: transformers==5.24.0, faiss-cpu==1.15.1
+#               and, for the suite, the server and CLI stack of scripts/constraints.txt (fastapi, uvicorn, openai, typer, ...)
 #   .gpu/home/  an emllm home whose models/smollm2 holds SmolLM2's config and tokenizer, no weights
 # and run there (the tool `device`): `bash scripts/gpu_check.sh [STEP...]` carrying .whl and .gpu;
-# steps: tests grid cli prof grid1b (default: all but prof, in that order).
+# steps: tests grid cli prof grid1b suite (default: tests grid cli grid1b, in that order).
 # Models there are random weights of real shapes: the timings hold, the answers are noise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +56,13 @@ EOF2
     ( time timeout 30 emllm ask "What does the module do?" --store /tmp/st-$fmt -n 16 --json ) 2>&1 | tail -12
   done | tee "$OUT/cli.log"
   du -sh /tmp/st-* | tee -a "$OUT/cli.log"
+}
+
+suite() {  # the whole suite there, but for what needs SmolLM2's weights (absent) and the slow marker:
+  # every command that loads a model through emllm (the CLI, the server) computes on the GPU
+  OMP_NUM_THREADS=2 timeout 220 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 120 -m "not slow" \
+    -k "not smollm2" --ignore=tests/test_cuda.py --tb=line tests >"$OUT/suite.log" 2>&1
+  tail -60 "$OUT/suite.log"
 }
 
 prof() {  # where an ingest's time goes on the GPU (after cli: its model and text)

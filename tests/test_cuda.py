@@ -21,6 +21,7 @@ from emllm.app import ingest as ing
 from emllm.app import stream
 from emllm.app.ask import Session
 from emllm.config import load_profile_file
+from emllm.engine.sampling import Sampling
 from emllm.engine.stream import Engine
 from emllm.store import Store
 from .conftest import ARCHS, tiny_model, tiny_model_dtype, tiny_profile
@@ -99,6 +100,21 @@ def test_memory_on_cuda_equals_memory_on_cpu(arch, faiss):
         assert torch.equal(wa.events.event_lengths().cpu(), wb.events.event_lengths().cpu())
     assert (la - lb).abs().max().item() <= TOL
     assert ta == tb
+
+
+def test_sampling_from_logits_on_cuda_is_the_cpus():
+    """A seed picks the same tokens from the GPU's logits as from the same logits on the CPU, with
+    every logits processor on (the first GPU run found `emllm ask --temperature` and the server's
+    sampled answers failing there: a CPU generator and CPU ids against GPU logits)."""
+    logits = torch.randn(12, 300, generator=torch.Generator().manual_seed(2)) * 3
+    opts = Sampling(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.3, seed=5)
+    picked = []
+    for dev in ("cpu", CUDA):
+        choose, answer = opts.chooser(context=[1, 2, 3]), []
+        for row in logits.to(dev):
+            answer.append(choose(answer, row))
+        picked.append(answer)
+    assert picked[0] == picked[1] and len(set(picked[0])) > 3
 
 
 def test_store_written_on_cuda_is_the_cpu_store(tiny, tmp_path):

@@ -74,7 +74,10 @@ class Sampling:
         prefix = list(context or [])
 
         def choose(answer: list[int], logits: Tensor) -> int:
-            scores = logits.float().reshape(1, -1)  # [1, V]
+            # on the CPU, whatever device computed the logits: the generator and the ids are the
+            # CPU's, and a seed then picks the same tokens on every device (a GPU's logits: one
+            # row of V floats copied per token)
+            scores = logits.float().reshape(1, -1).cpu()  # [1, V]
             if len(procs):
                 ids = torch.tensor([prefix + answer], dtype=torch.long)  # [1, n]
                 scores = procs(ids, scores.clone())
