@@ -57,6 +57,12 @@ def engine_logits(model, profile, ids, split: list[int]) -> torch.Tensor:
     return torch.cat(out).float()
 
 
+# For a command whose store is compared bit for bit with one this process computes (on the CPU):
+# the executable computes on the CPU too where a GPU is (two devices' float sums differ in their
+# last bits; a GPU run of the suite found two tests comparing across devices).
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
 def run_in_process(*args: str, home: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     """`run`, in this process: the executable's entry point (`emllm_cli.main.cli`) with these
     arguments, its exit code, stdout and stderr. Saves the ~3 s start-up of a new interpreter

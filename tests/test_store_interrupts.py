@@ -19,7 +19,7 @@ from emllm.app import stream
 from emllm.config import load_profile_file
 from emllm.store import Store
 from emllm.app.textinput import TextSource, cut_rules, token_pieces
-from .helpers import EMLLM, assert_same_state, ingest_store, load_tiny, run, store_arrays, store_files, words
+from .helpers import CPU_ONLY, EMLLM, assert_same_state, ingest_store, load_tiny, run, store_arrays, store_files, words
 
 
 
@@ -96,7 +96,7 @@ def test_the_same_command_again_continues_an_interrupted_ingest(tiny, tmp_path):
     doc.write_text(text)
     _partial(tiny, tmp_path / "stores" / "doc", text)
     ingest_store(tmp_path / "ref", folder, prof, [(str(doc), text)])
-    r = run("ingest", str(doc), home=tmp_path)  # the command that was interrupted, again
+    r = run("ingest", str(doc), home=tmp_path, env=CPU_ONLY)  # the command that was interrupted, again
     assert r.returncode == 0 and "continuing the interrupted ingest" in r.stderr, r.stderr
     assert store_arrays(tmp_path / "stores" / "doc") == store_arrays(tmp_path / "ref")
     assert_same_state(tmp_path / "stores" / "doc", tmp_path / "ref")
@@ -246,7 +246,7 @@ def test_too_little_disk_is_refused_before_and_a_disk_that_fills_anyway_keeps_th
         assert [p.name for p in (home / "stores").iterdir()] == []
         # Room for it, then the disk fills anyway (another program writes) after the first commit.
         subprocess.run(["mount", "-o", "remount,size=8m", str(home)], check=True)
-        env = {**os.environ, "EMLLM_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "EMLLM_HOME": str(home), "HF_HUB_OFFLINE": "1", **CPU_ONLY}
         from emllm.home import models_dir
 
         env["EMLLM_MODELS"] = str(models_dir())
@@ -268,7 +268,7 @@ def test_too_little_disk_is_refused_before_and_a_disk_that_fills_anyway_keeps_th
         with Store.open(store) as st:  # the last commit is intact
             assert not st.manifest["job"]["complete"] and st.manifest["rows"]["tokens"] > 0
         (home / "filler").unlink()
-        r = run("ingest", str(doc), "--store", "s", home=home)  # the same command again: continues
+        r = run("ingest", str(doc), "--store", "s", home=home, env=CPU_ONLY)  # the same command again: continues
         assert r.returncode == 0 and "continuing the interrupted ingest" in r.stderr, r.stderr
         ingest_store(tmp_path / "ref", folder, prof, [(str(doc), doc.read_text())])
         assert store_arrays(store) == store_arrays(tmp_path / "ref")
