@@ -64,10 +64,14 @@ class Profile:
     # The same, only while a question is read and answered (after `Engine.begin_question`; 0: as
     # query_centering): the document is read with the paper's scoring, and only the question's
     # retrieval is taken away from the hubs. The running mean is kept whenever either is > 0.
-    question_centering: float = 0.0
+    # On by default since 2026-11-26 (the needle in 77-93% of layers instead of 58-83%, the
+    # passkey unchanged: docs/benchmarks.md, recall); stores made before keep the paper's scoring
+    # (`emllm.app.stream.store_profile`).
+    question_centering: float = 1.0
     # Whether the answer's tokens score with question_centering too (false: only the question's
-    # chunks do; the answer's tokens score as the document's did).
-    question_centering_answer: bool = True
+    # chunks do; the answer's tokens score as the document's did: centring them lost answers,
+    # digits drifting while a retrieved needle is copied).
+    question_centering_answer: bool = False
     # Representative keys scaled to unit length per query head when events close: an event then
     # scores the sum over heads of |q_h| cos(q_h, r_h), and keys that are long win no more often.
     repr_normalise: bool = False

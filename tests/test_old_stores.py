@@ -141,6 +141,8 @@ def test_an_int4_store_of_version_5_opens_answers_and_goes_on_without_an_equalis
     model, tok = load_tiny(folder)
     with Store.open(store) as st:
         assert not st.key_equalised
+        old_prof = stream.store_profile(st)  # written before the keys: the paper's scoring, as written
+        assert old_prof.question_centering == 0.0 and old_prof.question_centering_answer is True
         assert list(Session(st, model, tok).answer(QUESTION, 8)) == old_answer
     with Store.open(store, writable=True) as st:
         eng = stream.open_engine(st, model)
@@ -152,4 +154,5 @@ def test_an_int4_store_of_version_5_opens_answers_and_goes_on_without_an_equalis
     ingest_store(new, folder, prof, [("doc", text)], kv_format="int4")
     m = json.loads((new / "manifest.json").read_text())
     assert m["version"] == 6 and m["key_equaliser"] is True and (new / "layers/00.e").stat().st_size > 0
+    assert m["profile"]["question_centering"] == 1.0 and m["profile"]["question_centering_answer"] is False
     assert store_arrays(new)["layers/00.k"] != store_arrays(tmp_path / "old-int4")["layers/00.k"][: (new / "layers/00.k").stat().st_size]

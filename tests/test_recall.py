@@ -65,7 +65,7 @@ def test_query_centering_scores_against_the_query_less_the_mean_of_those_before(
         return out
     monkeypatch.setattr(LayerWindow, "_centred", spy)
     model = tiny_model("llama3.1")
-    plain = Engine(model, tiny_profile())
+    plain = Engine(model, tiny_profile(question_centering=0.0))  # the paper's scoring throughout
     centred = Engine(model, tiny_profile(query_centering=1.0))
     picked = []
     centred.on_retrieval = lambda layer, sel, q: layer == 0 and picked.append((sel, len(centred.windows[0].events)))
@@ -116,7 +116,7 @@ def test_question_centering_reads_the_document_plainly_and_centres_the_question(
     model = tiny_model("llama3.1")
     ids = torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(3))
     question = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(4))
-    plain, asked = Engine(model, tiny_profile()), Engine(model, tiny_profile(question_centering=1.0))
+    plain, asked = Engine(model, tiny_profile(question_centering=0.0)), Engine(model, tiny_profile(question_centering=1.0))
     seen: dict[str, list] = {"plain": [], "asked": []}
     for name, eng in (("plain", plain), ("asked", asked)):
         eng.on_retrieval = lambda layer, sel, q, name=name: layer == 0 and seen[name].append((sel.ids.tolist(), q.float().clone()))

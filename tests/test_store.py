@@ -81,6 +81,7 @@ def test_ask_equals_the_in_ram_engine_in_this_and_a_new_process(tiny, tmp_path):
     # then the question: the tail short of a chunk is one chunk, the question the next.
     ref = Engine(model, load_profile_file(prof))
     ref.feed(job)
+    ref.begin_question()  # as `ask` does: the question's retrieval with the profile's question_centering
     ref_logits = ref.feed(torch.tensor(q_ids))
     ref_answer = ref.generate(8)
     torch.testing.assert_close(got, ref_logits, atol=1e-5, rtol=0)

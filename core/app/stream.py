@@ -90,8 +90,14 @@ def create_store(path: Path, model_name: str, model: Any, tok: Any, profile: Pro
     )
 
 
+# What a store's profile meant by keys it was written without (before they existed): the values
+# the code that wrote it used, whatever today's defaults are.
+_BEFORE_THE_KEY = {"question_centering": 0.0, "question_centering_answer": True}
+
+
 def store_profile(store: Store) -> Profile:
-    return profile_from_dict(store.manifest["profile"], store.manifest["profile"]["name"], " (in the store)")
+    data = {**_BEFORE_THE_KEY, **store.manifest["profile"]}
+    return profile_from_dict(data, data["name"], " (in the store)")
 
 
 def open_engine(store: Store, model: Any, kv_cache_mb: int | None = None) -> Engine:
