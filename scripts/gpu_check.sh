@@ -3,7 +3,7 @@
 # fails or hangs leaves the others their time. Logs and JSON lines go to $OUT.
 #
 # That machine has torch with CUDA but cannot reach a package index, and SmolLM2's weights do not
-# travel (its file is larger than what may be carried). So, prepared here, in the repo's root:
+# travel (its file is larger than what may be carried). So, prepared here by scripts/gpu_prepare.sh:
 #   .whl/       wheels of what the image lacks or has in another version: transformers==5.24.0, faiss-cpu==1.15.1
 #               and, for the suite, the server and CLI stack of scripts/constraints.txt (fastapi, uvicorn, openai, typer, ...)
 #   .gpu/home/  an emllm home whose models/smollm2 holds SmolLM2's config and tokenizer, no weights
