@@ -126,12 +126,27 @@ def load_tiny(folder: Path):
 
 
 def ingest_store(path: Path, folder: Path, prof: Path, docs: list[tuple[str, str]], commit_every: int = 2,
-                 kv_format: str | None = None) -> None:
-    model, tok = load_tiny(folder)
+                 kv_format: str | None = None, model=None) -> None:
+    """`emllm ingest`'s loop into a new store; `model`: one already loaded (on a device, split),
+    else the tiny model of `folder` on the CPU."""
+    loaded, tok = load_tiny(folder)
+    model = loaded if model is None else model
     with stream.create_store(path, str(folder), model, tok, load_profile_file(prof), kv_format=kv_format) as st:
         engine = stream.open_engine(st, model)
         ing.add_documents(st, tok, docs)
         ing.run_job(st, engine, commit_every)
+
+
+def answers_of(store: Path, models: list, tok, max_new_tokens: int) -> list[list[int]]:
+    """Each model's greedy answer to QUESTION from the store, opened anew for each."""
+    from emllm.app.ask import Session
+    from emllm.store import Store
+
+    out = []
+    for m in models:
+        with Store.open(store) as st:
+            out.append(list(Session(st, m, tok).answer(QUESTION, max_new_tokens)))
+    return out
 
 
 def store_files(store: Path) -> dict[str, bytes]:

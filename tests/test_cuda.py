@@ -17,15 +17,11 @@ import pytest
 import torch
 
 from emllm import models
-from emllm.app import ingest as ing
-from emllm.app import stream
-from emllm.app.ask import Session
 from emllm.config import load_profile_file
 from emllm.engine.sampling import Sampling
 from emllm.engine.stream import Engine
-from emllm.store import Store
 from .conftest import ARCHS, tiny_model, tiny_model_dtype, tiny_profile
-from .helpers import QUESTION, TOL, engine_logits, ingest_store, load_tiny, store_arrays, vanilla_logits, words
+from .helpers import TOL, answers_of, engine_logits, ingest_store, load_tiny, store_arrays, vanilla_logits, words
 
 CUDA = torch.device(os.environ.get("EMLLM_TEST_ACCELERATOR", "cuda"))
 pytestmark = pytest.mark.skipif(CUDA.type == "cuda" and not torch.cuda.is_available(), reason="no CUDA device")
@@ -125,10 +121,7 @@ def test_store_written_on_cuda_is_the_cpu_store(tiny, tmp_path):
     ingest_store(tmp_path / "cpu", folder, prof, docs)
     model, tok = load_tiny(folder)
     model.to(CUDA)
-    with stream.create_store(tmp_path / "gpu", str(folder), model, tok, load_profile_file(prof)) as st:
-        engine = stream.open_engine(st, model)
-        ing.add_documents(st, tok, docs)
-        ing.run_job(st, engine, 2)
+    ingest_store(tmp_path / "gpu", folder, prof, docs, model=model)
     a, b = store_arrays(tmp_path / "cpu"), store_arrays(tmp_path / "gpu")
     assert a.keys() == b.keys()
     floats = 0
@@ -141,10 +134,7 @@ def test_store_written_on_cuda_is_the_cpu_store(tiny, tmp_path):
             floats += 1
     assert floats >= 4
     cpu_model, _ = load_tiny(folder)
-    answers = []
-    for m in (cpu_model, model):
-        with Store.open(tmp_path / "gpu") as st:
-            answers.append(list(Session(st, m, tok).answer(QUESTION, 8)))
+    answers = answers_of(tmp_path / "gpu", [cpu_model, model], tok, 8)
     assert answers[0] == answers[1] and answers[0]
 
 

@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from emllm.app import ingest as ing
-
-from emllm.app import stream
 from emllm import models
-from emllm.app.ask import Session
 from emllm.config import load_profile_file
 from emllm.engine.stream import Engine
-from emllm.store import Store
-from .helpers import QUESTION, ingest_store, load_tiny, store_arrays, words
+from .helpers import answers_of, ingest_store, load_tiny, store_arrays, words
 
 
 SPLIT = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
@@ -51,15 +46,9 @@ def test_store_written_by_a_split_model_is_the_same_store(tiny, tmp_path):
     docs = [("doc", words(8, 400))]
     ingest_store(tmp_path / "whole", folder, prof, docs)
     split, tok = _split(folder, tmp_path)
-    with stream.create_store(tmp_path / "split", str(folder), split, tok, load_profile_file(prof)) as st:
-        engine = stream.open_engine(st, split)
-        ing.add_documents(st, tok, docs)
-        ing.run_job(st, engine, 2)
+    ingest_store(tmp_path / "split", folder, prof, docs, model=split)
     assert store_arrays(tmp_path / "split") == store_arrays(tmp_path / "whole")
     # and the split model asks it as the whole one does
     whole, _ = load_tiny(folder)
-    answers = []
-    for m in (whole, split):
-        with Store.open(tmp_path / "split") as st:
-            answers.append(list(Session(st, m, tok).answer(QUESTION, 6)))
+    answers = answers_of(tmp_path / "split", [whole, split], tok, 6)
     assert answers[0] == answers[1] and answers[0]
