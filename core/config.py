@@ -75,6 +75,10 @@ class Profile:
     # Representative keys scaled to unit length per query head when events close: an event then
     # scores the sum over heads of |q_h| cos(q_h, r_h), and keys that are long win no more often.
     repr_normalise: bool = False
+    # What an event's representative key is, per query head: "attention" (the paper's), the mean
+    # pre-RoPE key of the repr_topk tokens that drew the most attention while in the local window;
+    # "mean", the mean key of all its tokens: no attention mass is computed then.
+    representative: str = "attention"
     # compute dtype: auto is bfloat16 where the device computes it natively (CUDA, CPUs with
     # AVX-512 BF16 or AMX), else float32. A store records the dtype it was computed in.
     dtype: str = "auto"
@@ -90,6 +94,8 @@ class Profile:
     def replace(self, **changes: Any) -> "Profile":
         return validate(dataclasses.replace(self, **changes))
 
+
+REPRESENTATIVES = ("attention", "mean")
 
 _INT_MIN = {
     "chunk_size": 1, "n_init": 0, "n_local": 1, "n_mem": 0, "repr_topk": 1,
@@ -131,6 +137,8 @@ def validate(p: Profile, where: str = "") -> Profile:
         raise bad("question_centering_answer", f"must be true or false, got {p.question_centering_answer!r}")
     if not isinstance(p.repr_normalise, bool):
         raise bad("repr_normalise", f"must be true or false, got {p.repr_normalise!r}")
+    if p.representative not in REPRESENTATIVES:
+        raise bad("representative", f"must be one of {', '.join(REPRESENTATIVES)}, got {p.representative!r}")
     if not isinstance(p.contiguity, bool):
         raise bad("contiguity", f"must be true or false, got {p.contiguity!r}")
     if p.dtype not in ("auto", "float32", "bfloat16"):

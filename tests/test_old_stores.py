@@ -143,6 +143,7 @@ def test_an_int4_store_of_version_5_opens_answers_and_goes_on_without_an_equalis
         assert not st.key_equalised
         old_prof = stream.store_profile(st)  # written before the keys: the paper's scoring, as written
         assert old_prof.question_centering == 0.0 and old_prof.question_centering_answer is True
+        assert old_prof.representative == "attention"
         assert list(Session(st, model, tok).answer(QUESTION, 8)) == old_answer
     with Store.open(store, writable=True) as st:
         eng = stream.open_engine(st, model)

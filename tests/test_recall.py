@@ -109,6 +109,28 @@ def test_repr_normalise_keeps_unit_keys_per_head_and_the_same_events():
     torch.testing.assert_close(r[:1], ra / ra.norm(dim=-1, keepdim=True), rtol=1e-5, atol=1e-6)
 
 
+def test_mean_representatives_need_no_attention_mass():
+    """representative: mean: every event's key is the mean of its tokens' keys, no attention mass
+    is kept; the attention itself is the paper's (the same logits as long as retrieval has not
+    chosen differently: here, while no event has closed)."""
+    model = tiny_model("llama3.1")
+    ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(3))
+    fixed = dict(segmentation="F", min_block=8, max_block=8)
+    plain, mean = Engine(model, tiny_profile(**fixed)), Engine(model, tiny_profile(representative="mean", **fixed))
+    for off in range(0, 200, 8):
+        a, b = plain.step(ids[off:off + 8]), mean.step(ids[off:off + 8])
+        if not len(plain.windows[0].events):
+            assert torch.equal(a, b)
+    for w in mean.windows:
+        e = w.events
+        assert len(e) > 10 and float(w.local_mass.abs().sum()) == 0.0 and float(w.rem_mass.abs().sum()) == 0.0
+        k = e.keys.view()  # [H_kv, T, D], events in order
+        g = e.repr_keys().shape[1] // k.shape[0]
+        want = torch.stack([k[:, s:s + n].mean(1) for s, n in zip(e.starts.view().tolist(), e.event_lengths().tolist())])
+        torch.testing.assert_close(e.repr_keys(), want.repeat_interleave(g, 1), rtol=1e-5, atol=1e-6)
+    assert any(float(w.local_mass.abs().sum()) > 0 for w in plain.windows)
+
+
 def test_question_centering_reads_the_document_plainly_and_centres_the_question():
     """question_centering: the document's retrievals are the plain profile's (same events, same
     selections), the running mean query is kept meanwhile; from `begin_question` each query is

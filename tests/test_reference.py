@@ -126,6 +126,10 @@ def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, mem
             want_mass[h, :seen] += p[m:]
     torch.testing.assert_close(out.double(), want_out, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(mass.double(), want_mass, atol=1e-6, rtol=1e-5)
+    # without the mass (representative: mean): the same output, bit for bit, and no mass
+    args = (q, k, v, qm if m else None, km if m else None, vm if m else None, scaling)
+    bare = attention._attend_fused(*args, False) if path == "fused" else attention._attend(*args, memory, False)
+    assert bare[1] is None and torch.equal(bare[0], out)
 
 
 @pytest.mark.parametrize("path", ["written-out", "fused"])

@@ -11,7 +11,7 @@ from emllm.memory.buffers import token_index
 
 from emllm.memory.events import EventMemory
 
-from emllm.memory.selection import event_scores, gamma, representative_keys, score_error, score_groups, scores_in_blocks, select_events
+from emllm.memory.selection import event_scores, gamma, mean_keys, representative_keys, score_error, score_groups, scores_in_blocks, select_events
 import emllm.math.surprise as surprise_mod
 from emllm.math.surprise import boundary_flags, token_surprise
 from .helpers import brute_contiguity, brute_select
@@ -113,6 +113,22 @@ def test_representative_keys_match_loop():
             want = torch.stack([keys[h // 3, off + i] for i in top]).mean(0)
             torch.testing.assert_close(got[ev, h], want)
         off += ln
+
+
+def test_mean_keys_match_loop():
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([3, 1, 8, 5])
+    keys = torch.randn(2, int(lengths.sum()), 5, generator=g).bfloat16()
+    got = mean_keys(keys, lengths, 6)  # [e, H_q, D], GQA: query heads 0-2 read KV head 0
+    assert got.shape == (4, 6, 5) and got.dtype == torch.bfloat16
+    off = 0
+    for ev, ln in enumerate(lengths.tolist()):
+        for h in range(6):
+            want = keys[h // 3, off : off + ln].double().mean(0)
+            torch.testing.assert_close(got[ev, h].double(), want, rtol=2**-8, atol=1e-6)  # one bf16 rounding
+        off += ln
+    # all tokens by attention (every mass ties) is the same mean
+    torch.testing.assert_close(mean_keys(keys.float(), lengths, 6), representative_keys(keys.float(), torch.zeros(6, 17), lengths, 128))
 
 
 def test_event_memory_gather_and_scores():

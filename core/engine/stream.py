@@ -164,7 +164,8 @@ class Engine:
         cont = int(pr.n_mem * pr.contiguity_ratio) if pr.contiguity else 0
         centering = pr.question_centering if self.answering and pr.question_centering else pr.query_centering
         step = StepInfo(cos, sin, pr.n_local, pr.n_init, pr.n_mem - cont, cont, pr.neighbours, centering,
-                        bool(pr.query_centering or pr.question_centering), self.on_retrieval)
+                        bool(pr.query_centering or pr.question_centering), self.on_retrieval,
+                        pr.representative == "attention")
         if self.model.config._attn_implementation != attention.NAME:  # someone ran the plain model meanwhile
             self.model.set_attn_implementation(attention.NAME)
         x = chunk.to(self.device)[None]
@@ -209,7 +210,7 @@ class Engine:
             starts = self._refine(starts)
         lengths = torch.diff(starts)
         for w in self.windows:
-            w.close_events(lengths, pr.repr_topk, pr.repr_normalise)
+            w.close_events(lengths, pr.repr_topk, pr.repr_normalise, pr.representative == "mean")
         self.rem_start += int(lengths.sum())
 
     def _refine(self, starts: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ from torch import Tensor
 from emllm.math.attention import attend
 from emllm.memory.buffers import SlidingRows, token_index
 from emllm.memory.events import EventMemory
-from emllm.memory.selection import Selection, representative_keys, update_contiguity
+from emllm.memory.selection import Selection, mean_keys, representative_keys, update_contiguity
 from emllm.math.rope import apply_rotary
 
 
@@ -36,6 +36,7 @@ class StepInfo:
     centering: float = 0.0  # share of the running mean query taken from each query (profile query_centering)
     keep_mean: bool = False  # whether the running mean query is kept (the profile centres at some point)
     on_retrieval: Callable[[int, Selection, Tensor], None] | None = None  # (layer, selection, query [H_q, D])
+    mass: bool = True  # whether the window's attention mass is computed (representative keys need it)
 
 
 @dataclass
@@ -164,7 +165,9 @@ class LayerWindow:
                 self.query_sum += query.float()
                 self.query_n += 1
 
-        out, mass = attend(q_loc, k_rot, v_loc, q_mem, k_mem, v_mem, scaling)
+        out, mass = attend(q_loc, k_rot, v_loc, q_mem, k_mem, v_mem, scaling, st.mass)
+        if mass is None:  # (the mass buffers keep their shapes, and the state its format: zeros)
+            mass = torch.zeros(self.n_q_heads, k_loc.shape[1], dtype=torch.float32, device=k_loc.device)
         self._slide(k_loc, v_loc, mass, st)
         return out
 
@@ -240,15 +243,19 @@ class LayerWindow:
         self._lv.drop_front(n_out)
         self.local_mass = total_mass[:, n_out:]  # a view: the next step adds to it
 
-    def close_events(self, lengths: Tensor, repr_topk: int, normalise: bool = False) -> None:
+    def close_events(self, lengths: Tensor, repr_topk: int, normalise: bool = False, mean: bool = False) -> None:
         """Turn the first sum(lengths) remainder tokens into events of these sizes (their
-        representative keys scaled to unit length per head when `normalise`)."""
+        representative keys: the mean key of all their tokens when `mean`, else of the repr_topk
+        that drew the most attention; scaled to unit length per head when `normalise`)."""
         n = int(lengths.sum())
         if n == 0:
             return
         lengths = lengths.to(self.rem_k.device)
         keys, values, mass = self.rem_k[:, :n], self.rem_v[:, :n], self.rem_mass[:, :n]
-        reprs = representative_keys(keys, mass, lengths, repr_topk)  # [e, H_q, D]
+        if mean:
+            reprs = mean_keys(keys, lengths, self.n_q_heads)  # [e, H_q, D]
+        else:
+            reprs = representative_keys(keys, mass, lengths, repr_topk)
         if normalise:
             reprs = reprs / reprs.float().norm(dim=-1, keepdim=True).clamp_min(1e-12).to(reprs.dtype)
         self.events.append(keys, values, lengths, reprs)

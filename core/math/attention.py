@@ -39,8 +39,10 @@ def attend(
     k_mem: Tensor | None,  # [H_kv, M, D] memory keys, un-rotated
     v_mem: Tensor | None,  # [H_kv, M, D]
     scaling: float,
-) -> tuple[Tensor, Tensor]:
-    """Returns (output [H_q, c, D], attention mass each window key received [H_q, L], float32).
+    with_mass: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Returns (output [H_q, c, D], attention mass each window key received [H_q, L], float32;
+    None unless `with_mass`).
 
     Query i of the chunk sees window keys 0..L-c+i (causal) and all memory keys: one exact
     softmax. On the CPU a chunk of many queries runs torch's fused flash kernel only
@@ -50,9 +52,9 @@ def attend(
     """
     if q_local.device.type == "cpu" and _FLASH_CPU is not None:
         if q_local.shape[1] >= FUSED_FROM[k_local.dtype == torch.float32]:
-            return _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling)
-        return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, _memory_flash)
-    return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, _memory_materialised)
+            return _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass)
+        return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, _memory_flash, with_mass)
+    return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, _memory_materialised, with_mass)
 
 
 # Chunks of at least this many queries take `_attend_fused` (fewer: `_attend`), [bf16/f16, f32]:
@@ -87,7 +89,7 @@ def _memory_materialised(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> tup
     return torch.matmul(s.to(v.dtype), v).float(), lse
 
 
-def _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory):
+def _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, with_mass=True):
     """`attend` with the window's probabilities written out (exponentiated once, they serve the
     output and the mass), the memory's part computed by `memory` (`_memory_flash` or
     `_memory_materialised`) and merged by log-sum-exp.
@@ -118,12 +120,14 @@ def _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory):
         out += mem[0] * mem[1].unsqueeze(-1)
     inv_z = z.reciprocal_()
     out.mul_(inv_z.unsqueeze(-1))
+    if not with_mass:
+        return out.to(v_local.dtype).view(h_q, c, d), None
     # Attention each window key received, summed over the chunk's queries: [H_kv, g, 1, L].
     mass = torch.matmul(inv_z.view(h_kv, g, 1, c), s.view(h_kv, g, c, length)).reshape(h_q, length)
     return out.to(v_local.dtype).view(h_q, c, d), mass
 
 
-def _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling):
+def _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass=True):
     """`_attend` from torch's fused CPU kernel alone: nothing of size [H_q, c, L] is written out.
 
     The output: three softmaxes merged by their log-sum-exps (the window's keys before the chunk,
@@ -148,6 +152,8 @@ def _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling):
         parts.append(_FLASH_CPU(q_mem.view(h_kv, g, c, d), km, vm, is_causal=False, scale=scaling)[:2])
     lse = torch.logsumexp(torch.stack([l for _, l in parts]), 0)  # [H_kv, g, c]
     out = sum(o.float() * (l - lse).exp_().unsqueeze(-1) for o, l in parts)
+    if not with_mass:
+        return out.to(k_local.dtype).view(h_q, c, d), None
     neg = (-lse).unsqueeze(2)  # [H_kv, g, 1, c]: broadcast over the keys' rows
     mass = []
     if old:

@@ -154,6 +154,24 @@ def representative_keys(keys: Tensor, mass: Tensor, lengths: Tensor, topk: int) 
     return (summed / ok.sum(2, keepdim=True)).transpose(0, 1).contiguous()
 
 
+def mean_keys(keys: Tensor, lengths: Tensor, n_q_heads: int) -> Tensor:
+    """Per event and query head, the mean pre-RoPE key of all its tokens.
+
+    keys: [H_kv, n, D] tokens of consecutive events; lengths: [e] with sum == n. Returns
+    [e, H_q, D] in the keys' dtype (summed in float32 along each event's own tokens, in order: the
+    same bits on every device), GQA keys expanded to query heads.
+    """
+    h_kv, n, d = keys.shape
+    width = int(lengths.max())
+    starts = torch.cumsum(lengths, 0) - lengths
+    col = torch.arange(width, device=keys.device)
+    valid = col[None, :] < lengths[:, None]  # [e, width]
+    idx = (starts[:, None] + col[None, :]).clamp_max(n - 1)  # [e, width]
+    sums = (keys[:, idx].float() * valid[None, :, :, None]).sum(2)  # [H_kv, e, D]
+    means = (sums / lengths.to(sums.dtype)[None, :, None]).to(keys.dtype)
+    return means.repeat_interleave(n_q_heads // h_kv, dim=0).transpose(0, 1).contiguous()
+
+
 def update_contiguity(queue: Tensor, selected: Tensor, lengths: Tensor, neighbours: int, budget: int) -> Tensor:
     """Contiguity buffer (spec §4): a queue of event ids, oldest first.
 
