@@ -2,7 +2,7 @@
 the same size, measured side by side: the runs advance in lockstep, one chunk each in turn, so
 load on the machine hits all of them alike.
 
-    python -m benchmarks.ingest_speed --tokens 32k [--store] [--dtypes float32,bfloat16]
+    python -m benchmarks.ingest_speed --tokens 32k [--store] [--dtypes float32,bfloat16] [--variant m=representative:mean]
 
 The vanilla run streams the same tokens chunk by chunk (same chunk size) through the unpatched
 model (sdpa) with a KV cache cut to the last W = n_init + n_mem + n_local tokens after every
@@ -11,6 +11,8 @@ The store run is `emllm ingest`'s loop (commits every 4 chunks, fsync included) 
 temporary folder. All runs of one dtype share one model object; every run shares the thread
 count. With several --dtypes, the model is loaded once per dtype and all runs of all dtypes
 advance in lockstep (each run's name gets its dtype: emllm-bfloat16, vanilla-float32, ...).
+--variant adds, per dtype, emllm in RAM with those profile keys changed (run emllm-NAME), in the
+same lockstep.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from emllm.app import stream
 from emllm import models
 from emllm.engine.stream import Engine
 from emllm.evals.passkey import parse_length
+
+from benchmarks.quality import parse_variant
 
 
 class Vanilla:
@@ -55,6 +59,8 @@ def main() -> None:
     ap.add_argument("--text", default="prose", choices=["prose", "code", "haystack"])
     ap.add_argument("--store", action="store_true", help="also time the store-backed ingest")
     ap.add_argument("--dtypes", default="float32", help="compute dtypes, comma-separated (float32, bfloat16)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=KEY:VALUE[,KEY:VALUE]",
+                    help="also emllm in RAM with these profile keys changed (repeatable)")
     a = ap.parse_args()
     src = models.resolve(a.model)
     dtypes = a.dtypes.split(",")
@@ -78,6 +84,9 @@ def main() -> None:
         ram = engines[dt] = Engine(model, prof)
         runs[f"emllm{sfx}"] = ram.step
         runs[f"vanilla{sfx}"] = Vanilla(model, w).step
+        for v in a.variant:
+            name, vprof = parse_variant(v, prof)
+            runs[f"emllm-{name}{sfx}"] = Engine(model, vprof).step
         if a.store:
             st = stores[dt] = stream.create_store(Path(tmp.name) / f"s-{dt}", a.model, model, tok, prof)
             store_eng = stream.open_engine(st, model)
@@ -111,6 +120,10 @@ def main() -> None:
         sfx = "" if len(dtypes) == 1 else f"-{dt}"
         res[f"ratio_emllm_vs_vanilla_total{sfx}"] = round(sum(times[f"emllm{sfx}"]) / sum(times[f"vanilla{sfx}"]), 3)
         res[f"ratio_emllm_vs_vanilla_steady{sfx}"] = round(steady(f"emllm{sfx}") / steady(f"vanilla{sfx}"), 3)
+        for v in a.variant:
+            name = v.partition("=")[0]
+            res[f"ratio_emllm-{name}_vs_vanilla_total{sfx}"] = round(sum(times[f"emllm-{name}{sfx}"]) / sum(times[f"vanilla{sfx}"]), 3)
+            res[f"ratio_emllm-{name}_vs_vanilla_steady{sfx}"] = round(steady(f"emllm-{name}{sfx}") / steady(f"vanilla{sfx}"), 3)
         if a.store:
             res[f"ratio_store_vs_ram_total{sfx}"] = round(sum(times[f"store{sfx}"]) / sum(times[f"emllm{sfx}"]), 3)
             res[f"store_bytes_per_token{sfx}"] = round(sum(stores[dt].bytes_on_disk().values()) / n, 1)
