@@ -129,7 +129,7 @@ def main() -> None:
             res[f"store_bytes_per_token{sfx}"] = round(sum(stores[dt].bytes_on_disk().values()) / n, 1)
             stores[dt].close()
     if len(dtypes) == 2:  # the gain of the second dtype over the first, for emllm and for the window
-        for m in ("emllm", "vanilla"):
+        for m in ("emllm", "vanilla", *(f"emllm-{v.partition('=')[0]}" for v in a.variant)):
             res[f"gain_{m}_{dtypes[1]}_vs_{dtypes[0]}_steady"] = round(steady(f"{m}-{dtypes[0]}") / steady(f"{m}-{dtypes[1]}"), 3)
     if tmp is not None:
         tmp.cleanup()
