@@ -116,7 +116,8 @@ def test_mean_representatives_need_no_attention_mass():
     model = tiny_model("llama3.1")
     ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(3))
     fixed = dict(segmentation="F", min_block=8, max_block=8)
-    plain, mean = Engine(model, tiny_profile(**fixed)), Engine(model, tiny_profile(representative="mean", **fixed))
+    plain = Engine(model, tiny_profile(representative="attention", **fixed))
+    mean = Engine(model, tiny_profile(representative="mean", **fixed))
     for off in range(0, 200, 8):
         a, b = plain.step(ids[off:off + 8]), mean.step(ids[off:off + 8])
         if not len(plain.windows[0].events):
