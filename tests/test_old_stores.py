@@ -72,7 +72,11 @@ def test_a_store_written_by_the_old_layout_opens_and_answers_the_same(tiny, old_
         eng = stream.open_engine(st, model)
         add_documents(st, tok, [("more", more)])
         run_job(st, eng, 2)
-    ingest_store(tmp_path / "new", folder, prof, [("doc", text), ("more", more)])
+    # (the old store goes on with the representatives it was made with: the paper's, today's
+    # default being the mean key; the whole stream is written with them too)
+    paper = tmp_path / "paper.yaml"
+    paper.write_text(Path(prof).read_text() + "\nrepresentative: attention\n")
+    ingest_store(tmp_path / "new", folder, paper, [("doc", text), ("more", more)])
     old, new = store_arrays(store), store_arrays(tmp_path / "new")
     assert old.keys() == new.keys()
     assert {k: v for k, v in old.items() if k[-2:] not in (".k", ".v")} == {k: v for k, v in new.items() if k[-2:] not in (".k", ".v")}
@@ -156,4 +160,5 @@ def test_an_int4_store_of_version_5_opens_answers_and_goes_on_without_an_equalis
     m = json.loads((new / "manifest.json").read_text())
     assert m["version"] == 6 and m["key_equaliser"] is True and (new / "layers/00.e").stat().st_size > 0
     assert m["profile"]["question_centering"] == 1.0 and m["profile"]["question_centering_answer"] is False
+    assert m["profile"]["representative"] == "mean"
     assert store_arrays(new)["layers/00.k"] != store_arrays(tmp_path / "old-int4")["layers/00.k"][: (new / "layers/00.k").stat().st_size]
