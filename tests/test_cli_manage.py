@@ -117,9 +117,13 @@ def test_retrieval_view_marks_the_window_and_the_initial_tokens(tiny, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "local window: attended always, never retrieved" in r.stdout
     rows = [line for line in r.stdout.splitlines() if line[:4].strip().isdigit()]
-    assert rows and all(line.rstrip().endswith("w") for line in rows) and all(line[4] == "i" for line in rows)
     doc = json.loads(run("inspect", "s", "--query", QUESTION, "--json", home=tmp_path).stdout)["retrieval"]
     assert doc["initial_tokens"] == 4 and 0 < doc["window_start"] < doc["window_start"] + 32
+    # the first stretch holds the initial tokens: marked "i" in every layer that did not retrieve
+    # the event sharing that stretch, shaded in those that did; the last is the local window's
+    assert len(rows) == len(doc["coverage"]) and all(line.rstrip().endswith("w") for line in rows)
+    assert all((line[4] == "i") == (cov[0] == 0) and (line[4] == "i" or line[4] in "░▒▓█")
+               for line, cov in zip(rows, doc["coverage"]))
 
 
 def test_segment_metrics_are_printed(tiny, tmp_path):
