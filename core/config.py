@@ -78,9 +78,10 @@ class Profile:
     # What an event's representative key is, per query head: "attention" (the paper's), the mean
     # pre-RoPE key of the repr_topk tokens that drew the most attention while in the local window;
     # "mean", the mean key of all its tokens: no attention mass is computed then. "mean" by default
-    # since 2026-11-26: the needle in more layers on every haystack measured (8k: 97 / 83 / 86%
-    # against 93 / 77 / 82%), the passkey unchanged, ingest 1.18x the window's time instead of
-    # 1.46x (docs/benchmarks.md, representative keys); stores made before keep "attention"
+    # since 2026-11-26: the needle in more layers on RULER's haystacks, prose and chat at 8k (97 /
+    # 83 / 86% against 93 / 77 / 82%; code 86 against 88%), answers the same within noise, the
+    # passkey 15/15 at 16k-256k, ingest 1.19x the window's time instead of 1.47x
+    # (docs/benchmarks.md, representative keys); stores made before keep "attention"
     # (`emllm.app.stream.store_profile`).
     representative: str = "mean"
     # compute dtype: auto is bfloat16 where the device computes it natively (CUDA, CPUs with
