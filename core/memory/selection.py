@@ -129,6 +129,16 @@ def select_events(scores: Tensor, lengths: Tensor, budget: int) -> Selection:
     return Selection(ids, scores[ids])
 
 
+def _event_rows(lengths: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """Consecutive events of `lengths` ([e], sum n) as a padded grid of token rows: (idx [e, width]
+    each event's rows, padding clamped into range; valid [e, width] which are its own)."""
+    width = int(lengths.max())
+    starts = torch.cumsum(lengths, 0) - lengths
+    col = torch.arange(width, device=lengths.device)
+    valid = col[None, :] < lengths[:, None]
+    return (starts[:, None] + col[None, :]).clamp_max(n - 1), valid
+
+
 def representative_keys(keys: Tensor, mass: Tensor, lengths: Tensor, topk: int) -> Tensor:
     """Per event and query head, the mean pre-RoPE key of the `topk` tokens that drew most attention.
 
@@ -138,11 +148,8 @@ def representative_keys(keys: Tensor, mass: Tensor, lengths: Tensor, topk: int) 
     h_kv, n, d = keys.shape
     h_q = mass.shape[0]
     e = lengths.numel()
-    width = int(lengths.max())
-    starts = torch.cumsum(lengths, 0) - lengths
-    col = torch.arange(width, device=keys.device)
-    valid = col[None, :] < lengths[:, None]  # [e, width]
-    idx = (starts[:, None] + col[None, :]).clamp_max(n - 1)  # [e, width]
+    idx, valid = _event_rows(lengths, n)
+    width = idx.shape[1]
     m = mass[:, idx].masked_fill(~valid, float("-inf"))  # [H_q, e, width]
     k = min(topk, width)
     top = m.topk(k, dim=-1)  # [H_q, e, k]
@@ -162,11 +169,7 @@ def mean_keys(keys: Tensor, lengths: Tensor, n_q_heads: int) -> Tensor:
     same bits on every device), GQA keys expanded to query heads.
     """
     h_kv, n, d = keys.shape
-    width = int(lengths.max())
-    starts = torch.cumsum(lengths, 0) - lengths
-    col = torch.arange(width, device=keys.device)
-    valid = col[None, :] < lengths[:, None]  # [e, width]
-    idx = (starts[:, None] + col[None, :]).clamp_max(n - 1)  # [e, width]
+    idx, valid = _event_rows(lengths, n)
     sums = (keys[:, idx].float() * valid[None, :, :, None]).sum(2)  # [H_kv, e, D]
     means = (sums / lengths.to(sums.dtype)[None, :, None]).to(keys.dtype)
     return means.repeat_interleave(n_q_heads // h_kv, dim=0).transpose(0, 1).contiguous()
