@@ -158,7 +158,62 @@ def test_an_int4_store_of_version_5_opens_answers_and_goes_on_without_an_equalis
     new = tmp_path / "new-int4"
     ingest_store(new, folder, prof, [("doc", text)], kv_format="int4")
     m = json.loads((new / "manifest.json").read_text())
-    assert m["version"] == 6 and m["key_equaliser"] is True and (new / "layers/00.e").stat().st_size > 0
+    assert m["version"] == 7 and m["key_equaliser"] is True and (new / "layers/00.e").stat().st_size > 0
+    assert m["repr_heads"] == m["geometry"]["kv_heads"] < m["geometry"]["q_heads"]  # mean keys per KV head
     assert m["profile"]["question_centering"] == 1.0 and m["profile"]["question_centering_answer"] is False
     assert m["profile"]["representative"] == "mean"
     assert store_arrays(new)["layers/00.k"] != store_arrays(tmp_path / "old-int4")["layers/00.k"][: (new / "layers/00.k").stat().st_size]
+
+
+# the last commit whose mean representative keys are kept per query head (store format 5: each KV
+# head's mean repeated for its group)
+OLD_MEAN = "a7a2306"
+
+WRITE_MEAN = WRITE_INT.replace(', kv_format="int4"', "")
+
+
+@pytest.fixture(scope="module")
+def old_mean_code(tmp_path_factory) -> Path:
+    r = subprocess.run(["git", "-C", str(REPO), "archive", OLD_MEAN, "core", "profiles"], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"commit {OLD_MEAN} is not in this clone's history (a shallow clone?)")
+    out = tmp_path_factory.mktemp("old-mean")
+    with tarfile.open(fileobj=BytesIO(r.stdout)) as tar:
+        tar.extractall(out, filter="data")
+    (out / "core").rename(out / "emllm")
+    (out / "profiles").rename(out / "emllm" / "profiles")
+    return out
+
+
+def test_a_mean_store_with_a_key_per_query_head_opens_answers_and_goes_on_alike(tiny, old_mean_code, tmp_path):
+    """A store of mean keys kept per query head (before version 7) is scored as it was written: the
+    same answer, and today's writer continues it byte for byte as the old code writes the whole
+    stream (its keys still repeated per query head); a new store keeps one per KV head."""
+    folder, prof, _, _ = tiny
+    text, more = words(25, 400), words(26, 120)
+    store = tmp_path / "old-mean"
+    r = subprocess.run([sys.executable, "-c", WRITE_MEAN, str(folder), str(prof), str(store), text, QUESTION, more],
+                       capture_output=True, text=True, cwd=old_mean_code,
+                       env={"PYTHONPATH": str(old_mean_code), "PATH": "/usr/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    old_answer = json.loads(r.stdout.strip().splitlines()[-1])
+    m = json.loads((store / "manifest.json").read_text())
+    assert m["version"] == 5 and "repr_heads" not in m and m["profile"]["representative"] == "mean"
+    model, tok = load_tiny(folder)
+    with Store.open(store) as st:
+        assert st.repr_heads == st.geometry.q_heads > st.geometry.kv_heads
+        assert list(Session(st, model, tok).answer(QUESTION, 8)) == old_answer
+    with Store.open(store, writable=True) as st:
+        eng = stream.open_engine(st, model)
+        add_documents(st, tok, [("more", more)])
+        run_job(st, eng, 2)
+    assert store_arrays(store) == store_arrays(tmp_path / "old-mean-whole")
+    new = tmp_path / "new"
+    ingest_store(new, folder, prof, [("doc", text)])
+    m_new = json.loads((new / "manifest.json").read_text())
+    assert m_new["version"] == 7 and m_new["repr_heads"] == m_new["geometry"]["kv_heads"]
+    g = m_new["geometry"]["q_heads"] // m_new["geometry"]["kv_heads"]
+    assert (new / "layers/00.r").stat().st_size * g == (store.parent / "old-mean-whole" / "layers/00.r").stat().st_size * \
+        m_new["rows"]["events"] // json.loads((tmp_path / "old-mean-whole" / "manifest.json").read_text())["rows"]["events"]
+    with Store.open(new) as st:
+        assert list(Session(st, model, tok).answer(QUESTION, 8)) == old_answer  # the same selections here

@@ -7,7 +7,7 @@ import torch
 
 from emllm.engine.stream import Engine
 from emllm.evals.recall import RecallProbe, chunk_recall, needle_recall
-from emllm.memory.selection import event_scores, select_events
+from emllm.memory.selection import event_scores, fold_query, select_events
 from tests.conftest import tiny_model, tiny_profile
 
 
@@ -84,7 +84,7 @@ def test_query_centering_scores_against_the_query_less_the_mean_of_those_before(
             torch.testing.assert_close(total - calls[i - 1][1], calls[i - 1][0], rtol=1e-5, atol=1e-5)
         sel, n_events = picked[i]
         ev = centred.windows[0].events
-        want = select_events(event_scores(ev.repr_keys()[:n_events], used), ev.event_lengths()[:n_events],
+        want = select_events(event_scores(ev.repr_keys()[:n_events], fold_query(used, ev.repr_heads)), ev.event_lengths()[:n_events],
                              centred.profile.n_mem)
         assert sel.ids.tolist() == want.ids.tolist()
     st = centred.windows[0].state()  # the state carries the mean: a stream continued from it centres alike
@@ -126,9 +126,9 @@ def test_mean_representatives_need_no_attention_mass():
         e = w.events
         assert len(e) > 10 and float(w.local_mass.abs().sum()) == 0.0 and float(w.rem_mass.abs().sum()) == 0.0
         k = e.keys.view()  # [H_kv, T, D], events in order
-        g = e.repr_keys().shape[1] // k.shape[0]
+        assert e.repr_keys().shape[1] == k.shape[0] == e.repr_heads  # one key per KV head: a group's heads share it
         want = torch.stack([k[:, s:s + n].mean(1) for s, n in zip(e.starts.view().tolist(), e.event_lengths().tolist())])
-        torch.testing.assert_close(e.repr_keys(), want.repeat_interleave(g, 1), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(e.repr_keys(), want, rtol=1e-5, atol=1e-6)
     assert any(float(w.local_mass.abs().sum()) > 0 for w in plain.windows)
 
 
@@ -156,7 +156,7 @@ def test_question_centering_reads_the_document_plainly_and_centres_the_question(
     asked.feed(question)
     sel, used = seen["asked"][before]
     raw = w.query_sum - total  # the question chunk's own query, added after its retrieval
-    torch.testing.assert_close(used, raw - total / n, rtol=0, atol=1e-5)
+    torch.testing.assert_close(used, fold_query(raw - total / n, w.events.repr_heads), rtol=0, atol=1e-5)
     ev = w.events
     want = select_events(event_scores(ev.repr_keys(), used), ev.event_lengths(), asked.profile.n_mem)
     assert sel == want.ids.tolist()
@@ -179,4 +179,33 @@ def test_question_centering_answer_false_centres_the_question_alone():
         list(eng.generate_iter(1))  # one step of the answer
         raw = w.query_sum - total
         want = raw - total / n if centre_answer else raw
-        torch.testing.assert_close(got[k], want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got[k], fold_query(want, w.events.repr_heads), rtol=0, atol=1e-5)
+
+
+def test_mean_keys_per_kv_head_select_as_per_query_head():
+    """A memory keeping one mean key per KV head (store version 7) scores a query summed over each
+    group of query heads: mathematically the score of the same key repeated for every query head
+    (the layout before). Same selections at every step and layer, hence the same logits, on a GQA
+    model (4 query heads, 2 KV heads); the keys themselves are the repeated ones, de-duplicated."""
+    from emllm.memory.events import EventMemory
+
+    model = tiny_model("llama3.1")
+    cfg = model.config
+    assert cfg.num_key_value_heads < cfg.num_attention_heads
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    ids = torch.randint(0, 300, (240,), generator=torch.Generator().manual_seed(5))
+    prof = tiny_profile(representative="mean")
+    new = Engine(model, prof)
+    old = Engine(model, prof, memory=lambda i: EventMemory(cfg.num_key_value_heads, cfg.num_attention_heads, head_dim,
+                                                             torch.float32, torch.device("cpu")))
+    seen: dict[str, list] = {"new": [], "old": []}
+    for name, eng in (("new", new), ("old", old)):
+        eng.on_retrieval = lambda layer, sel, q, name=name: seen[name].append((layer, sel.ids.tolist(), q.shape[0]))
+    for off in range(0, 240, 16):
+        a, b = new.step(ids[off:off + 16]), old.step(ids[off:off + 16])
+        assert torch.equal(a, b)
+    assert [x[:2] for x in seen["new"]] == [x[:2] for x in seen["old"]] and len(seen["new"]) > 20
+    assert {x[2] for x in seen["new"]} == {cfg.num_key_value_heads} and {x[2] for x in seen["old"]} == {cfg.num_attention_heads}
+    for wn, wo in zip(new.windows, old.windows):
+        g = cfg.num_attention_heads // cfg.num_key_value_heads
+        assert torch.equal(wo.events.repr_keys(), wn.events.repr_keys().repeat_interleave(g, 1))

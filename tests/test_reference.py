@@ -30,7 +30,8 @@ def naive_layer(snap: LayerWindow, q, k, v, scaling, n_local, budget, inv_freq, 
     # Brute-force retrieval: score every event, sort (ties: lower id first), fill by tokens.
     qm = torch.stack([torch.stack([rotate(q[h, i], n_local - 1, inv_freq) for i in range(c)]).mean(0) for h in range(h_q)])
     reprs, lens = snap.events.repr_keys().double(), snap.events.event_lengths().tolist()
-    scores = [sum(float(qm[h] @ reprs[e, h]) for h in range(h_q)) for e in range(len(lens))]
+    per = h_q // reprs.shape[1]  # query heads per representative key (a group's share one: mean keys)
+    scores = [sum(float(qm[h] @ reprs[e, h // per]) for h in range(h_q)) for e in range(len(lens))]
     chosen = brute_select(scores, lens, budget)
     if cont_budget:  # contiguity queue: neighbours join at the back, oldest leave first
         queue = brute_contiguity(snap.contiguity.tolist(), chosen, lens, 1, cont_budget)

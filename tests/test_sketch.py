@@ -14,10 +14,12 @@ import torch
 
 from emllm.memory import sketch
 from emllm.memory.selection import event_scores, select_events
-from emllm.store import FORMAT_VERSION, Geometry, Identity, Store, StoredEvents
+from emllm.store import Geometry, Identity, Store, StoredEvents
+from emllm.store.manifest import PLAIN_VERSION
 from emllm.store.manifest import checksum as _checksum
 
 G = Geometry(layers=2, kv_heads=1, q_heads=3, head_dim=32, vocab=10, dtype="float32")  # 96 dims > the sketch's 64
+G7 = Geometry(layers=2, kv_heads=3, q_heads=6, head_dim=32, vocab=10, dtype="float32")  # a key per KV head: 96 dims too
 IDENT = Identity("m", "c", "w", "t")
 THRESHOLD = 200
 
@@ -33,19 +35,22 @@ def _events(n: int, seed: int, clusters: int = 12) -> tuple[torch.Tensor, torch.
 
 
 def _write(path: Path, batches: list[int], commit_every: int, seed: int = 0,
-           outlier: tuple[int, torch.Tensor] | None = None, kv: str | None = None) -> None:
+           outlier: tuple[int, torch.Tensor] | None = None, kv: str | None = None, per_kv_head: bool = False) -> None:
     """A store of sum(batches) events in both layers (layer i holds (i + 1) x the reprs),
-    committed every `commit_every` batches; `outlier` (id, repr) replaces one event."""
+    committed every `commit_every` batches; `outlier` (id, repr) replaces one event.
+    per_kv_head: of geometry G7, a representative key per KV head (version 7)."""
     lengths, reprs = _events(sum(batches), seed)
     if outlier is not None:
         reprs[outlier[0]] = outlier[1].reshape(3, 32)
-    st = Store.create(path, IDENT, {"name": "t", "faiss_threshold": THRESHOLD}, G, kv=kv)
-    evs = [StoredEvents(st, i) for i in range(G.layers)]
+    g = G7 if per_kv_head else G
+    st = Store.create(path, IDENT, {"name": "t", "faiss_threshold": THRESHOLD}, g, kv=kv,
+                      repr_heads=g.kv_heads if per_kv_head else None)
+    evs = [StoredEvents(st, i) for i in range(g.layers)]
     done = 0
     for b, n in enumerate(batches):
         sl = slice(done, done + n)
         for i, ev in enumerate(evs):
-            kv = torch.full((1, int(lengths[sl].sum()), 32), float(b))
+            kv = torch.full((g.kv_heads, int(lengths[sl].sum()), 32), float(b))
             ev.append(kv, kv, lengths[sl], reprs[sl] * (i + 1))
         st.events.append(lengths[sl].to(torch.int32))
         done += n
@@ -168,7 +173,7 @@ def test_the_sketch_is_the_same_however_the_stream_was_committed(tmp_path):
     assert "sketch.safetensors" in fa and "layers/01.p" in fa
     assert fa == fb == fc
     m = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    assert m["version"] == FORMAT_VERSION - 1 and m["sketch"]["trained_on"] == THRESHOLD  # no key equalisers: 5
+    assert m["version"] == PLAIN_VERSION and m["sketch"]["trained_on"] == THRESHOLD  # no key equalisers, a key per query head: 5
     assert m["sketch"]["dims"] == sketch.DIMS
     assert (tmp_path / "a" / "layers/00.p").stat().st_size == sum(batches) * sketch.DIMS * 2
 
@@ -185,8 +190,9 @@ def _exact(st: Store, layer: int, q: torch.Tensor, budget: int):
     return select_events(event_scores(st.reprs_of(st.layer_files[layer][2].read()), q), lengths, budget)
 
 
-@pytest.mark.parametrize("spread,kv", [(0.3, None), (0.0001, None), (0.3, "int4")])  # int4: int8 reprs, decoded
-def test_readers_select_from_the_sketch_exactly_what_the_scan_selects(tmp_path, monkeypatch, spread, kv):
+@pytest.mark.parametrize("spread,kv,per_kv_head", [(0.3, None, False), (0.0001, None, False), (0.3, "int4", False),
+                                                   (0.3, None, True)])  # int4: int8 reprs, decoded; version 7
+def test_readers_select_from_the_sketch_exactly_what_the_scan_selects(tmp_path, monkeypatch, spread, kv, per_kv_head):
     # spread 0.0001: near-identical events in each cluster (a repeated filler), where the
     # factor-8 candidates alone cannot tell which copies the scan takes
     monkeypatch.setattr(sketch, "FACTOR", 1)  # few candidates, so the bound has work to do
@@ -196,9 +202,10 @@ def test_readers_select_from_the_sketch_exactly_what_the_scan_selects(tmp_path, 
         pick = torch.randint(0, clusters, (n,), generator=g)
         return torch.randint(1, 9, (n,), generator=g), (centres[pick] + spread * torch.randn(n, 96, generator=g)).reshape(n, 3, 32)
     monkeypatch.setattr(sys.modules[__name__], "_events", events)
-    _write(tmp_path / "s", [150, 150, 150, 150], commit_every=1, kv=kv)
+    _write(tmp_path / "s", [150, 150, 150, 150], commit_every=1, kv=kv, per_kv_head=per_kv_head)
     g = torch.Generator().manual_seed(7)
     with Store.open(tmp_path / "s") as st:
+        assert st.repr_heads == 3 and st.manifest["version"] == (7 if per_kv_head else 6 if kv else 5)
         for layer in range(G.layers):
             ev = StoredEvents(st, layer)
             assert ev.sketch is not None

@@ -251,6 +251,11 @@ CASES = {
                         ["ask", "hi", "--store", "s"], "checksum"),
     "newer format": (lambda s, t: _edit_manifest(s, lambda m: m.update(version=99), True),
                      ["ask", "hi", "--store", "s"], "upgrade emllm"),
+    "representative heads of neither kind": (lambda s, t: _edit_manifest(s, lambda m: m.update(repr_heads=3), True),
+                                             ["ask", "hi", "--store", "s"], "neither the KV heads nor the query heads"),
+    "a key per KV head from attention": (
+        lambda s, t: _edit_manifest(s, lambda m: m["profile"].update(representative="attention"), True),
+        ["ask", "hi", "--store", "s"], "representative keys per KV head with representative 'attention'"),
     "wrong model": (lambda s, t: None, ["ingest", "{doc}", "--append", "--store", "s", "-m", "{other_model}"], "differs"),
     "fine-tuned model": (lambda s, t: None, ["ingest", "{doc}", "--append", "--store", "s", "-m", "{tuned}"],
                          "weights differ from those the store was written with"),

@@ -35,7 +35,7 @@ def bytes_per_token(store: Store) -> float:
     g, prof = store.geometry, store.manifest["profile"]
     fmt = store.kv_format
     kv = g.layers * 2 * fmt.row_bytes(g.kv_heads, g.head_dim)
-    reprs = g.layers * fmt.reprs.row_bytes(g.q_heads, g.head_dim) / max(1, prof.get("min_block", 1))
+    reprs = g.layers * fmt.reprs.row_bytes(store.repr_heads, g.head_dim) / max(1, prof.get("min_block", 1))
     return kv + reprs + 4 + 4 + 1
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from emllm import models
 from emllm.config import Profile, ProfileMismatchError, profile_from_dict
-from emllm.engine.stream import Engine, check_supported
+from emllm.engine.stream import Engine, check_supported, repr_heads
 from emllm.models import ModelSource, config_hash
 from emllm.store import Geometry, Identity, Store, StoreError, StoredEvents, tokenizer_hash, weights_hash, weights_sample
 
@@ -84,9 +84,11 @@ def create_store(path: Path, model_name: str, model: Any, tok: Any, profile: Pro
     None or "auto": the model's compute dtype, lossless)."""
     check_supported(model)  # before its geometry is read: an unsupported config may lack the fields
     fmt = StreamFormat.for_tokenizer(tok, chat)
+    g = geometry_of(model)
     return Store.create(
-        path, identity_of(model_name, model, tok), profile_dict(profile), geometry_of(model),
+        path, identity_of(model_name, model, tok), profile_dict(profile), g,
         extra={"stream": asdict(fmt)}, kv=None if kv_format == "auto" else kv_format,
+        repr_heads=repr_heads(profile, g.kv_heads, g.q_heads),
     )
 
 
@@ -110,7 +112,11 @@ def open_engine(store: Store, model: Any, kv_cache_mb: int | None = None) -> Eng
     if mine != store.geometry:
         raise StoreError(f"{store.path}: the store's geometry ({_geometry_text(store.geometry)}) is not this "
                          f"model's ({_geometry_text(mine)}): the store is damaged, or of another model")
-    engine = Engine(model, store_profile(store), memory=lambda i: StoredEvents(store, i, kv_cache_mb))
+    profile = store_profile(store)
+    if store.repr_heads != store.geometry.q_heads and profile.representative != "mean":
+        raise StoreError(f"{store.path}: representative keys per KV head with representative "
+                         f"{profile.representative!r}: the store is damaged or was edited")
+    engine = Engine(model, profile, memory=lambda i: StoredEvents(store, i, kv_cache_mb))
     state = store.load_state()
     if state:
         try:

@@ -37,6 +37,12 @@ class UnsupportedModelError(ValueError):
     """The architecture cannot run under emllm (yet); the message says why."""
 
 
+def repr_heads(profile: Profile, kv_heads: int, q_heads: int) -> int:
+    """Heads of a new memory's representative keys: mean keys are the same for every query head of
+    a KV head's group, so they are kept per KV head; attention's differ per query head."""
+    return kv_heads if profile.representative == "mean" else q_heads
+
+
 def check_supported(model: PreTrainedModel) -> None:
     cfg = model.config
     mt = getattr(cfg, "model_type", "?")
@@ -100,7 +106,7 @@ class Engine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # Each layer's memory lives on its layer's device (a model split with accelerate's device_map).
         layer_devices = [device_of(layer, self.device) for layer in model.model.layers]
-        memory = memory or (lambda i: EventMemory(cfg.num_key_value_heads, cfg.num_attention_heads, head_dim,
+        memory = memory or (lambda i: EventMemory(cfg.num_key_value_heads, repr_heads(profile, cfg.num_key_value_heads, cfg.num_attention_heads), head_dim,
                                                    self.dtype, layer_devices[i], profile.faiss_threshold))
         self.windows = [
             LayerWindow(i, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, self.dtype, layer_devices[i], memory(i))

@@ -18,7 +18,7 @@ from torch import Tensor
 from emllm.math.attention import attend
 from emllm.memory.buffers import SlidingRows, token_index
 from emllm.memory.events import EventMemory
-from emllm.memory.selection import Selection, mean_keys, representative_keys, update_contiguity
+from emllm.memory.selection import Selection, fold_query, mean_keys, representative_keys, update_contiguity
 from emllm.math.rope import apply_rotary
 
 
@@ -35,7 +35,7 @@ class StepInfo:
     neighbours: int = 1
     centering: float = 0.0  # share of the running mean query taken from each query (profile query_centering)
     keep_mean: bool = False  # whether the running mean query is kept (the profile centres at some point)
-    on_retrieval: Callable[[int, Selection, Tensor], None] | None = None  # (layer, selection, query [H_q, D])
+    on_retrieval: Callable[[int, Selection, Tensor], None] | None = None  # (layer, selection, query [H_r, D] as scored)
     mass: bool = True  # whether the window's attention mass is computed (representative keys need it)
 
 
@@ -147,7 +147,9 @@ class LayerWindow:
             parts_k, parts_v = [self.init_k], [self.init_v]
             query = q_mem.mean(1)  # [H_q, D]
             if len(self.events):
-                ids = self.retrieve(self._centred(query, st.centering), st.budget, st.on_retrieval).ids.to(self.contiguity.device)
+                # (summed over each group of query heads where the memory keeps a key per KV head)
+                scored = fold_query(self._centred(query, st.centering), self.events.repr_heads)
+                ids = self.retrieve(scored, st.budget, st.on_retrieval).ids.to(self.contiguity.device)
                 if st.contiguity_budget:
                     self.contiguity = update_contiguity(
                         self.contiguity, ids, self.events.event_lengths().to(ids.device), st.neighbours,
@@ -212,7 +214,8 @@ class LayerWindow:
 
     def retrieve(self, query: Tensor, budget: int,
                  on_retrieval: Callable[[int, Selection, Tensor], None] | None = None) -> Selection:
-        """query [H_q, D] (rotated at the memory position) -> the events to attend to."""
+        """query [H_r, D] (rotated at the memory position; H_r: the memory's representative heads)
+        -> the events to attend to."""
         sel = self.events.select(query, budget)
         if on_retrieval is not None:
             on_retrieval(self.layer_idx, sel, query)
@@ -253,7 +256,7 @@ class LayerWindow:
         lengths = lengths.to(self.rem_k.device)
         keys, values, mass = self.rem_k[:, :n], self.rem_v[:, :n], self.rem_mass[:, :n]
         if mean:
-            reprs = mean_keys(keys, lengths, self.n_q_heads)  # [e, H_q, D]
+            reprs = mean_keys(keys, lengths, self.events.repr_heads)  # [e, H_r, D]
         else:
             reprs = representative_keys(keys, mass, lengths, repr_topk)
         if normalise:

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from emllm.config import Profile
-from emllm.engine.stream import ChunkReport, Engine
+from emllm.engine.stream import ChunkReport, Engine, repr_heads
 from emllm.app.ingest import Progress, run_job
 from emllm.app.stream import create_store, geometry_of, identity_of, open_engine, pending_tokens, profile_dict
 from emllm.store import CutBackFailed, Store, StoreError, cut_back, save_mark
@@ -271,7 +271,7 @@ class TrunkStores(ScratchStores):
 
         g = geometry_of(self.model)
         fmt = kv_format(self.kv_format or g.dtype, g.head_dim)
-        reprs = fmt.reprs.row_bytes(g.q_heads, g.head_dim) / self.profile.min_block
+        reprs = fmt.reprs.row_bytes(repr_heads(self.profile, g.kv_heads, g.q_heads), g.head_dim) / self.profile.min_block
         return g.layers * (2 * fmt.row_bytes(g.kv_heads, g.head_dim) + reprs) + 16
 
     def _reopen(self, path: Path, ids: torch.Tensor) -> tuple[Store, Engine] | None:

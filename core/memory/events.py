@@ -20,16 +20,19 @@ class EventMemory:
 
     keys/values: [H_kv, T, D] for the T tokens of all events, in stream order.
     starts/lengths: [E] each event's offset into that token axis and its size.
-    reprs: [E, H_q, D] representative keys, in the retrieval index (float32).
+    reprs: [E, H_r, D] representative keys, in the retrieval index (float32); H_r = repr_heads:
+    the query heads, or the KV heads where each group of query heads would share one key (mean
+    keys of a GQA model: a query is then summed over its group before scoring, the same score).
     """
 
     def __init__(
-        self, n_kv_heads: int, n_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+        self, n_kv_heads: int, repr_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
         faiss_threshold: int | None = None,
     ):
+        self.repr_heads = repr_heads
         self.keys = GrowBuffer((n_kv_heads, 0, head_dim), 1, dtype, device)
         self.values = GrowBuffer((n_kv_heads, 0, head_dim), 1, dtype, device)
-        self.index = EventIndex(n_q_heads, head_dim, device, threshold=faiss_threshold)  # reprs, float32
+        self.index = EventIndex(repr_heads, head_dim, device, threshold=faiss_threshold)  # reprs, float32
         self.starts = GrowBuffer((0,), 0, torch.long, device)
         self.lengths = GrowBuffer((0,), 0, torch.long, device)
 
@@ -52,7 +55,7 @@ class EventMemory:
         return keys, values
 
     def append(self, keys: Tensor, values: Tensor, lengths: Tensor, reprs: Tensor) -> None:
-        """Add events: keys/values [H_kv, sum(lengths), D], lengths [e], reprs [e, H_q, D]."""
+        """Add events: keys/values [H_kv, sum(lengths), D], lengths [e], reprs [e, H_r, D]."""
         offsets = torch.cumsum(lengths, 0) - lengths + self.keys.n
         self.keys.append(keys)
         self.values.append(values)
@@ -61,11 +64,11 @@ class EventMemory:
         self.index.add(reprs)
 
     def repr_keys(self) -> Tensor:
-        """[E, H_q, D] float32."""
+        """[E, H_r, D] float32."""
         return self.index.vectors()
 
     def select(self, query: Tensor, budget: int) -> Selection:
-        """The similarity buffer for `query` [H_q, D]: exact, or faiss past the threshold."""
+        """The similarity buffer for `query` [H_r, D]: exact, or faiss past the threshold."""
         return self.index.select(query, self.event_lengths(), budget)
 
     def event_lengths(self) -> Tensor:

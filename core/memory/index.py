@@ -70,7 +70,7 @@ NORM_HEADROOM = 2.0  # R = NORM_HEADROOM x the largest norm when the graph start
 
 
 class EventIndex:
-    """Append-only index over one layer's representative keys [E, H_q, D], held in float32.
+    """Append-only index over one layer's representative keys [E, H, D], held in float32.
 
     `add` appends events (in stream order: their ids are 0, 1, ...); `select` returns the
     `Selection` of `select_events` for one query. Below `threshold` events (or always, with
@@ -81,7 +81,7 @@ class EventIndex:
 
     def __init__(
         self,
-        n_q_heads: int,
+        n_heads: int,
         head_dim: int,
         device: torch.device | str = "cpu",
         threshold: int | None = DEFAULT_THRESHOLD,
@@ -97,9 +97,9 @@ class EventIndex:
             raise ValueError(f"threshold must be >= 1 or None, got {threshold}")
         if not 0.0 < warmup <= 1.0:
             raise ValueError(f"warmup must be in (0, 1], got {warmup}")
-        self.shape = (n_q_heads, head_dim)
-        self.dim = n_q_heads * head_dim
-        self.reprs = GrowBuffer((0, n_q_heads, head_dim), 0, torch.float32, torch.device(device))
+        self.shape = (n_heads, head_dim)
+        self.dim = n_heads * head_dim
+        self.reprs = GrowBuffer((0, n_heads, head_dim), 0, torch.float32, torch.device(device))
         self.threshold = threshold
         self.start = None if threshold is None else max(1, math.ceil(warmup * threshold))
         self.m, self.ef_construction, self.ef_search, self.margin = m, ef_construction, ef_search, margin
@@ -120,11 +120,11 @@ class EventIndex:
         return 0 if self.faiss_index is None else self.faiss_index.ntotal
 
     def vectors(self) -> Tensor:
-        """All representative keys, float32 [E, H_q, D] (a view: do not modify)."""
+        """All representative keys, float32 [E, H, D] (a view: do not modify)."""
         return self.reprs.view()
 
     def add(self, reprs: Tensor) -> None:
-        """Append events' representative keys [e, H_q, D] (any float dtype; stored as float32)."""
+        """Append events' representative keys [e, H, D] (any float dtype; stored as float32)."""
         if tuple(reprs.shape[1:]) != self.shape:
             raise ValueError(f"reprs must be [e, {self.shape[0]}, {self.shape[1]}], got {list(reprs.shape)}")
         if reprs.shape[0] == 0:
@@ -173,7 +173,7 @@ class EventIndex:
     def select(self, query: Tensor, lengths: Tensor, budget: int) -> Selection:
         """The events `select_events(event_scores(reprs, query), lengths, budget)` picks.
 
-        query [H_q, D]; lengths [E] long, every event's tokens (positive). Exact below the
+        query [H, D]; lengths [E] long, every event's tokens (positive). Exact below the
         threshold; from it on, approximate candidates, re-scored exactly (module docstring).
         """
         n = len(self)
@@ -207,7 +207,7 @@ class EventIndex:
         return Selection(cand[sel.ids], sel.scores)
 
     def _gather(self, ids: Tensor) -> Tensor:
-        """reprs[ids] [m, H_q, D], copied into a buffer kept between calls, on this thread.
+        """reprs[ids] [m, H, D], copied into a buffer kept between calls, on this thread.
 
         (torch's index_select of a few hundred rows opens a parallel region; on 2 shared cores
         waiting for the second thread cost ~8 ms, 20x the graph search. numpy's take does not.)

@@ -90,8 +90,20 @@ def scores_in_blocks(n: int, dim: int, block: Callable[[int, int], Tensor], quer
     return out
 
 
+def fold_query(query: Tensor, heads: int) -> Tensor:
+    """query [H_q, D] -> [heads, D] float32: each group of H_q / heads query heads summed.
+
+    Where every query head of a group scores the same representative key r (mean keys of a GQA
+    model), sum_h q_h . r = (sum_h q_h) . r: one key per group then gives the same score, with
+    1/group the bytes to read. heads == H_q: the query, unchanged."""
+    h_q, d = query.shape
+    if heads == h_q:
+        return query
+    return query.float().view(heads, h_q // heads, d).sum(1)
+
+
 def event_scores(reprs: Tensor, query: Tensor) -> Tensor:
-    """Score of each event: sum over query heads of dot(query_h, repr_h). reprs [E, H, D], query [H, D] -> [E]."""
+    """Score of each event: sum over heads of dot(query_h, repr_h). reprs [E, H, D], query [H, D] -> [E]."""
     flat = reprs.reshape(reprs.shape[0], query.numel())  # (no rows: still [0, dim])
     return scores_in_blocks(flat.shape[0], flat.shape[1], lambda a, b: flat[a:b], query)
 
@@ -161,18 +173,19 @@ def representative_keys(keys: Tensor, mass: Tensor, lengths: Tensor, topk: int) 
     return (summed / ok.sum(2, keepdim=True)).transpose(0, 1).contiguous()
 
 
-def mean_keys(keys: Tensor, lengths: Tensor, n_q_heads: int) -> Tensor:
-    """Per event and query head, the mean pre-RoPE key of all its tokens.
+def mean_keys(keys: Tensor, lengths: Tensor, heads: int) -> Tensor:
+    """Per event, the mean pre-RoPE key of all its tokens, per KV head.
 
     keys: [H_kv, n, D] tokens of consecutive events; lengths: [e] with sum == n. Returns
-    [e, H_q, D] in the keys' dtype (summed in float32 along each event's own tokens, in order: the
-    same bits on every device), GQA keys expanded to query heads.
+    [e, heads, D] in the keys' dtype (summed in float32 along each event's own tokens, in order: the
+    same bits on every device); heads: H_kv, or H_q (each KV head's mean repeated for its query
+    heads, as stores before version 7 keep them).
     """
     h_kv, n, d = keys.shape
     idx, valid = _event_rows(lengths, n)
     sums = (keys[:, idx].float() * valid[None, :, :, None]).sum(2)  # [H_kv, e, D]
     means = (sums / lengths.to(sums.dtype)[None, :, None]).to(keys.dtype)
-    return means.repeat_interleave(n_q_heads // h_kv, dim=0).transpose(0, 1).contiguous()
+    return means.repeat_interleave(heads // h_kv, dim=0).transpose(0, 1).contiguous()
 
 
 def update_contiguity(queue: Tensor, selected: Tensor, lengths: Tensor, neighbours: int, budget: int) -> Tensor:

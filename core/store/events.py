@@ -47,7 +47,8 @@ class StoredEvents:
         dt = self.dtype = _BY_NAME[g.dtype][0]  # the compute dtype: keys and values are decoded to it
         self.fmt = store.kv_format  # how the files keep them (emllm.memory.quant)
         self.row = (g.kv_heads, g.head_dim)
-        self.dim = g.q_heads * g.head_dim
+        self.repr_heads = store.repr_heads  # rows of a representative key: KV heads (version 7) or query heads
+        self.dim = self.repr_heads * g.head_dim
         self.k, self.v, self.r = store.layer_files[layer]
         # A reader of a store that has a sketch scores the sketches, then exactly only the events
         # that can be selected (core/memory/sketch.py); a writer always scans (its selections are part of the bytes
@@ -146,7 +147,7 @@ class StoredEvents:
 
     def append(self, keys: Tensor, values: Tensor, lengths: Tensor, reprs: Tensor) -> None:
         """Close events of these sizes over the next tokens: keys/values [H_kv, n, D] (a
-        version-5 store has them from `add_tokens`), lengths [e], reprs [e, H_q, D]."""
+        version-5 store has them from `add_tokens`), lengths [e], reprs [e, H_r, D]."""
         lengths = lengths.cpu()
         offsets = torch.cumsum(lengths, 0) - lengths + self.event_end
         self.event_end += int(lengths.sum())
@@ -161,7 +162,7 @@ class StoredEvents:
         self.lengths.append(lengths)
 
     def _repr_block(self, start: int, stop: int) -> Tensor:
-        """Representative keys of events start..stop-1, [n, H_q * D] (the store's float dtype, or
+        """Representative keys of events start..stop-1, [n, H_r * D] (the store's float dtype, or
         float32 decoded from integer rows)."""
         n_file = self.r.rows
         if stop <= n_file:
@@ -177,7 +178,7 @@ class StoredEvents:
         return rows if self.fmt.reprs.bits is None else self.store.reprs_of(rows)
 
     def repr_keys(self) -> Tensor:
-        """[E, H_q, D] float32, all of them (for inspection and tests: reads the whole file)."""
+        """[E, H_r, D] float32, all of them (for inspection and tests: reads the whole file)."""
         return torch.cat((self._decoded(self.r.read()).float(), self._decoded(self.ram_r.view()).float()))
 
     def select(self, query: Tensor, budget: int) -> Selection:
@@ -194,7 +195,7 @@ class StoredEvents:
         return prune.select(self._resident_rows(n), self.resident_norms.view(), q, self.event_lengths(), budget, tail)
 
     def _resident_rows(self, n: int) -> Tensor:
-        """[n, H_q * D]: the first n events' representative keys (as the store holds them, or
+        """[n, H_r * D]: the first n events' representative keys (as the store holds them, or
         float32 decoded from integers), the new ones read in."""
         for a in range(self.resident.n, n, 1 << 14):
             x = self._repr_block(a, min(n, a + (1 << 14))).to(self.resident.buf.dtype)

@@ -15,11 +15,18 @@ from emllm.store.identity import Geometry
 # as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
 # a version-2 sketch is not used); a version-3 sketch is a version-4 one fitted once.
 
-FORMAT_VERSION = 6  # 5: kv_format (keys and values in a format of their own: bfloat16, int8, int4);
-# 6: key_equaliser (an integer store's keys equalised per channel before they are quantised)
-# A store is written with the lowest version that reads it: one without key equalisers as version 5
-# (an emllm of version 5 reads it), an integer store with them as version 6.
+FORMAT_VERSION = 7  # 5: kv_format (keys and values in a format of their own: bfloat16, int8, int4);
+# 6: key_equaliser (an integer store's keys equalised per channel before they are quantised);
+# 7: repr_heads (representative keys kept per KV head: mean keys of a GQA model, 1/group the bytes)
+# A store is written with the lowest version that reads it: one without key equalisers and with a
+# representative key per query head as version 5 (an emllm of version 5 reads it), an integer store
+# with key equalisers as version 6, one with a representative key per KV head as version 7.
 PLAIN_VERSION = 5
+
+
+def version_for(key_equaliser: bool, repr_heads: int, q_heads: int) -> int:
+    """The lowest store format version that reads a store of these features."""
+    return 7 if repr_heads != q_heads else 6 if key_equaliser else PLAIN_VERSION
 MANIFEST = "manifest.json"
 
 def checksum(manifest: dict) -> str:
@@ -127,6 +134,9 @@ def _validate(m: dict) -> None:
 
         _need(m["kv_format"] in FORMATS, f"kv_format {m['kv_format']!r} is not one a store holds")
         _need(g["head_dim"] % 2 == 0 or m["kv_format"] != "int4", "int4 needs an even head size")
+    if "repr_heads" in m:
+        r = _int(m, "repr_heads", 1, 4096)
+        _need(r in (g["kv_heads"], g["q_heads"]), f"repr_heads is {r}, neither the KV heads nor the query heads")
     if "key_equaliser" in m:
         _need(isinstance(m["key_equaliser"], bool), "key_equaliser is not true or false")
         _need(not m["key_equaliser"] or m.get("kv_format") in ("int8", "int4"), "key_equaliser on a store that is not integer")

@@ -124,8 +124,8 @@ class RowFile:
         if rows.size > 1 and not bool((rows[1:] > rows[:-1]).all()):
             rows, inv = np.unique(rows, return_inverse=True)
         cut = np.flatnonzero(np.diff(rows) > 1 + READ_GAP // self.row_bytes) + 1
-        first = np.r_[0, cut]  # index in rows of each run's first row
-        starts, stops = rows[first], rows[np.r_[cut - 1, rows.size - 1]] + 1
+        first = np.concatenate(([0], cut))  # index in rows of each run's first row (np.r_ costs 15 us a call)
+        starts, stops = rows[first], rows[np.concatenate((cut - 1, [rows.size - 1]))] + 1
         self._willneed_runs(starts, stops)
         size = stops - starts
         at = np.cumsum(size) - size  # each run's first row in buf
@@ -136,7 +136,7 @@ class RowFile:
                 self._pread(buf[o // rb : (o + n) // rb], a // rb, (a + n) // rb)
         if inv is None and buf.shape[0] == rows.size:
             return buf  # no gaps, no repeats: the rows themselves
-        pos = np.repeat(at - starts, np.diff(np.r_[first, rows.size])) + rows  # each row's place in buf
+        pos = np.repeat(at - starts, np.diff(np.concatenate((first, [rows.size])))) + rows  # each row's place in buf
         return buf[torch.from_numpy(pos if inv is None else pos[inv])]
 
     def _willneed_runs(self, starts: np.ndarray, stops: np.ndarray) -> None:

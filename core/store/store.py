@@ -6,7 +6,8 @@ A store is a folder:
     tokens.i32 surprise.f32 flags.u8          one row per processed token of the stream
     events.i32                                one row per event: its length in tokens
     layers/NN.k layers/NN.v                   per layer, one row [H_kv, D] per event token (pre-RoPE)
-    layers/NN.r                               per layer, one row [H_q, D] per event (representative key)
+    layers/NN.r                               per layer, one row [H_r, D] per event (representative key;
+                                              H_r: repr_heads, the query heads before version 7)
     sketch{-F}.safetensors   per layer, the basis of the sketches (once the store has sketch_threshold events;
                              F: the events it was fitted on, refitted as the store doubles)
     layers/NN{.F}.p layers/NN{.F}.n           per layer, each event's sketch [dims] and its norms [3]
@@ -45,7 +46,7 @@ from emllm.memory.quant import kv_format
 from emllm.store.errors import ModelMismatchError, StoreError, lock_store
 from emllm.store.files import Folder, UnsafePath, fsync_dir
 from emllm.store.identity import Geometry, Identity
-from emllm.store.manifest import FORMAT_VERSION, MANIFEST, PLAIN_VERSION, checksum, is_store, read_manifest
+from emllm.store.manifest import MANIFEST, checksum, is_store, read_manifest, version_for
 from emllm.store.rows import _BY_NAME, RowFile
 
 
@@ -93,12 +94,15 @@ class Store:
         self.surprise = f("surprise.f32", (), torch.float32, rows["tokens"])
         self.flags = f("flags.u8", (), torch.uint8, rows["tokens"])
         self.events = f("events.i32", (), torch.int32, rows["events"])
-        h, hq, d = self.geometry.kv_heads, self.geometry.q_heads, self.geometry.head_dim
+        h, d = self.geometry.kv_heads, self.geometry.head_dim
+        # representative keys per event: one per KV head (version 7, mean keys of a GQA model: the
+        # query heads of a group would share it) or one per query head
+        self.repr_heads = hr = manifest.get("repr_heads", self.geometry.q_heads)
         self.layer_files = [
             (
                 f(f"layers/{i:02d}.k", kvf.row(h, d), kvf.row_dtype, kv_rows),
                 f(f"layers/{i:02d}.v", kvf.row(h, d), kvf.row_dtype, kv_rows),
-                f(f"layers/{i:02d}.r", kvf.reprs.row(hq, d), kvf.reprs.row_dtype, rows["events"]),
+                f(f"layers/{i:02d}.r", kvf.reprs.row(hr, d), kvf.reprs.row_dtype, rows["events"]),
             )
             for i in range(self.geometry.layers)
         ]
@@ -153,9 +157,10 @@ class Store:
     # -- open / create -----------------------------------------------------------------------
     @classmethod
     def create(cls, path: Path, identity: Identity, profile: dict, geometry: Geometry, extra: dict | None = None,
-               kv: str | None = None) -> "Store":
+               kv: str | None = None, repr_heads: int | None = None) -> "Store":
         """A new, empty store for `path` (which must not exist, or be an empty folder), keeping keys
-        and values in format `kv` (emllm.memory.quant.FORMATS; None: the compute dtype).
+        and values in format `kv` (emllm.memory.quant.FORMATS; None: the compute dtype) and
+        representative keys of `repr_heads` heads (the KV heads or, None, the query heads).
 
         It is built in a hidden folder beside `path` and takes the name at its first commit (its
         first job, or its first state): a create interrupted before that (killed, Ctrl-C while
@@ -173,9 +178,12 @@ class Store:
         lock_fd = lock_store(tmp)
         now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         fmt = kv_format(kv or geometry.dtype, geometry.head_dim)
+        hr = geometry.q_heads if repr_heads is None else repr_heads
+        if hr not in (geometry.kv_heads, geometry.q_heads):
+            raise ValueError(f"repr_heads {hr}: neither the KV heads nor the query heads")
         manifest = {
             "format": "emllm-store",
-            "version": FORMAT_VERSION if fmt.bits else PLAIN_VERSION,
+            "version": version_for(fmt.bits is not None, hr, geometry.q_heads),
             "created": now,
             "updated": now,
             "identity": identity.as_dict(),
@@ -183,6 +191,7 @@ class Store:
             "geometry": dict(geometry.__dict__),
             "kv_format": fmt.name,
             "key_equaliser": fmt.bits is not None,
+            **({"repr_heads": hr} if hr != geometry.q_heads else {}),
             "rows": {"tokens": 0, "events": 0, "event_tokens": 0, "kv_tokens": 0},
             "state": None,
             "job": None,
@@ -424,7 +433,8 @@ class Store:
                 g = self.geometry
                 for i in range(g.layers):
                     mean, basis = self._basis[f"{i}.mean"], self._basis[f"{i}.basis"]
-                    if mean.shape != (g.q_heads * g.head_dim,) or basis.shape != (g.q_heads * g.head_dim, self.manifest["sketch"]["dims"]):
+                    dim = self.repr_heads * g.head_dim
+                    if mean.shape != (dim,) or basis.shape != (dim, self.manifest["sketch"]["dims"]):
                         raise ValueError(f"layer {i}'s basis has the wrong shape")
                     if mean.dtype != torch.float32 or basis.dtype != torch.float32:
                         raise ValueError(f"layer {i}'s basis is not float32")
@@ -488,7 +498,7 @@ class Store:
         return quant.decode_keys(self.kv_format, rows, self.key_equaliser(layer), dtype)
 
     def reprs_of(self, rows: Tensor) -> Tensor:
-        """Representative keys [n, H_q, D] float32 from rows of a `layers/NN.r` file."""
+        """Representative keys [n, H_r, D] float32 from rows of a `layers/NN.r` file."""
         return self.kv_format.reprs.decode(rows, torch.float32)
 
     def update_sketch(self) -> bool:
