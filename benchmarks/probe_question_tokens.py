@@ -1,5 +1,5 @@
 """Offline probe: score events with the question token by token instead of with its mean query.
-One ingest per RULER-style prompt (the default profile, in RAM); every layer's centred memory
+One ingest per RULER-style prompt (the default profile with the paper's representatives, in RAM); every layer's centred memory
 queries of the question's tokens are captured, and events ranked by their mean (the engine's
 scoring), the maximum, a log-sum-exp, the best two, z-scored per token (max and mean). Prints
 the share of layers whose budget would hold each asked needle.
@@ -7,7 +7,7 @@ the share of layers whose budget would hold each asked needle.
     python -m benchmarks.probe_question_tokens 8192 prose
 
 Results: docs/benchmarks.md, representative keys (every token-wise scoring was worse)."""
-import random, sys, json, torch
+import dataclasses, random, sys, json, torch
 from emllm import models
 from emllm.engine.stream import Engine
 from emllm.engine import window as W
@@ -17,7 +17,9 @@ from emllm.memory.selection import select_events
 torch.set_num_threads(1)
 length = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 hay = sys.argv[2] if len(sys.argv) > 2 else "prose"
-src = models.resolve("smollm2"); prof = src.profile
+src = models.resolve("smollm2")
+# the paper's representatives (the default when this probe was written): per query head, by attention
+prof = dataclasses.replace(src.profile, representative="attention")
 model, tok = models.load(src, dtype="bfloat16")
 cap = {}
 orig = W.LayerWindow.forward

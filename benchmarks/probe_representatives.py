@@ -1,5 +1,5 @@
 """Offline probe: which representative key finds the needle? One ingest per RULER-style prompt
-(the default profile, in RAM), then every layer's events ranked against the question's retrieval
+(the default profile with the paper's representatives, in RAM), then every layer's events ranked against the question's retrieval
 query (as the engine scored it) with other representative keys computed from the same events'
 keys: the attention's top 4 (the paper's), the mean of every token, the 4 most surprising
 tokens, both means, the mean at unit length per head, the better of two z-scored rankings.
@@ -9,7 +9,7 @@ Prints, per prompt and needle asked, the share of layers whose budget would hold
 
 Not the engine's own path: a quick way to rank options before running one end to end
 (benchmarks/quality.py --variant ...). Results: docs/benchmarks.md, representative keys."""
-import random, sys, torch
+import dataclasses, random, sys, torch
 from emllm import models
 from emllm.engine.stream import Engine
 from emllm.evals.ruler import build_prompt, TASKS
@@ -19,7 +19,9 @@ torch.set_num_threads(1)
 length = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 hay = sys.argv[2] if len(sys.argv) > 2 else "prose"
 hay = None if hay == "none" else hay
-src = models.resolve("smollm2"); prof = src.profile
+src = models.resolve("smollm2")
+# the paper's representatives (the default when this probe was written): per query head, by attention
+prof = dataclasses.replace(src.profile, representative="attention")
 model, tok = models.load(src, dtype="bfloat16")
 variants = ["mass4", "all", "surp4", "norm_all", "max2"]
 res = {v: [] for v in variants}

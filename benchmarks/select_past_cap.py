@@ -53,7 +53,7 @@ def main() -> None:
             ev.sketch = None  # as a writer selects
             cap, n = ev.resident_cap, len(ev)
             ways = {"scan": 0, "resident up to the cap, the rest scanned": min(cap, n), "all resident": n}
-            qs = [ev._repr_block(e, e + 1).float().reshape(st.geometry.q_heads, -1) for e in torch.randint(0, n, (a.repeat,)).tolist()]
+            qs = [ev._repr_block(e, e + 1).float().reshape(st.repr_heads, -1) for e in torch.randint(0, n, (a.repeat,)).tolist()]
             times: dict[str, float] = {}
             picked: dict[str, list] = {}
             for way, c in ways.items():

@@ -95,13 +95,13 @@ def fill_memory(engine, m: int, gen: torch.Generator) -> None:
     lengths = lengths[lengths > 0]
     batch = (torch.cumsum(lengths, 0) - 1) // 65536  # events in batches of ~64k tokens: bounded RAM
     for w in engine.windows:
-        h_kv, h_q, d = w.n_kv_heads, w.n_q_heads, w.head_dim
+        h_kv, d = w.n_kv_heads, w.head_dim
         for b in batch.unique():
             ls = lengths[batch == b]
             m = int(ls.sum())
             k = torch.randn(h_kv, m, d, generator=gen).to(engine.dtype)
             v = torch.randn(h_kv, m, d, generator=gen).to(engine.dtype)
-            reprs = torch.randn(ls.numel(), h_q, d, generator=gen).to(engine.dtype)
+            reprs = torch.randn(ls.numel(), w.events.repr_heads, d, generator=gen).to(engine.dtype)
             # a store from version 5 keeps every token's rows (add_tokens) and events index them;
             # these events then span the real window's rows and the random ones: the same cost
             w.events.add_tokens(k, v)
