@@ -243,6 +243,9 @@ def store_summary(s: dict):
     t.add_row("model", f"{shown(s['model'])}  [dim]config {shown(s['identity']['config_hash'])}[/dim]")
     keys = " (keys equalised)" if s.get("key_equaliser") else ""
     t.add_row("format", f"keys and values in {shown(s['format'])}{keys}, computed in {shown(s['dtype'])}")
+    if "representative" in s:
+        how = "the mean key of its tokens" if s["representative"] == "mean" else "its most attended tokens' keys"
+        t.add_row("retrieval", f"each event found by {how} ({s['representative_heads']} heads)")
     t.add_row("profile", f"{shown(s['profile']['name'])}: {shown(s['profile']['segmentation'])}, n_local {s['profile']['n_local']}, "
               f"n_mem {s['profile']['n_mem']}, chunk {s['profile']['chunk_size']}")
     t.add_row("tokens", f"{s['tokens']}" + ("" if s["complete"] else "  [yellow](ingest unfinished: --resume)[/yellow]"))

@@ -332,7 +332,8 @@ def test_library_refuses_a_truncated_file_before_writing(tiny, tmp_path):
 # -- the commands' normal paths, JSON schemas (README), stdin, Ctrl-C -----------------------------
 INSPECT_KEYS = {"store": str, "format_version": int, "model": str, "identity": dict, "profile": dict, "created": str,
                 "updated": str, "tokens": int, "processed_tokens": int, "events": int, "event_tokens": int,
-                "event_sizes": dict, "documents": list, "complete": bool, "bytes": dict}
+                "event_sizes": dict, "documents": list, "complete": bool, "bytes": dict, "representative": str,
+                "representative_heads": int}
 RETRIEVAL_KEYS = {"query": str, "layers": int, "bins": int, "steps": int, "coverage": list, "top_events": list}
 
 
@@ -381,6 +382,9 @@ def test_ingest_ask_inspect_through_the_executable(tiny, tmp_path):
     summary = json.loads(r.stdout)
     _check(summary, INSPECT_KEYS)
     assert sum(summary["event_sizes"].values()) == summary["events"]
+    assert summary["representative"] == "mean" and summary["representative_heads"] == 2  # the tiny model's KV heads
+    r = run("inspect", "a", home=tmp_path)  # the Rich view says how events are found
+    assert r.returncode == 0 and "each event found by the mean key of its tokens (2 heads)" in r.stdout, r.stdout
     r = run("inspect", "a", "--query", QUESTION, "--layer", "1", "--json", home=tmp_path)
     ret = json.loads(r.stdout)["retrieval"]
     _check(ret, RETRIEVAL_KEYS)
