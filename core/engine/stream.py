@@ -106,8 +106,9 @@ class Engine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # Each layer's memory lives on its layer's device (a model split with accelerate's device_map).
         layer_devices = [device_of(layer, self.device) for layer in model.model.layers]
-        memory = memory or (lambda i: EventMemory(cfg.num_key_value_heads, repr_heads(profile, cfg.num_key_value_heads, cfg.num_attention_heads), head_dim,
-                                                   self.dtype, layer_devices[i], profile.faiss_threshold))
+        heads = repr_heads(profile, cfg.num_key_value_heads, cfg.num_attention_heads)
+        memory = memory or (lambda i: EventMemory(cfg.num_key_value_heads, heads, head_dim, self.dtype, layer_devices[i],
+                                                   profile.faiss_threshold))
         self.windows = [
             LayerWindow(i, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, self.dtype, layer_devices[i], memory(i))
             for i in range(cfg.num_hidden_layers)
