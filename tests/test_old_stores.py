@@ -116,16 +116,32 @@ with Store.open(path) as st:
 """
 
 
-@pytest.fixture(scope="module")
-def old_int_code(tmp_path_factory) -> Path:
-    r = subprocess.run(["git", "-C", str(REPO), "archive", OLD_INT, "core"], capture_output=True)
+def _old_package(tmp_path_factory, commit: str, name: str, profiles: bool = False) -> Path:
+    """The package `emllm` as `commit` installed it (core/ named emllm, its profiles inside)."""
+    r = subprocess.run(["git", "-C", str(REPO), "archive", commit, "core", *(["profiles"] if profiles else [])],
+                       capture_output=True)
     if r.returncode:
-        pytest.skip(f"commit {OLD_INT} is not in this clone's history (a shallow clone?)")
-    out = tmp_path_factory.mktemp("old-int")
+        pytest.skip(f"commit {commit} is not in this clone's history (a shallow clone?)")
+    out = tmp_path_factory.mktemp(name)
     with tarfile.open(fileobj=BytesIO(r.stdout)) as tar:
         tar.extractall(out, filter="data")
-    (out / "core").rename(out / "emllm")  # the package as it was installed
+    (out / "core").rename(out / "emllm")
+    if profiles:
+        (out / "profiles").rename(out / "emllm" / "profiles")
     return out
+
+
+def _write_with(code: Path, script: str, folder, prof, store: Path, text: str, more: str) -> list:
+    """Run `script` (WRITE_INT's form) with the old package at `code`: its answer's tokens."""
+    r = subprocess.run([sys.executable, "-c", script, str(folder), str(prof), str(store), text, QUESTION, more],
+                       capture_output=True, text=True, cwd=code, env={"PYTHONPATH": str(code), "PATH": "/usr/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def old_int_code(tmp_path_factory) -> Path:
+    return _old_package(tmp_path_factory, OLD_INT, "old-int")
 
 
 def test_an_int4_store_of_version_5_opens_answers_and_goes_on_without_an_equaliser(tiny, old_int_code, tmp_path):
@@ -135,11 +151,7 @@ def test_an_int4_store_of_version_5_opens_answers_and_goes_on_without_an_equalis
     folder, prof, _, _ = tiny
     text, more = words(23, 400), words(24, 120)
     store = tmp_path / "old-int4"
-    r = subprocess.run([sys.executable, "-c", WRITE_INT, str(folder), str(prof), str(store), text, QUESTION, more],
-                       capture_output=True, text=True, cwd=old_int_code,
-                       env={"PYTHONPATH": str(old_int_code), "PATH": "/usr/bin"})
-    assert r.returncode == 0, r.stderr[-2000:]
-    old_answer = json.loads(r.stdout.strip().splitlines()[-1])
+    old_answer = _write_with(old_int_code, WRITE_INT, folder, prof, store, text, more)
     m = json.loads((store / "manifest.json").read_text())
     assert m["version"] == 5 and m["kv_format"] == "int4" and "key_equaliser" not in m
     model, tok = load_tiny(folder)
@@ -174,15 +186,7 @@ WRITE_MEAN = WRITE_INT.replace(', kv_format="int4"', "")
 
 @pytest.fixture(scope="module")
 def old_mean_code(tmp_path_factory) -> Path:
-    r = subprocess.run(["git", "-C", str(REPO), "archive", OLD_MEAN, "core", "profiles"], capture_output=True)
-    if r.returncode:
-        pytest.skip(f"commit {OLD_MEAN} is not in this clone's history (a shallow clone?)")
-    out = tmp_path_factory.mktemp("old-mean")
-    with tarfile.open(fileobj=BytesIO(r.stdout)) as tar:
-        tar.extractall(out, filter="data")
-    (out / "core").rename(out / "emllm")
-    (out / "profiles").rename(out / "emllm" / "profiles")
-    return out
+    return _old_package(tmp_path_factory, OLD_MEAN, "old-mean", profiles=True)
 
 
 def test_a_mean_store_with_a_key_per_query_head_opens_answers_and_goes_on_alike(tiny, old_mean_code, tmp_path):
@@ -192,11 +196,7 @@ def test_a_mean_store_with_a_key_per_query_head_opens_answers_and_goes_on_alike(
     folder, prof, _, _ = tiny
     text, more = words(25, 400), words(26, 120)
     store = tmp_path / "old-mean"
-    r = subprocess.run([sys.executable, "-c", WRITE_MEAN, str(folder), str(prof), str(store), text, QUESTION, more],
-                       capture_output=True, text=True, cwd=old_mean_code,
-                       env={"PYTHONPATH": str(old_mean_code), "PATH": "/usr/bin"})
-    assert r.returncode == 0, r.stderr[-2000:]
-    old_answer = json.loads(r.stdout.strip().splitlines()[-1])
+    old_answer = _write_with(old_mean_code, WRITE_MEAN, folder, prof, store, text, more)
     m = json.loads((store / "manifest.json").read_text())
     assert m["version"] == 5 and "repr_heads" not in m and m["profile"]["representative"] == "mean"
     model, tok = load_tiny(folder)
@@ -213,7 +213,8 @@ def test_a_mean_store_with_a_key_per_query_head_opens_answers_and_goes_on_alike(
     m_new = json.loads((new / "manifest.json").read_text())
     assert m_new["version"] == 7 and m_new["repr_heads"] == m_new["geometry"]["kv_heads"]
     g = m_new["geometry"]["q_heads"] // m_new["geometry"]["kv_heads"]
-    assert (new / "layers/00.r").stat().st_size * g == (store.parent / "old-mean-whole" / "layers/00.r").stat().st_size * \
-        m_new["rows"]["events"] // json.loads((tmp_path / "old-mean-whole" / "manifest.json").read_text())["rows"]["events"]
+    whole = tmp_path / "old-mean-whole"
+    old_row = (whole / "layers/00.r").stat().st_size // json.loads((whole / "manifest.json").read_text())["rows"]["events"]
+    assert (new / "layers/00.r").stat().st_size == m_new["rows"]["events"] * old_row // g  # a row a group's size
     with Store.open(new) as st:
         assert list(Session(st, model, tok).answer(QUESTION, 8)) == old_answer  # the same selections here
