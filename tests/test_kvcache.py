@@ -74,7 +74,8 @@ def test_cache_equals_a_brute_force_ring_and_returns_the_right_rows():
 
 def test_store_gather_with_the_cache_equals_the_rows_written(tmp_path):
     """Through the cache, gather returns exactly the rows written (bit for bit), for a writer and
-    for a reader with events of its own in RAM; the cache hits; 0 MiB turns it off."""
+    for a reader with events of its own in RAM; the cache hits; 0 MiB turns it off. A reader
+    without a cache (the default) reads the files' maps: the same rows."""
     from emllm.store import Geometry, Identity, Store, StoredEvents
 
     g = Geometry(layers=1, kv_heads=2, q_heads=2, head_dim=4, vocab=10, dtype="float32")
@@ -117,9 +118,19 @@ def test_store_gather_with_the_cache_equals_the_rows_written(tmp_path):
     st.flags.append(torch.zeros(n, dtype=torch.uint8))
     st.commit({}, {})
     st.close()
+    in_files = len(ks)
     with Store.open(tmp_path / "s") as rd:
         ev = StoredEvents(rd, 0)
+        assert ev.random_access  # a reader without a cache indexes the files' maps
         ev.cache = EventCache(40, ev.k.row, torch.float32)
+        ev.random_access = False
         fill(ev, 20)  # a reader's own events stay in RAM, never cached
         check(ev, 200)
         assert int((ev.cache.where[50:] >= 0).sum()) == 0
+    del ks[in_files:], vs[in_files:], ls[in_files:]
+    with Store.open(tmp_path / "s") as rd:  # the maps, then with events of its own in RAM too
+        ev = StoredEvents(rd, 0)
+        assert ev.random_access and ev.cache is None
+        check(ev, 50)
+        fill(ev, 20)
+        check(ev, 200)

@@ -59,13 +59,21 @@ def naive_layer(snap: LayerWindow, q, k, v, scaling, n_local, budget, inv_freq, 
 
 
 @pytest.mark.parametrize("contiguity", [False, True])
-@pytest.mark.parametrize("step", ["chunk", "decode"])
+@pytest.mark.parametrize("step", ["chunk", "decode", "decode-late"])
 def test_fast_path_equals_naive_reference(step, contiguity, monkeypatch):
     model = tiny_model("llama3.1")
     prof = tiny_profile(contiguity=contiguity, n_mem=30)
     eng = Engine(model, prof)
     ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(11))
-    eng.feed(ids[:160])
+    if step == "decode-late":  # tokens one at a time before: the window kept rotated, rebuilt every 3
+        monkeypatch.setattr("emllm.engine.stream.TOKEN_SLACK", 3)
+        eng.feed(ids[:150])
+        for t in range(150, 160):
+            eng.step(ids[t : t + 1])
+        rw = eng.windows[1]._rw
+        assert rw is not None and rw.a > 0  # the last token's query is rotated past the window's length
+    else:
+        eng.feed(ids[:160])
     assert eng.n_events >= 5 and eng.windows[1].rem_k.shape[1] > 0  # memory is really in play
 
     seen = {}

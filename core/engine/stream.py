@@ -31,6 +31,7 @@ from emllm.engine.sampling import Chooser, greedy
 from emllm.engine.window import LayerWindow, StepInfo
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+TOKEN_SLACK = 256  # generated tokens between two rotations of a layer's whole window
 
 
 class UnsupportedModelError(ValueError):
@@ -167,12 +168,15 @@ class Engine:
         pr = self.profile
         c = chunk.numel()
         window = min(self.n_tokens, pr.n_local) + c
-        cos, sin = self.rotary.table(max(window, pr.n_local), self.device, self.dtype)
+        # a step of one token keeps the window rotated at positions up to n_local + TOKEN_SLACK
+        # (not for rope types whose angles depend on the sequence's length: their window is rotated whole)
+        slack = TOKEN_SLACK if c == 1 and not self.rotary.length_dependent else 0
+        cos, sin = self.rotary.table(max(window, pr.n_local + slack), self.device, self.dtype)
         cont = int(pr.n_mem * pr.contiguity_ratio) if pr.contiguity else 0
         centering = pr.question_centering if self.answering and pr.question_centering else pr.query_centering
         step = StepInfo(cos, sin, pr.n_local, pr.n_init, pr.n_mem - cont, cont, pr.neighbours, centering,
                         bool(pr.query_centering or pr.question_centering), self.on_retrieval,
-                        pr.representative == "attention")
+                        pr.representative == "attention", slack)
         if self.model.config._attn_implementation != attention.NAME:  # someone ran the plain model meanwhile
             self.model.set_attn_implementation(attention.NAME)
         x = chunk.to(self.device)[None]

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from emllm.math.attention import attend
+from emllm.engine.rotated import RotatedWindow
 from emllm.memory.buffers import SlidingRows, token_index
 from emllm.memory.events import EventMemory
 from emllm.memory.selection import Selection, fold_query, mean_keys, representative_keys, update_contiguity
@@ -37,6 +38,7 @@ class StepInfo:
     keep_mean: bool = False  # whether the running mean query is kept (the profile centres at some point)
     on_retrieval: Callable[[int, Selection, Tensor], None] | None = None  # (layer, selection, query [H_r, D] as scored)
     mass: bool = True  # whether the window's attention mass is computed (representative keys need it)
+    token_slack: int = 0  # steps of one token keep the window rotated (`RotatedWindow`) with this room (0: never)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class LayerWindow:
     @local_k.setter
     def local_k(self, t: Tensor) -> None:
         self._lk = SlidingRows(t)
+        self._rw: RotatedWindow | None = None  # the window rotated for steps of one token (none yet)
 
     @property
     def local_v(self) -> Tensor:
@@ -135,9 +138,18 @@ class LayerWindow:
         k_loc = self._lk.append(k)  # [H_kv, L, D] (a view: valid until the next step's append)
         v_loc = self._lv.append(v)
         length = k_loc.shape[1]
-        cos, sin = st.cos[:length].to(q.device), st.sin[:length].to(q.device)
-        q_loc = apply_rotary(q, cos[length - c :], sin[length - c :])
-        k_rot = apply_rotary(k_loc, cos, sin)
+        if c == 1 and st.token_slack:  # a generated token: the window stays rotated
+            rw = self._rw
+            if rw is None or rw.full() or rw.rows != length - 1:
+                rw = self._rw = RotatedWindow(k_loc[:, :-1], v_loc[:, :-1], st.cos, st.sin, st.token_slack)
+            p = rw.push(k, v, st.cos, st.sin)
+            q_loc = apply_rotary(q, st.cos[p : p + 1].to(q.device), st.sin[p : p + 1].to(q.device))
+            k_rot, v_att = rw.view()
+        else:
+            self._rw = None  # (a chunk moves the window past what it holds)
+            cos, sin = st.cos[:length].to(q.device), st.sin[:length].to(q.device)
+            q_loc = apply_rotary(q, cos[length - c :], sin[length - c :])
+            k_rot, v_att = apply_rotary(k_loc, cos, sin), v_loc
 
         q_mem = k_mem = v_mem = None
         has_memory = self.init_k.shape[1] or self.rem_k.shape[1] or len(self.events)
@@ -167,7 +179,7 @@ class LayerWindow:
                 self.query_sum += query.float()
                 self.query_n += 1
 
-        out, mass = attend(q_loc, k_rot, v_loc, q_mem, k_mem, v_mem, scaling, st.mass)
+        out, mass = attend(q_loc, k_rot, v_att, q_mem, k_mem, v_mem, scaling, st.mass)
         if mass is None:  # (the mass buffers keep their shapes, and the state its format: zeros)
             mass = torch.zeros(self.n_q_heads, k_loc.shape[1], dtype=torch.float32, device=k_loc.device)
         self._slide(k_loc, v_loc, mass, st)
@@ -183,7 +195,9 @@ class LayerWindow:
         """Keys and values of events ids [k] (sorted), [H_kv, n, D] each, on the ids' device: the
         events the last step held are copied from what it held, only the others are read from
         the memory (a store reads on the host). The same rows in the same order as
-        `events.gather(ids)`."""
+        `events.gather(ids)`. A memory read by one index (in RAM, a reader's map) is simply indexed."""
+        if self.events.random_access:
+            return self.events.gather(ids)
         held = self._held
         if held is not None and held[0].numel() == ids.numel() and bool(torch.equal(held[0], ids)):
             return held[1], held[2]
@@ -244,6 +258,8 @@ class LayerWindow:
                 self.rem_mass = torch.cat((self.rem_mass, total_mass[:, to_init:n_out]), 1)
         self._lk.drop_front(n_out)
         self._lv.drop_front(n_out)
+        if self._rw is not None:
+            self._rw.drop_front(n_out)
         self.local_mass = total_mass[:, n_out:]  # a view: the next step adds to it
 
     def close_events(self, lengths: Tensor, repr_topk: int, normalise: bool = False, mean: bool = False) -> None:

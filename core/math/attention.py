@@ -32,9 +32,9 @@ class Hooks(Protocol):
 
 
 def attend(
-    q_local: Tensor,  # [H_q, c, D] queries rotated at their window positions
-    k_local: Tensor,  # [H_kv, L, D] window keys (last c are the chunk's), rotated at 0..L-1
-    v_local: Tensor,  # [H_kv, L, D]
+    q_local: Tensor,  # [H_q, c, D] queries rotated at their window positions (the model's dtype: the output's)
+    k_local: Tensor,  # [H_kv, L, D] window keys (last c are the chunk's), rotated at 0..L-1 (or all shifted alike)
+    v_local: Tensor,  # [H_kv, L, D] (the model's dtype or float32)
     q_mem: Tensor | None,  # [H_q, c, D] queries rotated at the memory position
     k_mem: Tensor | None,  # [H_kv, M, D] memory keys, un-rotated
     v_mem: Tensor | None,  # [H_kv, M, D]
@@ -121,10 +121,10 @@ def _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, wit
     inv_z = z.reciprocal_()
     out.mul_(inv_z.unsqueeze(-1))
     if not with_mass:
-        return out.to(v_local.dtype).view(h_q, c, d), None
+        return out.to(q_local.dtype).view(h_q, c, d), None
     # Attention each window key received, summed over the chunk's queries: [H_kv, g, 1, L].
     mass = torch.matmul(inv_z.view(h_kv, g, 1, c), s.view(h_kv, g, c, length)).reshape(h_q, length)
-    return out.to(v_local.dtype).view(h_q, c, d), mass
+    return out.to(q_local.dtype).view(h_q, c, d), mass
 
 
 def _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass=True):

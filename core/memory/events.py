@@ -25,6 +25,10 @@ class EventMemory:
     keys of a GQA model: a query is then summed over its group before scoring, the same score).
     """
 
+    # gathering events is one index into tensors in memory: a step gathers its whole selection
+    # rather than keep the last step's (LayerWindow._gather)
+    random_access = True
+
     def __init__(
         self, n_kv_heads: int, repr_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
         faiss_threshold: int | None = None,

@@ -80,6 +80,10 @@ class StoredEvents:
         # A ring smaller than one step's retrieval would only churn: no cache then.
         n_mem = store.manifest["profile"].get("n_mem", 0)
         self.cache = EventCache(cap, self.row, dt) if cap > 0 and cap >= n_mem else None
+        # A reader indexes the files' maps (`RowFile.rows_at`): a step gathers its whole selection in
+        # one copy. A writer reads with pread and its window keeps the last step's events: its
+        # resident memory stays its own however long the stream (a 1M-token ingest).
+        self.random_access = not store.writable and self.cache is None
         # Every event's representative key, read once (within repr_cache_mb): a selection is
         # then one mv and a few exact scores (`memory.prune`), not a scan of the file.
         mb = store.manifest["profile"].get("repr_cache_mb", Profile.repr_cache_mb)
@@ -267,11 +271,12 @@ class StoredEvents:
         disk = idx < self.n_disk
         dec_k = lambda rows: self.store.decode_keys(self.layer, rows, self.dtype)  # noqa: E731
         dec_v = lambda rows: self.fmt.decode(rows, self.dtype)  # noqa: E731
+        take = (lambda f, i: f.rows_at(i)) if self.random_access else (lambda f, i: f.take(i))  # noqa: E731
         if bool(disk.all()):
-            return dec_k(self.k.take(idx)), dec_v(self.v.take(idx))
+            return dec_k(take(self.k, idx)), dec_v(take(self.v, idx))
         k = torch.empty((idx.numel(), *self.row), dtype=self.dtype)
         v = torch.empty_like(k)
-        k[disk], v[disk] = dec_k(self.k.take(idx[disk])), dec_v(self.v.take(idx[disk]))
+        k[disk], v[disk] = dec_k(take(self.k, idx[disk])), dec_v(take(self.v, idx[disk]))
         ram = idx[~disk] - self.n_disk
         k[~disk], v[~disk] = self.ram_k.view()[ram], self.ram_v.view()[ram]
         return k, v

@@ -43,6 +43,7 @@ class RowFile:
         self.row_bytes = int(np.prod(self.row, dtype=np.int64)) * self.np_dtype.itemsize
         self._map: np.ndarray | None = None
         self._mm: mmap.mmap | None = None
+        self._mt: Tensor | None = None  # the map as a tensor (`rows_at`)
         self._fd: int | None = None
         self._rfd: int | None = None  # a reader's descriptor
         self._trimmed = False  # a writer drops the uncommitted tail at its first append, not at open
@@ -139,6 +140,17 @@ class RowFile:
         pos = np.repeat(at - starts, np.diff(np.concatenate((first, [rows.size])))) + rows  # each row's place in buf
         return buf[torch.from_numpy(pos if inv is None else pos[inv])]
 
+    def rows_at(self, idx: Tensor) -> Tensor:
+        """Rows idx [n] (long, < rows) -> [n, *row], indexed in a map of the file: one copy, where
+        `take` costs a read call per run (~10x the time for a generated token's ~16 events, figures
+        in docs/benchmark-log.md). For readers: the pages it touches stay mapped, counted in the
+        resident memory as the page cache's (shared, clean: the kernel takes them back as it needs)."""
+        if self._mt is None or self._mt.shape[0] < self.rows:
+            self._mt = self._tensor(self._mapped(self.rows))
+            if self._mm is not None and hasattr(mmap, "MADV_NORMAL"):
+                self._mm.madvise(mmap.MADV_NORMAL)
+        return self._mt.index_select(0, idx)
+
     def _willneed_runs(self, starts: np.ndarray, stops: np.ndarray) -> None:
         """POSIX_FADV_WILLNEED for row ranges [starts[i], stops[i]) (a hint: skipped where the OS has none)."""
         if not hasattr(os, "posix_fadvise"):
@@ -194,7 +206,7 @@ class RowFile:
         return self._tensor(m[start:stop])
 
     def close(self) -> None:
-        self._map = None
+        self._map = self._mt = None
         self._mm = None  # closed when the last array over it goes
         for fd in (self._fd, self._rfd):
             if fd is not None:
