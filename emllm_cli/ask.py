@@ -20,7 +20,7 @@ def ask(
     store: str = typer.Option(None, "--store", "-s", help="Store name or path; default: the most recently written.", autocompletion=complete_store_names),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Longest answer, in tokens."),
     show_retrieval: bool = typer.Option(False, "--show-retrieval", help="Draw what each layer retrieved, on stderr."),
-    kv_cache_mb: int = typer.Option(None, "--kv-cache-mb", min=0, help="RAM for the keys and values of recently retrieved events, all layers (default: the store's kv_cache_mb: 0, none, for stores made since 2026-11-25; the page cache serves reads). Helps only where the store's files are not in the page cache. Does not change results."),
+    kv_cache_mb: int = typer.Option(None, "--kv-cache-mb", min=0, help="RAM for the keys and values of recently retrieved events, all layers (default: the store's kv_cache_mb: 0, none, for stores made since 2026-11-25; the page cache serves reads). Helps only where the store's files are not in the page cache: without it a reader indexes a map of the files (faster; their pages count in its RSS as file pages). Does not change results."),
     temperature: float = TemperatureOpt,
     top_p: float = TopPOpt,
     top_k: int = TopKOpt,
