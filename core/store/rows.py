@@ -29,8 +29,9 @@ _BY_NAME = {name: (t, n) for t, (name, n) in _DTYPES.items()}
 
 # -- raw arrays -----------------------------------------------------------------------------------
 class RowFile:
-    """An append-only file of fixed-shape rows: scattered rows read with pread (`take`), blocks
-    into a reused buffer (`read_block`), whole ranges through a memory map (`read`).
+    """An append-only file of fixed-shape rows: scattered rows read with pread (`take`, a
+    writer's) or indexed in a memory map (`rows_at`, a reader's), blocks into a reused buffer
+    (`read_block`), whole ranges through the map (`read`).
 
     `rows` counts rows written by this process or committed before it; reads never reach past it.
     The map is refreshed lazily when a read needs rows written since it was made.
