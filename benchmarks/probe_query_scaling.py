@@ -3,7 +3,7 @@ prompt with the default profile (mean representative keys per KV head, the quest
 RAM; then every layer's events ranked against variants of the question's query, all computed from
 what the engine scored (query q less the layer's running mean query m, summed per GQA group):
 
-- `s0`: q (no centring); `s1`: q - m (the default); `s1.5`, `s2`: q - 1.5 m, q - 2 m;
+- `sX`: q - X m, X in 0 (no centring), 0.5, 0.75, 1 (the default), 1.5, 2;
 - `z1`: the default query with each head's part divided by the spread (standard deviation over
   the layer's events) of that head's scores, so that no head's ranking outweighs the others by
   the scale of its scores alone; `z0`: the same without centring.
@@ -30,7 +30,7 @@ from emllm.engine.stream import Engine
 from emllm.evals.ruler import TASKS, build_prompt
 from emllm.memory.selection import fold_query, select_events
 
-VARIANTS = ("s0", "s1", "s1.5", "s2", "z0", "z1")
+VARIANTS = ("s0", "s0.5", "s0.75", "s1", "s1.5", "s2", "z0", "z1")
 
 
 def head_spread(reprs: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ def head_spread(reprs: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
 
 def queries(scored: torch.Tensor, mean: torch.Tensor, reprs: torch.Tensor) -> dict[str, torch.Tensor]:
     """scored: the default query as the engine scored it [H_r, D] (q - m, folded); mean: m folded."""
-    q = {f"s{s:g}": scored + (1 - s) * mean for s in (0, 1, 1.5, 2)}
+    q = {f"s{s:g}": scored + (1 - s) * mean for s in (0, 0.5, 0.75, 1, 1.5, 2)}
     q["z0"] = q["s0"] / head_spread(reprs, q["s0"])[:, None]
     q["z1"] = q["s1"] / head_spread(reprs, q["s1"])[:, None]
     return q
