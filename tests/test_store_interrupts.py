@@ -275,3 +275,30 @@ def test_too_little_disk_is_refused_before_and_a_disk_that_fills_anyway_keeps_th
         assert_same_state(store, tmp_path / "ref")
     finally:
         subprocess.run(["umount", "-l", str(home)])
+
+
+def test_a_store_writer_fed_token_by_token_computes_as_a_resumed_stream_would(tiny, tmp_path, monkeypatch):
+    """Generated tokens keep the window rotated between steps (engine/rotated.py), whose last bits
+    depend on where that buffer was built: a stream resumed from a store's files has none. So a
+    store writer rotates its whole window every step, as with the buffer off (TOKEN_SLACK 0);
+    readers keep it."""
+    import torch
+
+    folder, prof, _, _ = tiny
+    store = tmp_path / "s"
+    ingest_store(store, folder, prof, [("doc", words(7, 300))])
+    model, _ = load_tiny(folder)
+    ids = torch.randint(0, 200, (12,), generator=torch.Generator().manual_seed(3))
+    got = {}
+    for slack in (0, 256):
+        monkeypatch.setattr("emllm.engine.stream.TOKEN_SLACK", slack)
+        with Store.open(store, writable=True) as st:  # (nothing committed: each run starts from the same store)
+            eng = stream.open_engine(st, model)
+            got[slack] = [eng.step(ids[t : t + 1]) for t in range(ids.numel())]
+            assert all(w._rw is None for w in eng.windows)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], got[256]))
+    with Store.open(store) as st:
+        eng = stream.open_engine(st, model)
+        for t in range(3):
+            eng.step(ids[t : t + 1])
+        assert all(w._rw is not None and w._rw.a > 0 for w in eng.windows)

@@ -8,6 +8,11 @@ this buffer, and each query at its own row's index: every query-key pair is as f
 the window's rotation, so the scores are the same in exact arithmetic (rotated at other angles,
 their last bits differ). Rows leave at the front by moving an offset; when the back runs out, the
 window is rotated anew from row 0.
+
+The first token after a chunk is rotated as the chunk path would (the window at 0..L-1): a
+document's last chunk of one token computes as before. Later tokens' bits depend on where the
+buffer was last rebuilt, which a stream resumed from a store does not know: store writers rotate
+the whole window every step instead (LayerWindow.forward); readers and engines in RAM keep it.
 """
 
 from __future__ import annotations

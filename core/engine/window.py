@@ -138,7 +138,9 @@ class LayerWindow:
         k_loc = self._lk.append(k)  # [H_kv, L, D] (a view: valid until the next step's append)
         v_loc = self._lv.append(v)
         length = k_loc.shape[1]
-        if c == 1 and st.token_slack:  # a generated token: the window stays rotated
+        # A generated token: the window stays rotated. Not in a store writer, whose stream must
+        # compute the same bits when resumed from its files (where no rotated window is kept).
+        if c == 1 and st.token_slack and not self.events.writer:
             rw = self._rw
             if rw is None or rw.full() or rw.rows != length - 1:
                 rw = self._rw = RotatedWindow(k_loc[:, :-1], v_loc[:, :-1], st.cos, st.sin, st.token_slack)

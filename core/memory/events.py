@@ -28,6 +28,7 @@ class EventMemory:
     # gathering events is one index into tensors in memory: a step gathers its whole selection
     # rather than keep the last step's (LayerWindow._gather)
     random_access = True
+    writer = False  # (a store writer's memory: the stream must compute as if resumed from it)
 
     def __init__(
         self, n_kv_heads: int, repr_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,

@@ -84,6 +84,9 @@ class StoredEvents:
         # one copy. A writer reads with pread and its window keeps the last step's events: its
         # resident memory stays its own however long the stream (a 1M-token ingest).
         self.random_access = not store.writable and self.cache is None
+        # A writer's window computes each step as the same stream resumed from its files would
+        # (no window kept rotated across tokens: LayerWindow.forward)
+        self.writer = store.writable
         # Every event's representative key, read once (within repr_cache_mb): a selection is
         # then one mv and a few exact scores (`memory.prune`), not a scan of the file.
         mb = store.manifest["profile"].get("repr_cache_mb", Profile.repr_cache_mb)
