@@ -72,10 +72,11 @@ def test_cache_equals_a_brute_force_ring_and_returns_the_right_rows():
             assert sum(n for _, n in cached.values()) <= cap
 
 
-def test_store_gather_with_the_cache_equals_the_rows_written(tmp_path):
+def test_store_gather_with_the_cache_equals_the_rows_written(tmp_path, monkeypatch):
     """Through the cache, gather returns exactly the rows written (bit for bit), for a writer and
     for a reader with events of its own in RAM; the cache hits; 0 MiB turns it off. A reader
-    without a cache (the default) reads the files' maps: the same rows."""
+    without a cache (the default) reads the files' maps while they fit in memory, else by pread:
+    the same rows."""
     from emllm.store import Geometry, Identity, Store, StoredEvents
 
     g = Geometry(layers=1, kv_heads=2, q_heads=2, head_dim=4, vocab=10, dtype="float32")
@@ -134,3 +135,12 @@ def test_store_gather_with_the_cache_equals_the_rows_written(tmp_path):
         check(ev, 50)
         fill(ev, 20)
         check(ev, 200)
+    del ks[in_files:], vs[in_files:], ls[in_files:]
+    import emllm.store.rows as rows_mod
+
+    assert rows_mod.mappable(0) and not rows_mod.mappable(1 << 62)
+    monkeypatch.setattr(rows_mod, "MAP_SHARE", 0.0)  # a store larger than the memory: pread
+    with Store.open(tmp_path / "s") as rd:
+        ev = StoredEvents(rd, 0)
+        assert not ev.random_access and ev.cache is None
+        check(ev, 50)

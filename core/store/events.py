@@ -12,7 +12,7 @@ from emllm.memory import prune, sketch
 from emllm.memory.cache import EventCache
 from emllm.memory.buffers import GrowBuffer, token_index
 from emllm.memory.selection import Selection, scores_in_blocks, select_events
-from emllm.store.rows import _BY_NAME, RowFile
+from emllm.store.rows import mappable, _BY_NAME, RowFile
 
 if TYPE_CHECKING:
     from emllm.store.store import Store
@@ -81,9 +81,11 @@ class StoredEvents:
         n_mem = store.manifest["profile"].get("n_mem", 0)
         self.cache = EventCache(cap, self.row, dt) if cap > 0 and cap >= n_mem else None
         # A reader indexes the files' maps (`RowFile.rows_at`): a step gathers its whole selection in
-        # one copy. A writer reads with pread and its window keeps the last step's events: its
-        # resident memory stays its own however long the stream (a 1M-token ingest).
-        self.random_access = not store.writable and self.cache is None
+        # one copy, while the store's keys and values fit the page cache (`mappable`). A writer
+        # reads with pread and its window keeps the last step's events: its resident memory stays
+        # its own however long the stream (a 1M-token ingest); so does a reader of a larger store.
+        kv_bytes = 2 * g.layers * self.k.rows * self.k.row_bytes
+        self.random_access = not store.writable and self.cache is None and mappable(kv_bytes)
         # A writer's window computes each step as the same stream resumed from its files would
         # (no window kept rotated across tokens: LayerWindow.forward)
         self.writer = store.writable
