@@ -276,7 +276,7 @@ class StoredEvents:
         disk = idx < self.n_disk
         dec_k = lambda rows: self.store.decode_keys(self.layer, rows, self.dtype)  # noqa: E731
         dec_v = lambda rows: self.fmt.decode(rows, self.dtype)  # noqa: E731
-        take = (lambda f, i: f.rows_at(i)) if self.random_access else (lambda f, i: f.take(i))  # noqa: E731
+        take = RowFile.rows_at if self.random_access else RowFile.take
         if bool(disk.all()):
             return dec_k(take(self.k, idx)), dec_v(take(self.v, idx))
         k = torch.empty((idx.numel(), *self.row), dtype=self.dtype)
