@@ -171,3 +171,44 @@ def test_attention_keeps_the_mass_in_float32_for_bf16_inputs(path):
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), want_out, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(mass.double(), want_mass, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n_parts", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merging_softmaxes_computes_the_log_sum_exp_formula_bit_for_bit(n_parts, dtype):
+    """`_merge` (in place, no stack) gives the bits of the formula it replaced, so a chunk's output
+    is what it was: logsumexp over the stacked parts, then each output weighted by exp(lse_i - lse)."""
+    from emllm.math import attention
+    gen = torch.Generator().manual_seed(n_parts)
+    parts = [((torch.randn(3, 2, 5, 8, generator=gen) * 3).to(dtype), torch.randn(3, 2, 5, generator=gen) * 4)
+             for _ in range(n_parts)]
+    lse_want = torch.logsumexp(torch.stack([l for _, l in parts]), 0)
+    out_want = sum(o.float() * (l - lse_want).exp().unsqueeze(-1) for o, l in parts)
+    out, lse = attention._merge([(o.clone(), l.clone()) for o, l in parts])
+    assert torch.equal(lse, lse_want) and torch.equal(out, out_want)
+
+
+def test_a_generated_token_without_mass_runs_the_kernel_over_the_window():
+    """One bf16 query, no mass: `attend` takes the fused kernel for the window too (as the plain
+    model's sdpa computes), close to the float64 softmax over memory and window together; with
+    the mass it keeps the float32 path, and a float32 window with bf16 queries also keeps it."""
+    from emllm.math import attention
+    if attention._FLASH_CPU is None:
+        pytest.skip("this torch has no CPU flash kernel")
+    gen = torch.Generator().manual_seed(5)
+    h_q, h_kv, length, m, d = 6, 2, 40, 24, 16
+    r = lambda *s: (torch.randn(*s, generator=gen) * 2).to(torch.bfloat16)  # noqa: E731
+    q, qm, k, v, km, vm = r(h_q, 1, d), r(h_q, 1, d), r(h_kv, length, d), r(h_kv, length, d), r(h_kv, m, d), r(h_kv, m, d)
+    scaling = d**-0.5
+    out, mass = attention.attend(q, k, v, qm, km, vm, scaling, with_mass=False)
+    assert mass is None and torch.equal(out, attention._attend_fused(q, k, v, qm, km, vm, scaling, False)[0])
+    g = h_q // h_kv
+    want = torch.zeros(h_q, 1, d, dtype=torch.float64)
+    for h in range(h_q):
+        logits = torch.cat((km[h // g].double() @ qm[h, 0].double(), k[h // g].double() @ q[h, 0].double())) * scaling
+        want[h, 0] = torch.softmax(logits, 0) @ torch.cat((vm[h // g], v[h // g])).double()
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=1e-2)
+    with_mass = attention.attend(q, k, v, qm, km, vm, scaling, with_mass=True)
+    assert torch.equal(with_mass[0], attention._attend(q, k, v, qm, km, vm, scaling, attention._memory_flash)[0])
+    wide = attention.attend(q, k.float(), v.float(), qm, km, vm, scaling, with_mass=False)[0]
+    assert torch.equal(wide, attention._attend(q, k.float(), v.float(), qm, km, vm, scaling, attention._memory_flash, False)[0])

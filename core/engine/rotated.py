@@ -1,9 +1,10 @@
-"""The local window's keys kept rotated, and its values widened, across steps of one token.
+"""The local window's keys kept rotated across steps of one token.
 
 A chunk's step rotates its whole window at positions 0..L-1 (spec §1): once per chunk, cheap. A
-generated token would do the same to a thousand keys in every layer to attend with one query,
-and widen them and the values to float32 for the window's scores: the rotation alone was ~12%
-of the attention function's time at 4k (docs/benchmark-log.md). Here each key is rotated and widened once, at its row's index in
+generated token would do the same to a thousand keys in every layer to attend with one query
+(and, where the attention mass is kept, widen them and the values to float32 for the window's
+scores): the rotation alone was ~12% of the attention function's time at 4k
+(docs/benchmark-log.md). Here each key is rotated once (and widened, if asked), at its row's index in
 this buffer, and each query at its own row's index: every query-key pair is as far apart as in
 the window's rotation, so the scores are the same in exact arithmetic (rotated at other angles,
 their last bits differ). Rows leave at the front by moving an offset; when the back runs out, the
@@ -24,12 +25,14 @@ from emllm.math.rope import apply_rotary
 
 
 class RotatedWindow:
-    """keys/values [H_kv, n, D] (keys before RoPE, the model's dtype) -> float32 rows, key i
-    rotated at position i; room for `slack` more tokens (cos/sin must cover n + slack positions)."""
+    """keys/values [H_kv, n, D] (keys before RoPE, the model's dtype) -> rows of `dtype` (float32
+    by default), key i rotated at position i; room for `slack` more tokens (cos/sin must cover
+    n + slack positions)."""
 
-    def __init__(self, keys: Tensor, values: Tensor, cos: Tensor, sin: Tensor, slack: int) -> None:
+    def __init__(self, keys: Tensor, values: Tensor, cos: Tensor, sin: Tensor, slack: int,
+                 dtype: torch.dtype = torch.float32) -> None:
         h, n, d = keys.shape
-        self.k = torch.empty(h, n + slack, d, dtype=torch.float32, device=keys.device)
+        self.k = torch.empty(h, n + slack, d, dtype=dtype, device=keys.device)
         self.v = torch.empty_like(self.k)
         # rotated in the keys' dtype, then widened: rounded as the chunk's rotation is
         self.k[:, :n] = apply_rotary(keys, cos[:n].to(keys.device), sin[:n].to(keys.device))
@@ -53,7 +56,7 @@ class RotatedWindow:
         return p
 
     def view(self) -> tuple[Tensor, Tensor]:
-        """keys, values [H_kv, rows, D] float32 (views, valid until the next push)."""
+        """keys, values [H_kv, rows, D] (views, valid until the next push)."""
         return self.k[:, self.a : self.b], self.v[:, self.a : self.b]
 
     def drop_front(self, n: int) -> None:

@@ -46,12 +46,16 @@ def attend(
 
     Query i of the chunk sees window keys 0..L-c+i (causal) and all memory keys: one exact
     softmax. On the CPU a chunk of many queries runs torch's fused flash kernel only
-    (`_attend_fused`: nothing of size [H_q, c, L] written out); a few queries (a generated token)
-    write the window's probabilities out in float32 and take the memory's part from the kernel
-    with its log-sum-exp (`_attend`); elsewhere (CUDA) everything is written out in float32.
+    (`_attend_fused`: nothing of size [H_q, c, L] written out), and so does a generated token
+    when no mass is kept and the window is in the queries' dtype (one query sees the whole
+    window: no causal part; the window then computes as the plain model's sdpa would); other
+    few-query steps write the window's probabilities out in float32 and take the memory's part
+    from the kernel with its log-sum-exp (`_attend`); elsewhere (CUDA) everything is written out
+    in float32.
     """
     if q_local.device.type == "cpu" and _FLASH_CPU is not None:
-        if q_local.shape[1] >= FUSED_FROM[k_local.dtype == torch.float32]:
+        c = q_local.shape[1]
+        if c >= FUSED_FROM[k_local.dtype == torch.float32] or (c == 1 and not with_mass and k_local.dtype == q_local.dtype):
             return _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass)
         return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, _memory_flash, with_mass)
     return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, _memory_materialised, with_mass)
@@ -60,7 +64,9 @@ def attend(
 # Chunks of at least this many queries take `_attend_fused` (fewer: `_attend`), [bf16/f16, f32]:
 # the crossovers measured on the project's CPU, a window of 1k, memory of 1.3k (SmolLM2's heads):
 # bf16 at 128 queries 2.8 against 4.2 ms, at 32 1.4 against 1.2; f32 at 512 22.8 against 30.2 ms,
-# at 128 5.4 against 5.1. A generated token (one query) costs the fused path 2.5x.
+# at 128 5.4 against 5.1. A generated token (one query) costs the fused path 2.5x with the mass
+# (its second pass, keys as queries); without it, two kernel calls (window, memory) take ~0.85x
+# the written-out path's time at 4k (docs/benchmark-log.md).
 FUSED_FROM = (64, 256)
 
 # torch's CPU flash-attention kernel; unlike the public sdpa it also returns the log-sum-exp,
@@ -140,28 +146,51 @@ def _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_
     h_q, c, d = q_local.shape
     h_kv, length, _ = k_local.shape
     g = h_q // h_kv
-    old = length - c  # window keys before the chunk: every query of the chunk sees them
+    # window keys before the chunk: every query of the chunk sees them (one query sees them all)
+    old = length if c == 1 else length - c
     q = q_local.view(h_kv, g, c, d)
     kx, vx = k_local[:, None].expand(-1, g, -1, -1), v_local[:, None].expand(-1, g, -1, -1)  # GQA, no copy
     parts = []  # (output [H_kv, g, c, D], log-sum-exp [H_kv, g, c])
     if old:
         parts.append(_FLASH_CPU(q, kx[:, :, :old], vx[:, :, :old], is_causal=False, scale=scaling)[:2])
-    parts.append(_FLASH_CPU(q, kx[:, :, old:], vx[:, :, old:], is_causal=True, scale=scaling)[:2])
+    if old < length:
+        parts.append(_FLASH_CPU(q, kx[:, :, old:], vx[:, :, old:], is_causal=True, scale=scaling)[:2])
     if k_mem is not None and k_mem.shape[1]:
         km, vm = k_mem[:, None].expand(-1, g, -1, -1), v_mem[:, None].expand(-1, g, -1, -1)
         parts.append(_FLASH_CPU(q_mem.view(h_kv, g, c, d), km, vm, is_causal=False, scale=scaling)[:2])
-    lse = torch.logsumexp(torch.stack([l for _, l in parts]), 0)  # [H_kv, g, c]
-    out = sum(o.float() * (l - lse).exp_().unsqueeze(-1) for o, l in parts)
+    out, lse = _merge(parts)
     if not with_mass:
         return out.to(k_local.dtype).view(h_q, c, d), None
-    neg = (-lse).unsqueeze(2)  # [H_kv, g, 1, c]: broadcast over the keys' rows
+    neg = (-lse).unsqueeze(2)  # -log-sum-exp [H_kv, g, 1, c]: broadcast over the keys' rows
     mass = []
     if old:
         mass.append(_FLASH_CPU(kx[:, :, :old], q, q, is_causal=False, attn_mask=neg, scale=scaling)[1])
-    flipped = _FLASH_CPU(kx[:, :, old:].flip(2), q.flip(2), q.flip(2), is_causal=True, attn_mask=neg.flip(3), scale=scaling)[1]
-    mass.append(flipped.flip(2))
+    if old < length:
+        flipped = _FLASH_CPU(kx[:, :, old:].flip(2), q.flip(2), q.flip(2), is_causal=True, attn_mask=neg.flip(3), scale=scaling)[1]
+        mass.append(flipped.flip(2))
     mass = torch.cat(mass, 2).exp_()  # [H_kv, g, L]
     return out.to(k_local.dtype).view(h_q, c, d), mass.reshape(h_q, length)
+
+
+def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Softmaxes over disjoint keys, as (output [..., D], log-sum-exp [...]) each, merged into
+    one: (output float32, log-sum-exp). The same operations, bit for bit, as
+    `logsumexp(stack(lses))` and a sum of weighted outputs, without the stack and the temporaries
+    (for a generated token those small operations were ~15% of the attention's time)."""
+    m = parts[0][1]
+    for _, l in parts[1:]:
+        m = torch.maximum(m, l)
+    z = None
+    for _, l in parts:
+        e = (l - m).exp_()
+        z = e if z is None else z.add_(e)
+    lse = z.log_().add_(m)
+    out = None
+    for o, l in parts:
+        t = o.float()  # (the kernel's own tensor when already float32: free to scale in place)
+        t.mul_((l - lse).exp_().unsqueeze(-1))
+        out = t if out is None else out.add_(t)
+    return out, lse
 
 
 def emllm_attention(
