@@ -86,18 +86,47 @@ def test_resident_rows_and_a_scanned_tail_select_what_the_scan_selects(spread, d
 
 
 def test_the_bound_holds_for_every_event():
-    # large and small magnitudes, a query of mixed scales: exact (the scan's float32) <= bound
+    # large and small magnitudes, a query of mixed scales: lower <= exact (the scan's float32) <= upper
     g = torch.Generator().manual_seed(3)
-    for scale in (1e-3, 1.0, 1e3):
+    for scale in (1e-30, 1e-3, 1.0, 1e3, 1e30):
         rows = torch.randn(2000, 576, generator=g) * scale + torch.randn(576, generator=g) * 10 * scale
         q = torch.randn(576, generator=g) * torch.logspace(-3, 3, 576)
-        for x in (rows, rows.bfloat16()):  # half rows: estimated a block at a time, widened
-            exact = scores_in_blocks(2000, 576, lambda a, b: x[a:b], q)
-            est = prune.estimate(x, q)
-            ub = prune.upper_bound(est, prune.norms_up(x), q)
-            assert bool((ub >= exact.double()).all())
-            lb = 2 * est.double() - ub  # the same slack below
-            assert bool((lb <= exact.double()).all())
+        for x in (rows, rows.bfloat16(), rows.half() if scale == 1.0 else rows):
+            # float32: one mv; bfloat16: the split query in bfloat16 (a slack of ~2^-8 the score);
+            # float16: widened a block at a time
+            exact = scores_in_blocks(2000, 576, lambda a, b: x[a:b], q).double()
+            lower, upper = prune.bounds(x, prune.norms_up(x), q)
+            assert bool((lower.double() <= exact).all()) and bool((exact <= upper.double()).all()), (scale, x.dtype)
+            if x.dtype == torch.float32:  # the mv's own slack is what it was: ~gamma(dim) |q| |x|
+                assert torch.equal(upper, prune.upper_bound(prune.estimate(x, q), prune.norms_up(x), q))
+
+
+def test_a_bfloat16_estimate_leaves_few_events_to_score():
+    """The split query's slack is ~2^-8 of a score: on clustered keys the floor of the stopper
+    still lets through few more events than the budget holds."""
+    lengths, rows = _events(20_000, 12, 1.0, torch.bfloat16)
+    q = torch.randn(96, generator=torch.Generator().manual_seed(13)) * 3
+    lower, upper = prune.bounds(rows, prune.norms_up(rows), q)
+    floor = prune.stopper_floor(lower, lengths, 400)
+    exact = event_scores(rows.reshape(-1, 3, 32), q)
+    want = select_events(exact, lengths, 400)
+    assert int((upper >= floor).sum()) < 3 * want.ids.numel()
+
+
+@pytest.mark.parametrize("spread", [1.0, 0.0])
+def test_the_floor_is_at_most_the_stopper(spread):
+    """stopper_floor (from lower bounds) <= the score where select_events stops, ties included;
+    -inf when everything fits."""
+    from emllm.memory.sketch import stopper
+    lengths, rows = _events(500, 21, spread)
+    g = torch.Generator().manual_seed(22)
+    for _ in range(20):
+        q = torch.randn(96, generator=g)
+        exact = event_scores(rows.reshape(-1, 3, 32), q)
+        lower = exact - torch.rand(500, generator=g) * (0 if spread == 0 else 0.5)
+        for budget in (1, 30, 300):
+            assert prune.stopper_floor(lower, lengths, budget) <= stopper(exact, lengths, budget)
+    assert prune.stopper_floor(lower, lengths, int(lengths.sum())) == float("-inf")
 
 
 def test_half_rows_are_estimated_as_their_float32_widening(monkeypatch):

@@ -11,24 +11,28 @@ are float32 sums of the same products, so they differ by at most
     |mv - exact| <= (gamma(dim) + score_error(dim)) * sum_i |q_i x_i|
                  <= (gamma(dim) + score_error(dim)) * |q| |x|
 
-(Higham 3.1, any order of summation, fused or not). With |x| kept per event, that is an upper
-bound for every event's exact score from its estimate; `select` then scores exactly the
-best-estimated events and every event whose bound reaches their stopper, and selects what the
-full scan selects, bit for bit (the same rows, the same exact scores).
+(Higham 3.1, any order of summation, fused or not). With |x| kept per event, that bounds every
+event's exact score from its estimate, above and below (`bounds`; bfloat16 rows are estimated in
+bfloat16, with a wider slack: `split_estimate`). The lower bounds alone give a floor of the
+score where the full ranking stops (`stopper_floor`); `select` scores exactly every event whose
+upper bound reaches it, and selects what the full scan selects, bit for bit (the same rows, the
+same exact scores), in a few dozen tensor operations.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 
 from emllm.memory.selection import Selection, event_scores, gamma, score_error, select_events, work_buffer
-from emllm.memory.sketch import candidates, stopper
 
 
 # Below this many events, scoring every one exactly costs less than the estimate, the bound and
-# the extra selection steps (measured on the project's CPU, SmolLM2's 576 dims: 251 events 0.12
-# against 0.37 ms, 2,278 events 0.71 against 0.5 ms).
+# the extra selection steps (measured on the project's CPU: with SmolLM2's 576 dims, 251 events
+# 0.12 against 0.37 ms, 2,278 events 0.71 against 0.5 ms; with its keys per KV head (192 dims)
+# and the bfloat16 estimate, 262 events 0.13 against 0.35 ms, 2,285 events 0.57 against 0.41).
 PRUNE_FROM = 2048
 
 
@@ -78,6 +82,63 @@ def upper_bound(est: Tensor, norms: Tensor, query: Tensor) -> Tensor:
     return out.add_(2.0**-100)  # (an est of 0 with norms of 0: still >= the exact 0)
 
 
+def bounds(rows: Tensor, norms: Tensor, query: Tensor) -> tuple[Tensor, Tensor]:
+    """rows [n, dim], norms [n] (`norms_up`), query [dim] -> (lower, upper) [n] float32: each
+    event's exact score (`event_scores`) lies between them.
+
+    bfloat16 rows on the CPU: one bfloat16 matrix product against the query split in two
+    (`split_estimate`); float32 rows: one float32 mv (`estimate`, `upper_bound`); float16 rows,
+    or another device: widened a block at a time (`estimate`)."""
+    if rows.dtype == torch.bfloat16 and rows.device.type == "cpu":
+        est, slack = split_estimate(rows, norms, query)
+        return est - slack, est + slack
+    est = estimate(rows, query)
+    ub = upper_bound(est, norms, query)
+    return est - (ub - est), ub
+
+
+def split_estimate(rows: Tensor, norms: Tensor, query: Tensor) -> tuple[Tensor, Tensor]:
+    """bfloat16 rows [n, dim] -> (estimates, slack) [n] float32, |exact score - estimate| <= slack.
+
+    The query is split into two bfloat16 vectors, q = hi + lo + r with |lo_i| <= 2^-8 |q_i| and
+    |r_i| <= 2^-16 |q_i|, and both are scored in one bfloat16 matrix product ([n, dim] x
+    [dim, 2]): the products of two bfloat16 numbers are exact in float32 and summed in float32
+    (gamma(dim)), but each result o is rounded to bfloat16, within 2^-8 |o| of its sum. With
+    |o_hi| + |o_lo| <= |est| + 2 |o_lo| and |o_lo| <= 2^-8 (1 + 2^-7) |q| |x|, per event:
+
+        |est - exact| <= 2^-8 |est| + (2^-15 + 2^-16 + gamma(dim) + score_error(dim)) |q| |x|
+
+    (the last term the exact score's own rounding), plus flushed subnormals, a few 2^-126 per sum
+    (`tiny`). Every factor is taken a little wider than that, which covers the float32 arithmetic
+    of the estimate and of the slack itself. Measured on a 32k store's question (30 layers):
+    2,914 events scored exactly where the float32 mv's bound scored 2,750, and the estimate
+    takes ~3x less time than widening the rows block by block (docs/benchmark-log.md)."""
+    q = query.reshape(-1).float()
+    hi = q.to(torch.bfloat16)
+    lo = (q - hi.float()).to(torch.bfloat16)  # (q - hi is exact: they are within a factor of 2)
+    o = torch.mm(rows, torch.stack((hi, lo), 1))  # [n, 2] bfloat16
+    est = torch.add(o[:, 0].float(), o[:, 1])  # (columns added: a sum over dim 1 of [n, 2] is ~7x slower)
+    dim = q.numel()
+    qn = float(q.double().norm())
+    tiny = dim * 2.0**-120 * (1 + qn)
+    per_norm = ((2.0**-15 + 2.0**-16) * (1 + 2.0**-5) + gamma(dim) * (1 + 2.0**-7) + score_error(dim)) * qn * (1 + 2.0**-10)
+    slack = est.abs().mul_(2.0**-8 * (1 + 2.0**-5))
+    return est, slack.add_(norms, alpha=per_norm + tiny).add_(tiny + 2.0**-100)
+
+
+def stopper_floor(lower: Tensor, lengths: Tensor, budget: int) -> float:
+    """A score at or below the exact ranking's stopper, from lower bounds alone (-inf when every
+    event fits): the lower bound of the event at which the best lower bounds first hold more
+    than `budget` tokens. Those events all score at least that much and cannot all be selected,
+    so the ranking stops at one of them or before."""
+    n = lower.numel()
+    k = min(n, budget // max(1, int(lengths.min())) + 1)  # k events surely hold more than the budget
+    top = torch.topk(lower, k).indices  # best first (ties in any order: each is >= the floor)
+    reach = torch.cumsum(lengths[top], 0)
+    i = int(torch.searchsorted(reach, budget, right=True))  # the first prefix over the budget
+    return float(lower[top[i]]) if i < k else float("-inf")
+
+
 def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: int,
            tail: Tensor | None = None) -> Selection:
     """`select_events(event_scores(rows, query), lengths, budget)` from an mv estimate.
@@ -90,38 +151,30 @@ def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: 
     n = rows.shape[0]
     if n + tail.numel() == 0 or budget <= 0:
         return select_events(torch.zeros(0), lengths, 0)
-    est = estimate(rows, query) if n >= PRUNE_FROM else None
-    # few events; or a NaN/inf key (its estimate, hence the sum, is not finite): no bound holds.
-    # (A sum that overflows with finite terms also takes the scan: slower, still exact.)
-    if est is None or not bool(torch.isfinite(est.sum() + tail.sum())):
+    lower_upper = bounds(rows, norms, query) if n >= PRUNE_FROM else None
+    # few events; or a NaN/inf key: no bound holds. Every upper bound finite (their sum is) makes
+    # every lower bound finite too (upper - lower = 2 slack, slack >= 0). (A sum that overflows
+    # with finite terms also takes the scan: slower, still exact.)
+    if lower_upper is None or not math.isfinite(float(lower_upper[1].sum()) + (float(tail.sum()) if tail.numel() else 0.0)):
         return select_events(torch.cat((event_scores(rows, query), tail)), lengths, budget)
-    # a tail event's bound and estimate are its exact score
-    ub = torch.cat((upper_bound(est, norms, query), tail))
-    est = torch.cat((est, tail))
+    lower, upper = lower_upper
+    if tail.numel():  # a tail event's bounds are its exact score
+        lower, upper = torch.cat((lower, tail)), torch.cat((upper, tail))
 
-    def exact(ids: Tensor) -> Tensor:  # ids [m] (sorted) -> their exact scores [m]
-        held = ids < n
-        if bool(held.all()):
-            return event_scores(rows[ids], query)  # a score's bits depend on its row alone
-        out = torch.empty(ids.numel(), dtype=torch.float32)
-        out[held] = event_scores(rows[ids[held]], query)
-        out[~held] = tail[ids[~held] - n]
-        return out
-
-    # One round of `sketch.exact_selection` (its loop exists for loose bounds): score the
-    # best-estimated events that hold the budget, then every event whose bound reaches their
-    # stopper. The stopper of a subset is at most the full ranking's, so an event left out ranks
-    # after the full ranking's stopper: neither selected nor stopping it.
-    first = candidates(est, lengths, budget + 1).sort().values  # more than the budget: one cannot fit
-    first_scores = exact(first)
-    bar = stopper(first_scores, lengths[first], budget)
-    ids = torch.unique(torch.cat((torch.nonzero(ub >= bar).squeeze(1), first)))
-    if ids.numel() == first.numel():  # nothing beyond the first candidates can matter
-        ids, scores = first, first_scores
+    # Every event whose upper bound reaches a floor of the stopper is scored exactly; the others
+    # score below the stopper, so they are neither selected nor the stopper: `select_events` over
+    # the scored ones (in id order, for its ties) stops where the full ranking stops.
+    ids = torch.nonzero(upper >= stopper_floor(lower, lengths, budget)).squeeze(1)
+    held = ids < n
+    if not tail.numel() or bool(held.all()):
+        scores = event_scores(rows[ids], query)  # a score's bits depend on its row alone
     else:
-        scores = exact(ids)
+        scores = torch.empty(ids.numel(), dtype=torch.float32)
+        scores[held] = event_scores(rows[ids[held]], query)
+        scores[~held] = tail[ids[~held] - n]
     sel = select_events(scores, lengths[ids], budget)
     return Selection(ids[sel.ids], sel.scores)
 
 
-__all__ = ["PRUNE_FROM", "ESTIMATE_BLOCK", "norms_up", "estimate", "upper_bound", "select"]
+__all__ = ["PRUNE_FROM", "ESTIMATE_BLOCK", "norms_up", "estimate", "upper_bound", "bounds", "split_estimate",
+           "stopper_floor", "select"]
