@@ -43,8 +43,9 @@ def norms_up(x: Tensor) -> Tensor:
     return torch.where(up.double() < n64, torch.nextafter(up, torch.tensor(float("inf"))), up)
 
 
-# Rows kept in a half dtype (a half store's) are widened a block at a time into a buffer that stays
-# in the processor's cache, and each block is one float32 mv: the products and sums are float32 as
+# float16 rows (and half rows off the CPU; bfloat16 rows on it take `split_estimate`) are widened
+# a block at a time into a buffer that stays in the processor's cache, and each block is one
+# float32 mv: the products and sums are float32 as
 # for float32 rows (widening is exact), so the same bound holds. Not faster than one float32 mv
 # (measured at 18.9k events x 576, 30 layers' rows: 2.08 ms against 1.94 at blocks of 512, the
 # best of 256..4096; a decode step at 256k ~9% slower), but half the RAM.
