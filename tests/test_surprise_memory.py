@@ -79,9 +79,11 @@ def test_select_events_matches_brute_force(seed):
 def test_select_events_sorting_only_the_top_k_matches_brute_force(seed):
     """Many events, few fit: select_events sorts only those scoring at least the k-th best (ties
     at that score included); the result must still be the full sort's prefix."""
+    from emllm.memory import selection
     g = torch.Generator().manual_seed(seed)
-    scores = torch.randint(0, 30, (400,), generator=g).float()  # many ties, also at the cut
-    lengths = torch.randint(8, 129, (400,), generator=g)
+    n = selection.TOPK_FROM + 600  # (fewer are simply sorted)
+    scores = torch.randint(0, 30, (n,), generator=g).float()  # many ties, also at the cut
+    lengths = torch.randint(8, 129, (n,), generator=g)
     for budget in (8, 100, 1024, 3000):
         sel = select_events(scores, lengths, budget)
         assert sel.ids.tolist() == brute_select(scores.tolist(), lengths.tolist(), budget)

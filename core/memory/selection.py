@@ -108,6 +108,9 @@ def event_scores(reprs: Tensor, query: Tensor) -> Tensor:
     return scores_in_blocks(flat.shape[0], flat.shape[1], lambda a, b: flat[a:b], query)
 
 
+TOPK_FROM = 1024  # select_events narrows to a top-k before sorting only past this many events
+
+
 @dataclass(frozen=True)
 class Selection:
     ids: Tensor  # [k] event ids, in stream order
@@ -127,7 +130,8 @@ def select_events(scores: Tensor, lengths: Tensor, budget: int) -> Selection:
     n = scores.numel()
     shortest = int(lengths.min())
     k = n if shortest <= 0 else min(n, budget // shortest + 1)  # k events hold more than the budget
-    if k < n and not bool(torch.isnan(scores).any()):  # (NaN sorts first: leave it to the full sort)
+    # (a few hundred events: one sort costs less than the extra steps, 25 against 45 us at 262)
+    if k < n and n > TOPK_FROM and not bool(torch.isnan(scores).any()):  # (NaN sorts first: leave it to the full sort)
         # Only the best k can be in the prefix: sort the events scoring at least the k-th best
         # (ties at that score included, in id order), not all of them. Same order, same prefix.
         t = torch.topk(scores, k, sorted=False).values.min()
