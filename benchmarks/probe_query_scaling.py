@@ -4,6 +4,10 @@ RAM; then every layer's events ranked against variants of the question's query, 
 what the engine scored (query q less the layer's running mean query m, summed per GQA group):
 
 - `sX`: q - X m, X in 0 (no centring), 0.5, 0.75, 1 (the default), 1.5, 2;
+- `w1`, `wh1`: the default query divided per dimension by the variance (`wh1`: the standard
+  deviation) of the layer's representative keys: a diagonal Mahalanobis score, one query vector;
+- `n1`, `cn1`: the default query against representative keys scaled to unit length per head
+  (`cn1`: after taking out the layer's mean key);
 - `z1`: the default query with each head's part divided by the spread (standard deviation over
   the layer's events) of that head's scores, so that no head's ranking outweighs the others by
   the scale of its scores alone; `z0`: the same without centring.
@@ -30,7 +34,8 @@ from emllm.engine.stream import Engine
 from emllm.evals.ruler import TASKS, build_prompt
 from emllm.memory.selection import fold_query, select_events
 
-VARIANTS = ("s0", "s0.5", "s0.75", "s1", "s1.5", "s2", "z0", "z1")
+VARIANTS = ("s0", "s0.5", "s0.75", "s1", "s1.5", "s2", "z0", "z1", "w1", "wh1", "n1", "cn1")
+KEY_SIDE = {"n1": "unit", "cn1": "centred-unit"}  # variants that also transform the events' keys
 
 
 def head_spread(reprs: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -44,7 +49,21 @@ def queries(scored: torch.Tensor, mean: torch.Tensor, reprs: torch.Tensor) -> di
     q = {f"s{s:g}": scored + (1 - s) * mean for s in (0, 0.5, 0.75, 1, 1.5, 2)}
     q["z0"] = q["s0"] / head_spread(reprs, q["s0"])[:, None]
     q["z1"] = q["s1"] / head_spread(reprs, q["s1"])[:, None]
+    var = reprs.var(0).clamp_min(1e-6) if reprs.shape[0] > 1 else torch.ones_like(scored)  # [H, D]
+    q["w1"] = q["s1"] / var  # q' Sigma^-1 r with the keys' diagonal covariance: still one query vector
+    q["wh1"] = q["s1"] / var.sqrt()
+    q["n1"] = q["cn1"] = q["s1"]
     return q
+
+
+def keys_for(variant: str, reprs: torch.Tensor) -> torch.Tensor:
+    """The events' keys a variant scores: as stored, or (KEY_SIDE) unit length per head, after
+    taking out the layer's mean key for `cn1` (a ranking change only once scaled)."""
+    kind = KEY_SIDE.get(variant)
+    if kind is None:
+        return reprs
+    x = reprs - reprs.mean(0, keepdim=True) if kind == "centred-unit" else reprs
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
 def main() -> None:
@@ -78,7 +97,8 @@ def main() -> None:
             per = {}
             for layer, (scored, mean) in seen.items():
                 reprs = eng.windows[layer].events.repr_keys().float()  # [E, H_r, D]
-                per[layer] = {k: torch.einsum("ehd,hd->e", reprs, v) for k, v in queries(scored, mean, reprs).items()}
+                per[layer] = {k: torch.einsum("ehd,hd->e", keys_for(k, reprs), v)
+                              for k, v in queries(scored, mean, reprs).items()}
             for j in pr.targets:
                 s, e = pr.needles[j]
                 ev = torch.nonzero((starts < e) & (ends > s)).squeeze(1)
