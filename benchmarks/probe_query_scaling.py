@@ -7,7 +7,8 @@ what the engine scored (query q less the layer's running mean query m, summed pe
 - `w1`, `wh1`: the default query divided per dimension by the variance (`wh1`: the standard
   deviation) of the layer's representative keys: a diagonal Mahalanobis score, one query vector;
 - `n1`, `cn1`: the default query against representative keys scaled to unit length per head
-  (`cn1`: after taking out the layer's mean key);
+  (`cn1`: after taking out the layer's mean key); `nX`: unit keys, the query less X m;
+  `nwh1`: unit keys, the default query divided by the unit keys' standard deviation per dimension;
 - `z1`: the default query with each head's part divided by the spread (standard deviation over
   the layer's events) of that head's scores, so that no head's ranking outweighs the others by
   the scale of its scores alone; `z0`: the same without centring.
@@ -34,8 +35,10 @@ from emllm.engine.stream import Engine
 from emllm.evals.ruler import TASKS, build_prompt
 from emllm.memory.selection import fold_query, select_events
 
-VARIANTS = ("s0", "s0.5", "s0.75", "s1", "s1.5", "s2", "z0", "z1", "w1", "wh1", "n1", "cn1")
-KEY_SIDE = {"n1": "unit", "cn1": "centred-unit"}  # variants that also transform the events' keys
+VARIANTS = ("s0", "s0.5", "s0.75", "s1", "s1.5", "s2", "z0", "z1", "w1", "wh1", "n1", "cn1",
+            "n0.5", "n0.75", "n1.25", "nwh1")
+# variants that also transform the events' keys
+KEY_SIDE = {"n1": "unit", "cn1": "centred-unit", "n0.5": "unit", "n0.75": "unit", "n1.25": "unit", "nwh1": "unit"}
 
 
 def head_spread(reprs: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -53,6 +56,11 @@ def queries(scored: torch.Tensor, mean: torch.Tensor, reprs: torch.Tensor) -> di
     q["w1"] = q["s1"] / var  # q' Sigma^-1 r with the keys' diagonal covariance: still one query vector
     q["wh1"] = q["s1"] / var.sqrt()
     q["n1"] = q["cn1"] = q["s1"]
+    for share in (0.5, 0.75, 1.25):
+        q[f"n{share:g}"] = scored + (1 - share) * mean
+    unit = reprs / reprs.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    uvar = unit.var(0).clamp_min(1e-6) if reprs.shape[0] > 1 else torch.ones_like(scored)
+    q["nwh1"] = q["s1"] / uvar.sqrt()
     return q
 
 
