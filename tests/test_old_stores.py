@@ -72,10 +72,11 @@ def test_a_store_written_by_the_old_layout_opens_and_answers_the_same(tiny, old_
         eng = stream.open_engine(st, model)
         add_documents(st, tok, [("more", more)])
         run_job(st, eng, 2)
-    # (the old store goes on with the representatives it was made with: the paper's, today's
-    # default being the mean key; the whole stream is written with them too)
+    # (the old store goes on with the representatives it was made with: the paper's, not scaled
+    # to unit length, today's default being the mean key of unit length; the whole stream is
+    # written with them too)
     paper = tmp_path / "paper.yaml"
-    paper.write_text(Path(prof).read_text() + "\nrepresentative: attention\n")
+    paper.write_text(Path(prof).read_text() + "\nrepresentative: attention\nrepr_normalise: false\n")
     ingest_store(tmp_path / "new", folder, paper, [("doc", text), ("more", more)])
     old, new = store_arrays(store), store_arrays(tmp_path / "new")
     assert old.keys() == new.keys()
