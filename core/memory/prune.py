@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from emllm.memory.selection import Selection, event_scores, gamma, score_error, select_events, work_buffer
+from emllm.memory.sketch import candidates
 
 
 # Below this many events, scoring every one exactly costs less than the estimate, the bound and
@@ -132,12 +133,8 @@ def stopper_floor(lower: Tensor, lengths: Tensor, budget: int) -> float:
     event fits): the lower bound of the event at which the best lower bounds first hold more
     than `budget` tokens. Those events all score at least that much and cannot all be selected,
     so the ranking stops at one of them or before."""
-    n = lower.numel()
-    k = min(n, budget // max(1, int(lengths.min())) + 1)  # k events surely hold more than the budget
-    top = torch.topk(lower, k).indices  # best first (ties in any order: each is >= the floor)
-    reach = torch.cumsum(lengths[top], 0)
-    i = int(torch.searchsorted(reach, budget, right=True))  # the first prefix over the budget
-    return float(lower[top[i]]) if i < k else float("-inf")
+    top = candidates(lower, lengths, budget + 1)  # the best, until they hold more than the budget
+    return float(lower[top].min()) if int(lengths[top].sum()) > budget else float("-inf")
 
 
 def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: int,
