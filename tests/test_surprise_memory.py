@@ -95,6 +95,23 @@ def test_select_events_sorting_only_the_top_k_matches_brute_force(seed):
     assert select_events(nan, lengths, 1024).ids.tolist() == sorted(order[: int(fits.sum())].tolist())
 
 
+@pytest.mark.parametrize("n", [9, 60, 2000])
+def test_select_events_orders_special_values_as_torchs_stable_sort(n):
+    """The ranking runs in numpy: NaN, infinities, signed zeros and ties come out in the order of
+    torch.sort(descending=True, stable=True), the reference (NaN first, ties in id order)."""
+    g = torch.Generator().manual_seed(n)
+    special = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1.0])
+    scores = special[torch.randint(0, 6, (n,), generator=g)]
+    scores[: min(n, 6)] = special[: min(n, 6)]
+    lengths = torch.randint(1, 5, (n,), generator=g)
+    order = torch.sort(scores, descending=True, stable=True).indices
+    for budget in (1, 7, 40, 10_000):
+        fits = torch.cumsum(lengths[order], 0) <= budget
+        sel = select_events(scores, lengths, budget)
+        assert sel.ids.tolist() == sorted(order[: int(fits.sum())].tolist())
+        assert torch.equal(sel.scores.nan_to_num(7.0), scores[sel.ids].nan_to_num(7.0))
+
+
 def test_empty_memory_selects_nothing():
     assert select_events(torch.empty(0), torch.empty(0, dtype=torch.long), 100).ids.numel() == 0
 

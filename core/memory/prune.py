@@ -16,18 +16,20 @@ event's exact score from its estimate, above and below (`bounds`; bfloat16 rows 
 bfloat16, with a wider slack: `split_estimate`). The lower bounds alone give a floor of the
 score where the full ranking stops (`stopper_floor`); `select` scores exactly every event whose
 upper bound reaches it, and selects what the full scan selects, bit for bit (the same rows, the
-same exact scores), in a few dozen tensor operations.
+same exact scores). After the product, the bookkeeping runs in numpy on the host: a few dozen
+operations on a few thousand numbers, each of which costs torch several microseconds more (a
+generated token runs one selection per layer). Rows live in host memory (a store's resident keys).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from emllm.memory.selection import Selection, event_scores, gamma, score_error, select_events, work_buffer
-from emllm.memory.sketch import candidates
+from emllm.memory.selection import Selection, event_scores, gamma, score_error, select_events, select_positions, work_buffer
 
 
 # Below this many events, scoring every one exactly costs less than the estimate, the bound and
@@ -71,31 +73,45 @@ def estimate(rows: Tensor, query: Tensor) -> Tensor:
 
 def upper_bound(est: Tensor, norms: Tensor, query: Tensor) -> Tensor:
     """The most each event's exact score can be, given its estimate: est [n], norms [n] (|x|,
-    rounded up), query [dim] -> [n] float32.
+    rounded up), query [dim] -> [n] float32."""
+    return torch.from_numpy(_upper(est.numpy(), norms.numpy(), _norm64(query), query.numel()))
 
-    In float32 (a generated token computes this for every event of every layer): the slack is
-    taken 2^-10 wider and |est| 2^-20 wider than it is, which covers the rounding of the three
-    float32 operations here (each within 2^-24 relative) many times over."""
-    q = query.reshape(-1).double()
-    dim = q.numel()
-    slack = (gamma(dim) + score_error(dim)) * float(q.norm()) * (1 + 2.0**-10)
-    out = est.abs().mul_(2.0**-20)
-    out.add_(norms, alpha=slack).add_(est)
-    return out.add_(2.0**-100)  # (an est of 0 with norms of 0: still >= the exact 0)
+
+def _norm64(query: Tensor) -> float:
+    return float(np.linalg.norm(query.reshape(-1).float().numpy().astype(np.float64)))
+
+
+def _upper(est: np.ndarray, norms: np.ndarray, qn: float, dim: int) -> np.ndarray:
+    """`upper_bound` on host arrays (qn: |query|). In float32 (a generated token computes this for
+    every event of every layer): the slack is taken 2^-10 wider and |est| 2^-20 wider than it is,
+    which covers the rounding of the float32 operations here (each within 2^-24 relative) many
+    times over."""
+    slack = (gamma(dim) + score_error(dim)) * qn * (1 + 2.0**-10)
+    out = np.abs(est) * np.float32(2.0**-20)
+    out += norms * np.float32(slack)
+    out += est
+    out += np.float32(2.0**-100)  # (an est of 0 with norms of 0: still >= the exact 0)
+    return out
 
 
 def bounds(rows: Tensor, norms: Tensor, query: Tensor) -> tuple[Tensor, Tensor]:
     """rows [n, dim], norms [n] (`norms_up`), query [dim] -> (lower, upper) [n] float32: each
     event's exact score (`event_scores`) lies between them.
 
-    bfloat16 rows on the CPU: one bfloat16 matrix product against the query split in two
-    (`split_estimate`); float32 rows: one float32 mv (`estimate`, `upper_bound`); float16 rows,
-    or another device: widened a block at a time (`estimate`)."""
-    if rows.dtype == torch.bfloat16 and rows.device.type == "cpu":
-        est, slack = split_estimate(rows, norms, query)
+    bfloat16 rows: one bfloat16 matrix product against the query split in two
+    (`split_estimate`); float32 rows: one float32 mv (`estimate`, `upper_bound`); float16 rows:
+    widened a block at a time (`estimate`)."""
+    lower, upper = _bounds(rows, norms, query)
+    return torch.from_numpy(lower), torch.from_numpy(upper)
+
+
+def _bounds(rows: Tensor, norms: Tensor, query: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    qn, dim = _norm64(query), query.numel()
+    if rows.dtype == torch.bfloat16:
+        est, slack = _split_estimate(rows, norms.numpy(), query, qn)
         return est - slack, est + slack
-    est = estimate(rows, query)
-    ub = upper_bound(est, norms, query)
+    est = estimate(rows, query).numpy()
+    ub = _upper(est, norms.numpy(), qn, dim)
     return est - (ub - est), ub
 
 
@@ -115,17 +131,23 @@ def split_estimate(rows: Tensor, norms: Tensor, query: Tensor) -> tuple[Tensor, 
     of the estimate and of the slack itself. Measured on a 32k store's question (30 layers):
     2,914 events scored exactly where the float32 mv's bound scored 2,750, and the estimate
     takes ~3x less time than widening the rows block by block (docs/benchmark-log.md)."""
+    est, slack = _split_estimate(rows, norms.numpy(), query, _norm64(query))
+    return torch.from_numpy(est), torch.from_numpy(slack)
+
+
+def _split_estimate(rows: Tensor, norms: np.ndarray, query: Tensor, qn: float) -> tuple[np.ndarray, np.ndarray]:
     q = query.reshape(-1).float()
     hi = q.to(torch.bfloat16)
     lo = (q - hi.float()).to(torch.bfloat16)  # (q - hi is exact: they are within a factor of 2)
-    o = torch.mm(rows, torch.stack((hi, lo), 1))  # [n, 2] bfloat16
-    est = torch.add(o[:, 0].float(), o[:, 1])  # (columns added: a sum over dim 1 of [n, 2] is ~7x slower)
+    o = torch.mm(rows, torch.stack((hi, lo), 1)).float().numpy()  # [n, 2]
+    est = o[:, 0] + o[:, 1]
     dim = q.numel()
-    qn = float(q.double().norm())
     tiny = dim * 2.0**-120 * (1 + qn)
     per_norm = ((2.0**-15 + 2.0**-16) * (1 + 2.0**-5) + gamma(dim) * (1 + 2.0**-7) + score_error(dim)) * qn * (1 + 2.0**-10)
-    slack = est.abs().mul_(2.0**-8 * (1 + 2.0**-5))
-    return est, slack.add_(norms, alpha=per_norm + tiny).add_(tiny + 2.0**-100)
+    slack = np.abs(est) * np.float32(2.0**-8 * (1 + 2.0**-5))
+    slack += norms * np.float32(per_norm + tiny)
+    slack += np.float32(tiny + 2.0**-100)
+    return est, slack
 
 
 def stopper_floor(lower: Tensor, lengths: Tensor, budget: int) -> float:
@@ -133,8 +155,16 @@ def stopper_floor(lower: Tensor, lengths: Tensor, budget: int) -> float:
     event fits): the lower bound of the event at which the best lower bounds first hold more
     than `budget` tokens. Those events all score at least that much and cannot all be selected,
     so the ranking stops at one of them or before."""
-    top = candidates(lower, lengths, budget + 1)  # the best, until they hold more than the budget
-    return float(lower[top].min()) if int(lengths[top].sum()) > budget else float("-inf")
+    return _floor(lower.numpy(), lengths.numpy(), budget)
+
+
+def _floor(lower: np.ndarray, lengths: np.ndarray, budget: int) -> float:
+    n = lower.size
+    k = min(n, budget // max(1, int(lengths.min())) + 1)  # the best k surely hold more than the budget, if all do
+    top = np.argpartition(lower, n - k)[n - k :] if k < n else np.arange(n)
+    top = top[np.argsort(-lower[top], kind="stable")]  # best first
+    m = int(np.searchsorted(np.cumsum(lengths[top]), budget, side="right"))  # the first past the budget
+    return float(lower[top[m]]) if m < top.size else float("-inf")
 
 
 def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: int,
@@ -144,34 +174,36 @@ def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: 
     rows [R, dim] float32, or bfloat16/float16 (every event's representative key, as a store of
     that format holds it), norms [R] from `norms_up`; tail [T] (optional): the exact scores of T
     more events after those (a store's events past what stays resident, scanned from its file);
-    lengths [R + T]. The selection is the one of all R + T exact scores, bit for bit."""
-    tail = torch.zeros(0) if tail is None else tail.float()
+    lengths [R + T]. All on the host. The selection is the one of all R + T exact scores, bit for
+    bit."""
+    tail_np = np.zeros(0, dtype=np.float32) if tail is None else tail.float().numpy()
     n = rows.shape[0]
-    if n + tail.numel() == 0 or budget <= 0:
+    if n + tail_np.size == 0 or budget <= 0:
         return select_events(torch.zeros(0), lengths, 0)
-    lower_upper = bounds(rows, norms, query) if n >= PRUNE_FROM else None
+    lower_upper = _bounds(rows, norms, query) if n >= PRUNE_FROM else None
     # few events; or a NaN/inf key: no bound holds. Every upper bound finite (their sum is) makes
     # every lower bound finite too (upper - lower = 2 slack, slack >= 0). (A sum that overflows
     # with finite terms also takes the scan: slower, still exact.)
-    if lower_upper is None or not math.isfinite(float(lower_upper[1].sum()) + (float(tail.sum()) if tail.numel() else 0.0)):
-        return select_events(torch.cat((event_scores(rows, query), tail)), lengths, budget)
+    if lower_upper is None or not math.isfinite(float(lower_upper[1].sum()) + float(tail_np.sum())):
+        return select_events(torch.cat((event_scores(rows, query), torch.from_numpy(tail_np))), lengths, budget)
     lower, upper = lower_upper
-    if tail.numel():  # a tail event's bounds are its exact score
-        lower, upper = torch.cat((lower, tail)), torch.cat((upper, tail))
+    if tail_np.size:  # a tail event's bounds are its exact score
+        lower, upper = np.concatenate((lower, tail_np)), np.concatenate((upper, tail_np))
 
     # Every event whose upper bound reaches a floor of the stopper is scored exactly; the others
-    # score below the stopper, so they are neither selected nor the stopper: `select_events` over
+    # score below the stopper, so they are neither selected nor the stopper: the selection over
     # the scored ones (in id order, for its ties) stops where the full ranking stops.
-    ids = torch.nonzero(upper >= stopper_floor(lower, lengths, budget)).squeeze(1)
+    lens = lengths.numpy()
+    ids = np.flatnonzero(upper >= _floor(lower, lens, budget))
     held = ids < n
-    if not tail.numel() or bool(held.all()):
-        scores = event_scores(rows[ids], query)  # a score's bits depend on its row alone
+    if held.all():
+        scores = event_scores(rows[torch.from_numpy(ids)], query).numpy()  # a score's bits depend on its row alone
     else:
-        scores = torch.empty(ids.numel(), dtype=torch.float32)
-        scores[held] = event_scores(rows[ids[held]], query)
-        scores[~held] = tail[ids[~held] - n]
-    sel = select_events(scores, lengths[ids], budget)
-    return Selection(ids[sel.ids], sel.scores)
+        scores = np.empty(ids.size, dtype=np.float32)
+        scores[held] = event_scores(rows[torch.from_numpy(ids[held])], query).numpy()
+        scores[~held] = tail_np[ids[~held] - n]
+    pos = select_positions(scores, lens[ids], budget)
+    return Selection(torch.from_numpy(ids[pos]), torch.from_numpy(scores[pos]))
 
 
 __all__ = ["PRUNE_FROM", "ESTIMATE_BLOCK", "norms_up", "estimate", "upper_bound", "bounds", "split_estimate",

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -122,27 +123,44 @@ def select_events(scores: Tensor, lengths: Tensor, budget: int) -> Selection:
 
     Filling stops at the first event that does not fit (a prefix of the ranking), so the result
     is the top of one sort, the same whichever search produced the ranking. Ties break by event
-    id (earlier first): the sort is stable.
+    id (earlier first): the sort is stable. The ranking is done on the host (`select_positions`);
+    the ids and scores come back on the scores' device.
     """
     if scores.numel() == 0 or budget <= 0:
         empty = torch.empty(0, dtype=torch.long, device=scores.device)
         return Selection(empty, scores[:0])
-    n = scores.numel()
+    pos = select_positions(scores.detach().cpu().numpy(), lengths.cpu().numpy(), budget)
+    ids = torch.from_numpy(pos).to(scores.device)
+    return Selection(ids, scores[ids])
+
+
+def select_positions(scores: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
+    """`select_events` on host arrays: scores [n], lengths [n] -> the selected positions [k]
+    (int64, increasing).
+
+    In numpy: a selection is a few dozen operations on a few hundred numbers, where each of
+    torch's costs several microseconds more (a generated token makes one per layer; ~5% of its
+    time at 32k, docs/benchmark-log.md). The order is torch's `sort(descending=True,
+    stable=True)`: NaN first, then by score, ties in id order."""
+    n = scores.size
+    if n == 0 or budget <= 0:
+        return np.zeros(0, dtype=np.int64)
     shortest = int(lengths.min())
     k = n if shortest <= 0 else min(n, budget // shortest + 1)  # k events hold more than the budget
-    # (a few hundred events: one sort costs less than the extra steps, 25 against 45 us at 262)
-    if k < n and n > TOPK_FROM and not bool(torch.isnan(scores).any()):  # (NaN sorts first: leave it to the full sort)
+    nan = np.isnan(scores)
+    if nan.any():
+        order = np.lexsort((-np.where(nan, 0, scores), ~nan))  # (last key first: NaN, then by score)
+    elif k < n and n > TOPK_FROM:
         # Only the best k can be in the prefix: sort the events scoring at least the k-th best
         # (ties at that score included, in id order), not all of them. Same order, same prefix.
-        t = torch.topk(scores, k, sorted=False).values.min()
-        cand = torch.nonzero(scores >= t).squeeze(1)
-        order = cand[torch.sort(scores[cand], descending=True, stable=True).indices]
+        # (a few hundred events: one sort costs less than the extra steps)
+        cand = np.flatnonzero(scores >= np.partition(scores, n - k)[n - k])
+        order = cand[np.argsort(-scores[cand], kind="stable")]
     else:
-        order = torch.sort(scores, descending=True, stable=True).indices
-    fits = torch.cumsum(lengths[order], 0) <= budget
-    k = int(fits.sum())  # fits is a prefix: cumsum of positive lengths is increasing
-    ids = torch.sort(order[:k]).values
-    return Selection(ids, scores[ids])
+        order = np.argsort(-scores, kind="stable")
+    # the prefix that fits: cumsum of lengths >= 0 is non-decreasing
+    k = int(np.searchsorted(np.cumsum(lengths[order]), budget, side="right"))
+    return np.sort(order[:k])
 
 
 def _event_rows(lengths: Tensor, n: int) -> tuple[Tensor, Tensor]:
