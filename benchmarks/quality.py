@@ -137,6 +137,40 @@ def recall_table(rows: list[dict], methods: list[str]) -> str:
     return "\n".join(out)
 
 
+def recall_pooled(rows: list[dict], methods: list[str]) -> str:
+    """Per haystack x length x method, every asked needle counted once (a task of five needles
+    weighs five times a single needle's, where `recall_table` averages per task): emllm's mean
+    share of layers holding a needle, and the share of needles held by at least half the layers
+    (a needle in the window or the initial tokens counts as held by all); the baseline's share of
+    needles whose chunk is among the best that fit in n_mem tokens."""
+    acc: dict[tuple, list[float]] = defaultdict(list)  # (haystack, length, method) -> per-needle shares
+    for r in rows:
+        hay = r["task"].split(" (")[1].rstrip(")") if " (" in r["task"] else "ruler"
+        key = (hay, r["length"], r["method"])
+        if r["method"] == "rag" and "rag_ranks" in r:
+            n = len(r["rag_ranks"])
+            hits = round(r["rag_recall_at_n_mem"] * n)
+            acc[key] += [1.0] * hits + [0.0] * (n - hits)
+        elif r["method"].startswith("emllm") and r.get("recall"):
+            acc[key] += [1.0 if x["where"] != "memory" else x["layers"] / x["of"] for x in r["recall"]]
+    shown = [m for m in methods if m.startswith("emllm") or m == "rag"]
+    cells = sorted({(h, n) for h, n, _ in acc})
+    out = ["| haystack | length | " + " | ".join(shown) + " |", "|---|---:|" + "---:|" * len(shown)]
+    for h, n in cells:
+        vals = []
+        for m in shown:
+            v = acc.get((h, n, m), [])
+            if not v:
+                vals.append("–")
+            elif m == "rag":
+                vals.append(f"{100 * sum(v) / len(v):.1f}% of {len(v)}")
+            else:
+                half = sum(x >= 0.5 for x in v)
+                vals.append(f"{100 * sum(v) / len(v):.1f}%, {half} of {len(v)} by half the layers")
+        out.append(f"| {h} | {n} | " + " | ".join(vals) + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -161,16 +195,19 @@ def main() -> None:
     ap.add_argument("--out", help="JSON lines, appended (required unless --table)")
     ap.add_argument("--resume", action="store_true",
                     help="skip the answers --out has from runs of the same grid (model, profile, seed, RAG settings)")
-    ap.add_argument("--table", metavar="FILE", help="only print the table of every answer in a results file")
+    ap.add_argument("--table", metavar="FILE", nargs="+",
+                    help="only print the tables of every answer in these results files (e.g. emllm's and the baseline's runs of the same prompts)")
     a = ap.parse_args()
     if a.table:
-        rows = [r for r in results_log.records(a.table) if "task" in r]  # skips a line a kill cut short
+        rows = [r for f in a.table for r in results_log.records(f) if "task" in r]  # skips a line a kill cut short
         names = list(METHODS) + sorted({r["method"] for r in rows} - set(METHODS))
         shown = [m for m in names if any(r["method"] == m for r in rows)]
         print(table(rows, shown))
         if any("needle_layers" in r for r in rows):
             print("\nRecall: share of layers holding the asked needles at the question; rag: chunk recall at n_mem tokens\n")
             print(recall_table(rows, shown))
+            print("\nRecall per needle, pooled: emllm's mean share of layers and needles held by half the layers; rag: needles in budget\n")
+            print(recall_pooled(rows, shown))
         return
     if not a.out:
         ap.error("--out is required")
