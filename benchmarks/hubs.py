@@ -70,7 +70,7 @@ def selections(store: Store, model, tok, bare: bool = False) -> list[dict[int, l
         else:
             session.read_question(q)  # (the store's pending tail first: retrievals of the last read the probe's)
         probe.detach()
-        out.append({layer: sel.ids.tolist() for layer, (sel, _) in probe.last.items()})
+        out.append({layer: sel.ids.tolist() for layer, (sel, _, _) in probe.last.items()})
     return out
 
 

@@ -46,7 +46,7 @@ for task in TASKS:
         idx = (st0[:, None] + col[None]).clamp_max(int(lengths.sum()) - 1)  # [E, width]
         per = {}
         for L, w in enumerate(eng.windows):
-            _, query = probe.last[L]  # [H_q, D] as scored (centred)
+            _, query, _ = probe.last[L]  # [H_q, D] as scored (centred)
             hq, d = query.shape
             K = w.events.keys.view().float()  # [H_kv, T, D]
             g = hq // K.shape[0]

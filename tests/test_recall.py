@@ -36,8 +36,8 @@ def test_needles_in_memory_window_and_initial_tokens():
         assert r.where == "memory" and r.events == len(ev)
         assert r.layers == sum(any(i in selected[layer] for i in ev) for layer in (0, 1))
         for layer in (0, 1):  # brute force: 1 + events scoring higher, ties to the lower id
-            sel, q = probe.last[layer]
-            sc = event_scores(eng.windows[layer].events.repr_keys(), q).tolist()
+            sel, q, n = probe.last[layer]  # (ranked among the events there were at the retrieval)
+            sc = event_scores(eng.windows[layer].events.repr_keys()[:n], q).tolist()
             rank = min(1 + sum(x > sc[i] or (x == sc[i] and j < i) for j, x in enumerate(sc)) for i in ev)
             assert r.ranks[layer] == rank
             if any(i in selected[layer] for i in ev):  # held: within the selection's size
@@ -139,7 +139,7 @@ def test_question_centering_reads_the_document_plainly_and_centres_the_question(
     model = tiny_model("llama3.1")
     ids = torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(3))
     question = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(4))
-    plain, asked = Engine(model, tiny_profile(question_centering=0.0)), Engine(model, tiny_profile(question_centering=1.0))
+    plain, asked = Engine(model, tiny_profile(question_centering=0.0)), Engine(model, tiny_profile(question_centering=1.0, question_scoring="mean"))
     seen: dict[str, list] = {"plain": [], "asked": []}
     for name, eng in (("plain", plain), ("asked", asked)):
         eng.on_retrieval = lambda layer, sel, q, name=name: layer == 0 and seen[name].append((sel.ids.tolist(), q.float().clone()))
@@ -209,3 +209,74 @@ def test_mean_keys_per_kv_head_select_as_per_query_head():
     for wn, wo in zip(new.windows, old.windows):
         g = cfg.num_attention_heads // cfg.num_key_value_heads
         assert torch.equal(wo.events.repr_keys(), wn.events.repr_keys().repeat_interleave(g, 1))
+
+
+def test_token_max_is_each_events_best_standardised_token_score():
+    import numpy as np
+
+    from emllm.memory.selection import token_max
+
+    g = torch.Generator().manual_seed(7)
+    s = torch.randn(5, 40, generator=g)
+    s[3] = 2.5  # a token whose scores are all equal decides nothing: 0 for every event
+    got = token_max(s)
+    x = s.double().numpy()
+    sd = x.std(1, keepdims=True)
+    z = np.where(sd > 0, (x - x.mean(1, keepdims=True)) / np.where(sd > 0, sd, 1), 0.0)
+    np.testing.assert_allclose(got.numpy(), z.max(0), rtol=0, atol=1e-12)
+    assert got.dtype == torch.float64
+    # one token: its z-score ranks the events as its score does (a generated token's retrieval)
+    one = s[:1]
+    assert torch.equal(torch.sort(token_max(one), descending=True, stable=True).indices,
+                       torch.sort(one[0], descending=True, stable=True).indices)
+
+
+def test_question_scoring_max_selects_by_each_tokens_z_score():
+    """question_scoring "max": a question's chunk retrieves with every token's centred query, each
+    event scoring its best token's z-score (brute force here); the document's chunks and a
+    generated token retrieve with one query, as with "mean"."""
+    import numpy as np
+
+    model = tiny_model("llama3.1")
+    ids = torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(3))
+    question = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(4))
+    eng = Engine(model, tiny_profile(question_centering=1.0, question_scoring="max"))
+    seen: list = []
+    w = eng.windows[0]
+    # (the events there are at the retrieval: the step closes more after it)
+    eng.on_retrieval = lambda layer, sel, q: layer == 0 and seen.append((sel.ids.tolist(), q.float().clone(), len(w.events)))
+    eng.feed(ids)
+    assert seen and all(q.dim() == 2 for _, q, _ in seen)  # the document: one mean query a chunk
+    total, n = w.query_sum.clone(), w.query_n
+    before = len(seen)
+    eng.begin_question()
+    eng.feed(question)
+    sel, used, e = seen[before]
+    assert used.shape == (6, w.events.repr_heads, w.head_dim)  # one query per token
+    raw = w.query_sum - total  # the chunk's mean query (added after its retrieval)
+    torch.testing.assert_close(used.mean(0), fold_query(raw - total / n, w.events.repr_heads), rtol=0, atol=1e-5)
+    ev = w.events
+    reprs = ev.repr_keys()[:e].double().reshape(e, -1).numpy()
+    s = used.double().reshape(6, -1).numpy() @ reprs.T  # [T, E]
+    z = ((s - s.mean(1, keepdims=True)) / s.std(1, keepdims=True)).max(0)
+    order = sorted(range(len(z)), key=lambda i: (-z[i], i))
+    lengths = ev.event_lengths()[:e].tolist()
+    want, used_tokens = [], 0
+    for i in order:  # best first while they fit in the budget
+        if used_tokens + lengths[i] > eng.profile.n_mem:
+            break
+        want.append(i)
+        used_tokens += lengths[i]
+    assert sel == sorted(want) and len(sel) >= 2
+    k = len(seen)
+    eng.generate(2)
+    assert len(seen) > k and all(q.dim() == 2 for _, q, _ in seen[k:])  # a generated token: one query
+
+
+def test_question_scoring_rejects_unknown_values():
+    import pytest
+
+    from emllm.config import ProfileError
+
+    with pytest.raises(ProfileError, match="question_scoring: must be one of mean, max"):
+        tiny_profile(question_scoring="median")

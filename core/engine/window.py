@@ -19,7 +19,9 @@ from emllm.math.attention import attend
 from emllm.engine.rotated import RotatedWindow
 from emllm.memory.buffers import SlidingRows, token_index
 from emllm.memory.events import EventMemory
-from emllm.memory.selection import Selection, fold_query, mean_keys, representative_keys, update_contiguity
+from emllm.memory.selection import (
+    Selection, fold_query, mean_keys, representative_keys, select_events, token_max, update_contiguity,
+)
 from emllm.math.rope import apply_rotary
 
 
@@ -39,6 +41,7 @@ class StepInfo:
     on_retrieval: Callable[[int, Selection, Tensor], None] | None = None  # (layer, selection, query [H_r, D] as scored)
     mass: bool = True  # whether the window's attention mass is computed (representative keys need it)
     token_slack: int = 0  # steps of one token keep the window rotated (`RotatedWindow`) with this room (0: never)
+    token_max: bool = False  # events score by their best token's z-score (profile question_scoring "max")
 
 
 @dataclass
@@ -165,7 +168,10 @@ class LayerWindow:
             query = q_mem.mean(1)  # [H_q, D]
             if len(self.events):
                 # (summed over each group of query heads where the memory keeps a key per KV head)
-                scored = fold_query(self._centred(query, st.centering), self.events.repr_heads)
+                if st.token_max:  # [c, H_r, D]: every token's query, centred as the mean would be
+                    scored = fold_query(self._centred(q_mem.transpose(0, 1), st.centering), self.events.repr_heads)
+                else:
+                    scored = fold_query(self._centred(query, st.centering), self.events.repr_heads)
                 ids = self.retrieve(scored, st.budget, st.on_retrieval).ids.to(self.contiguity.device)
                 if st.contiguity_budget:
                     self.contiguity = update_contiguity(
@@ -191,7 +197,7 @@ class LayerWindow:
         return out
 
     def _centred(self, query: Tensor, share: float) -> Tensor:
-        """query [H_q, D] less `share` of the mean of the queries before it (none yet: as it is)."""
+        """query [..., H_q, D] less `share` of the mean of the queries before it (none yet: as it is)."""
         if not share or not self.query_n:
             return query
         return query.float() - (share / self.query_n) * self.query_sum
@@ -234,8 +240,12 @@ class LayerWindow:
     def retrieve(self, query: Tensor, budget: int,
                  on_retrieval: Callable[[int, Selection, Tensor], None] | None = None) -> Selection:
         """query [H_r, D] (rotated at the memory position; H_r: the memory's representative heads)
-        -> the events to attend to."""
-        sel = self.events.select(query, budget)
+        -> the events to attend to. query [T, H_r, D], a chunk's tokens': events score by their
+        best token's z-score (`selection.token_max`; exact, every event scored)."""
+        if query.dim() == 3:
+            sel = select_events(token_max(self.events.token_scores(query)), self.events.event_lengths(), budget)
+        else:
+            sel = self.events.select(query, budget)
         if on_retrieval is not None:
             on_retrieval(self.layer_idx, sel, query)
         return sel

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from emllm.memory.selection import Selection, event_scores
+from emllm.memory.selection import Selection, event_scores, token_max
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,13 @@ class RecallProbe:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.last: dict[int, tuple[Selection, Tensor]] = {}
+        self.last: dict[int, tuple[Selection, Tensor, int]] = {}  # layer -> (selection, query, events then)
         self._before = engine.on_retrieval
         engine.on_retrieval = self._record
 
     def _record(self, layer: int, sel: Selection, query: Tensor) -> None:
-        self.last[layer] = (Selection(sel.ids.cpu(), sel.scores.cpu()), query.detach().float().cpu())
+        n = len(self.engine.windows[layer].events)  # (the step may close events after retrieving)
+        self.last[layer] = (Selection(sel.ids.cpu(), sel.scores.cpu()), query.detach().float().cpu(), n)
         if self._before is not None:
             self._before(layer, sel, query)
 
@@ -73,8 +74,12 @@ def needle_recall(engine: Any, probe: RecallProbe, needles: Sequence[tuple[int, 
 
     def ranks(layer: int) -> Tensor:
         if layer not in ranks_of:
-            _, query = probe.last[layer]
-            scores = event_scores(windows[layer].events.repr_keys().float(), query)
+            _, query, n = probe.last[layer]
+            events = windows[layer].events
+            if query.dim() == 3:  # a question's tokens, scored by their best z-score (`LayerWindow.retrieve`)
+                scores = token_max(events.token_scores(query)[:, :n]).cpu()
+            else:
+                scores = event_scores(events.repr_keys()[:n].float(), query)
             order = torch.sort(scores, descending=True, stable=True).indices  # as select_events ranks
             r = torch.empty_like(order)
             r[order] = torch.arange(1, order.numel() + 1)
@@ -93,7 +98,7 @@ def needle_recall(engine: Any, probe: RecallProbe, needles: Sequence[tuple[int, 
             if layer not in probe.last:  # this layer did not retrieve (no events yet)
                 best.append(0)
                 continue
-            sel, _ = probe.last[layer]
+            sel, _, _ = probe.last[layer]
             held += bool(torch.isin(ev, sel.ids).any())
             best.append(int(ranks(layer)[ev].min()))
         out.append(NeedleRecall(j, "memory", held, n_layers, best, ev.numel()))

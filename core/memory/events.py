@@ -12,7 +12,7 @@ from torch import Tensor
 
 from emllm.memory.buffers import GrowBuffer, token_index
 from emllm.memory.index import EventIndex
-from emllm.memory.selection import Selection
+from emllm.memory.selection import Selection, token_scores
 
 
 class EventMemory:
@@ -75,6 +75,12 @@ class EventMemory:
     def select(self, query: Tensor, budget: int) -> Selection:
         """The similarity buffer for `query` [H_r, D]: exact, or faiss past the threshold."""
         return self.index.select(query, self.event_lengths(), budget)
+
+    def token_scores(self, queries: Tensor) -> Tensor:
+        """Every event's exact score for each query [T, H_r, D] -> [T, E] float32 (each row the
+        bits `event_scores` gives)."""
+        flat = self.index.vectors().reshape(len(self), -1)
+        return token_scores(flat.shape[0], flat.shape[1], lambda a, b: flat[a:b], queries.to(flat.device))
 
     def event_lengths(self) -> Tensor:
         return self.lengths.view()

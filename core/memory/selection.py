@@ -92,21 +92,42 @@ def scores_in_blocks(n: int, dim: int, block: Callable[[int, int], Tensor], quer
 
 
 def fold_query(query: Tensor, heads: int) -> Tensor:
-    """query [H_q, D] -> [heads, D] float32: each group of H_q / heads query heads summed.
+    """query [..., H_q, D] -> [..., heads, D] float32: each group of H_q / heads query heads summed.
 
     Where every query head of a group scores the same representative key r (mean keys of a GQA
     model), sum_h q_h . r = (sum_h q_h) . r: one key per group then gives the same score, with
     1/group the bytes to read. heads == H_q: the query, unchanged."""
-    h_q, d = query.shape
+    *lead, h_q, d = query.shape
     if heads == h_q:
         return query
-    return query.float().view(heads, h_q // heads, d).sum(1)
+    return query.float().view(*lead, heads, h_q // heads, d).sum(-2)
 
 
 def event_scores(reprs: Tensor, query: Tensor) -> Tensor:
     """Score of each event: sum over heads of dot(query_h, repr_h). reprs [E, H, D], query [H, D] -> [E]."""
     flat = reprs.reshape(reprs.shape[0], query.numel())  # (no rows: still [0, dim])
     return scores_in_blocks(flat.shape[0], flat.shape[1], lambda a, b: flat[a:b], query)
+
+
+def token_scores(n: int, dim: int, block: Callable[[int, int], Tensor], queries: Tensor) -> Tensor:
+    """Every event's score for each of several queries: queries [T, ...] (each `dim` floats) ->
+    [T, n] float32, row t the bits `scores_in_blocks(n, dim, block, queries[t])` gives."""
+    return torch.stack([scores_in_blocks(n, dim, block, q) for q in queries])
+
+
+def token_max(scores: Tensor) -> Tensor:
+    """[T, E] scores of E events for each of a chunk's T tokens -> [E] float64: each token's scores
+    standardised over the events (z-scores: a token whose scores all lie close together decides
+    nothing), then each event's best (profile question_scoring "max").
+
+    In float64 from float32 scores, on the scores' device: the same [T, E] give the same bits
+    wherever the events are kept (in RAM, a store's files). A token whose scores are all equal
+    gives every event 0."""
+    s = scores.double()
+    mean = s.mean(1, keepdim=True)
+    sd = s.std(1, correction=0, keepdim=True)
+    z = torch.where(sd > 0, (s - mean) / torch.where(sd > 0, sd, 1.0), 0.0)
+    return z.max(0).values
 
 
 TOPK_FROM = 1024  # select_events narrows to a top-k before sorting only past this many events

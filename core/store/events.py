@@ -11,7 +11,7 @@ from emllm.config import Profile
 from emllm.memory import prune, sketch
 from emllm.memory.cache import EventCache
 from emllm.memory.buffers import GrowBuffer, token_index
-from emllm.memory.selection import Selection, scores_in_blocks, select_events
+from emllm.memory.selection import Selection, scores_in_blocks, select_events, token_scores
 from emllm.store.rows import mappable, _BY_NAME, RowFile
 
 if TYPE_CHECKING:
@@ -202,6 +202,14 @@ class StoredEvents:
         # estimated from RAM: the scan's selection either way
         tail = None if n == len(self) else scores_in_blocks(len(self) - n, self.dim, lambda a, b: self._repr_block(n + a, n + b), q)
         return prune.select(self._resident_rows(n), self.resident_norms.view(), q, self.event_lengths(), budget, tail)
+
+    def token_scores(self, queries: Tensor) -> Tensor:
+        """Every event's exact score for each query [T, H_r, D] -> [T, E] float32, on the host:
+        each row the bits the scan gives (a question's chunk: `selection.token_max`)."""
+        n = len(self)
+        # the resident keys where a selection keeps them; else the file's, read once for all T
+        rows = self._resident_rows(n) if self.sketch is None and n <= self.resident_cap else self._repr_block(0, n)
+        return token_scores(n, self.dim, lambda a, b: rows[a:b], queries.cpu())
 
     def _resident_rows(self, n: int) -> Tensor:
         """[n, H_r * D]: the first n events' representative keys (as the store holds them, or
