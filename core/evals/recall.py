@@ -86,9 +86,12 @@ def needle_recall(engine: Any, probe: RecallProbe, needles: Sequence[tuple[int, 
             ranks_of[layer] = r
         return ranks_of[layer]
 
+    # events closed after the retrieval (by the question's own step) were in the window then
+    n_then = min((n for _, _, n in probe.last.values()), default=lengths.numel())
     out = []
     for j, (s, e) in enumerate(needles):
         ev = torch.nonzero((starts < e) & (ends > s)).squeeze(1)
+        ev = ev[ev < n_then]
         if ev.numel() == 0:
             where = "init" if e <= n_init else "window"
             out.append(NeedleRecall(j, where, n_layers, n_layers, [], 0))
