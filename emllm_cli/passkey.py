@@ -55,7 +55,7 @@ def passkey(
     kv_format: str = FormatOpt,
     memory_dir: Path = typer.Option(None, "--memory-dir", file_okay=False, help="Keep emllm's memory on disk, in temporary stores under this folder (removed at the end; with --resume, kept until the grid completes): RAM stays bounded. Needed from a few hundred thousand tokens (SmolLM2 keeps 46 kB of keys and values per token). The filler before the needles, the same in every haystack, is then read once for the whole grid (trials run in the order of their needle's position; same results), at the cost of up to two stores' size on disk (with less free, a trial continues the shared store itself, which is cut back after it)."),
     resume: bool = typer.Option(False, "--resume", help="With --memory-dir: keep the grid's progress there (the trials answered, and the stores of the filler and of the trial under way, committed every 64 chunks), so that the same command, run again after a kill, a crash or Ctrl-C, carries on where it stopped instead of starting over. Removed when the grid completes."),
-    as_json: bool = typer.Option(False, "--json", help="Print all results as one JSON document."),
+    as_json: bool = typer.Option(False, "--json", help="Print all results as one JSON document. Progress goes to stderr on a terminal; elsewhere set EMLLM_PROGRESS=60 for a line a minute."),
 ) -> None:
     """Hide a 5-digit key at each depth of a filler haystack and ask for it.
 
