@@ -65,6 +65,9 @@ def test_a_store_written_by_the_old_layout_opens_and_answers_the_same(tiny, old_
     assert manifest["version"] == 4 and "documents" not in manifest["job"]  # really the old writer's
     model, tok = load_tiny(folder)
     with Store.open(store) as st:
+        # (read with the scoring it was made with: the question's mean query, not centred)
+        prof_then = stream.store_profile(st)
+        assert prof_then.question_scoring == "mean" and prof_then.question_centering == 0.0
         assert list(Session(st, model, tok).answer(QUESTION, 8)) == old_answer
     # and today's writer continues it: the same as today's code writing the whole stream
     more = words(22, 120)
