@@ -252,11 +252,12 @@ def main() -> None:
                           git=git_commit(), argv=sys.argv)
     rows = []
     for task in tasks:
+        name = task if a.haystack is None else f"{task} ({a.haystack})"  # as its rows record it
         for length in lengths:
             for i in range(a.first_sample, a.first_sample + a.samples):
                 depth = round((i - a.first_sample + 0.5) / a.samples, 4)
-                todo = [m for m in methods if (task, length, i, depth, m) not in done]
-                rows += [done[(task, length, i, depth, m)] for m in methods if m not in todo]
+                todo = [m for m in methods if (name, length, i, depth, m) not in done]
+                rows += [done[(name, length, i, depth, m)] for m in methods if m not in todo]
                 if not todo:
                     continue
                 prompt = build_prompt(task, tok, length, depth, random.Random(f"{a.seed}/{task}/{length}/{i}"), a.haystack)
@@ -277,7 +278,7 @@ def main() -> None:
                         extra = {"rag_chunks": len(rc.spans), "rag_of": rc.n_chunks, "rag_needles_found": sum(hit),
                                  "rag_tokens": len(rc.ids),
                                  **rag_recall(tok, prompt, a.rag_chunk, src.profile.n_mem)}
-                    r = {"task": task if a.haystack is None else f"{task} ({a.haystack})", "length": length, "sample": i, "depth": depth, "method": m,
+                    r = {"task": name, "length": length, "sample": i, "depth": depth, "method": m,
                          "answers": prompt.answers, "answer": answer.strip(), "score": prompt.score(answer),
                          "seconds": round(time.perf_counter() - t0, 2),
                          "tokens": len(prompt.document) + len(prompt.question), **extra}
