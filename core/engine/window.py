@@ -38,7 +38,8 @@ class StepInfo:
     neighbours: int = 1
     centering: float = 0.0  # share of the running mean query taken from each query (profile query_centering)
     keep_mean: bool = False  # whether the running mean query is kept (the profile centres at some point)
-    on_retrieval: Callable[[int, Selection, Tensor], None] | None = None  # (layer, selection, query as scored: [H_r, D], or [T, H_r, D] per token)
+    # (layer, selection, query as scored: [H_r, D], or [T, H_r, D] a question's tokens')
+    on_retrieval: Callable[[int, Selection, Tensor], None] | None = None
     mass: bool = True  # whether the window's attention mass is computed (representative keys need it)
     token_slack: int = 0  # steps of one token keep the window rotated (`RotatedWindow`) with this room (0: never)
     token_max: bool = False  # events score by their best token's z-score (profile question_scoring "max")
