@@ -30,7 +30,7 @@ from emllm.engine import window as W
 from emllm.engine.stream import Engine
 from emllm.evals.ruler import TASKS, build_prompt
 from emllm.math.rope import apply_rotary
-from emllm.memory.selection import event_scores, fold_query, select_positions
+from emllm.memory.selection import event_scores, fold_query, select_positions, token_max
 
 VARIANTS = ("mean", "zmax", "lse:0.5", "zmean", "max")
 
@@ -48,9 +48,9 @@ def ranked(c: dict, variant: str) -> np.ndarray:
     s = torch.stack([event_scores(reprs, x) for x in f]).double()  # [T, E]
     if variant == "max":
         return s.max(0).values.numpy()
+    if variant == "zmax":  # the engine's own (question_scoring "max")
+        return token_max(s).numpy()
     z = (s - s.mean(1, keepdim=True)) / s.std(1, correction=0, keepdim=True)
-    if variant == "zmax":
-        return z.max(0).values.numpy()
     if variant == "zmean":
         return z.mean(0).numpy()
     tau = float(variant.split(":")[1])
