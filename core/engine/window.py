@@ -147,10 +147,8 @@ class LayerWindow:
         if c == 1 and st.token_slack and not self.events.writer:
             rw = self._rw
             if rw is None or rw.full() or rw.rows != length - 1:
-                # (float32 for the window's probabilities when the mass is kept; else as the model
-                # computes, for the fused kernel)
-                dt = torch.float32 if st.mass else q.dtype
-                rw = self._rw = RotatedWindow(k_loc[:, :-1], v_loc[:, :-1], st.cos, st.sin, st.token_slack, dt)
+                # (float32: one query attends in float32 on the CPU, math/attention.py)
+                rw = self._rw = RotatedWindow(k_loc[:, :-1], v_loc[:, :-1], st.cos, st.sin, st.token_slack)
             p = rw.push(k, v, st.cos, st.sin)
             q_loc = apply_rotary(q, st.cos[p : p + 1].to(q.device), st.sin[p : p + 1].to(q.device))
             k_rot, v_att = rw.view()

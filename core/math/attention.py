@@ -47,16 +47,19 @@ def attend(
     Query i of the chunk sees window keys 0..L-c+i (causal) and all memory keys: one exact
     softmax. On the CPU a chunk of many queries runs torch's fused flash kernel only
     (`_attend_fused`: nothing of size [H_q, c, L] written out), and so does a generated token
-    when no mass is kept and the window is in the queries' dtype (one query sees the whole
-    window: no causal part; the window then computes as the plain model's sdpa would); other
-    few-query steps write the window's probabilities out in float32 and take the memory's part
-    from the kernel with its log-sum-exp (`_attend`); elsewhere (CUDA) everything is written out
-    in float32.
+    when no mass is kept, in float32 whatever the model's dtype (one query sees the whole window:
+    no causal part); other few-query steps write the window's probabilities out in float32 and
+    take the memory's part from the kernel with its log-sum-exp (`_attend`); elsewhere (CUDA)
+    everything is written out in float32. The output is in the queries' dtype.
     """
     if q_local.device.type == "cpu" and _FLASH_CPU is not None:
         c = q_local.shape[1]
-        if c >= FUSED_FROM[k_local.dtype == torch.float32] or (c == 1 and not with_mass and k_local.dtype == q_local.dtype):
+        if c >= FUSED_FROM[k_local.dtype == torch.float32]:
             return _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass)
+        if c == 1 and not with_mass:  # (see "One query in float32" below)
+            w = lambda t: None if t is None else t.float()  # noqa: E731 (a float32 tensor as it is)
+            out, _ = _attend_fused(w(q_local), w(k_local), w(v_local), w(q_mem), w(k_mem), w(v_mem), scaling, False)
+            return out.to(q_local.dtype), None
         return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, _memory_flash, with_mass)
     return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, _memory_materialised, with_mass)
 
@@ -65,9 +68,17 @@ def attend(
 # the crossovers measured on the project's CPU, a window of 1k, memory of 1.3k (SmolLM2's heads):
 # bf16 at 128 queries 2.8 against 4.2 ms, at 32 1.4 against 1.2; f32 at 512 22.8 against 30.2 ms,
 # at 128 5.4 against 5.1. A generated token (one query) costs the fused path 2.5x with the mass
-# (its second pass, keys as queries); without it, two kernel calls (window, memory) take ~0.85x
-# the written-out path's time at 4k (docs/benchmark-log.md).
+# (its second pass, keys as queries); without it, two kernel calls (window, memory), in float32
+# (below).
 FUSED_FROM = (64, 256)
+
+# One query in float32. A generated token (one query per head) attends on the CPU in float32,
+# whatever the model's dtype: torch's flash kernel in bfloat16 takes ~5.5x its float32 time for
+# one query on the project's CPU (AVX-512 BF16, no AMX; 1,152 memory keys, 1 thread: 1,097
+# against 198 us; four queries take 366 us). From four queries on the two cost within 15% of each
+# other (float32 the faster), not worth a chunk's changed bits. The output is more precise than
+# the plain model's bfloat16 sdpa, so its last bits differ from it. The window is kept rotated in
+# float32 for it (`RotatedWindow`). Measured end to end: docs/benchmarks.md, decoding.
 
 # torch's CPU flash-attention kernel; unlike the public sdpa it also returns the log-sum-exp,
 # which is what lets separately rotated parts share one softmax. Absent: the materialised path.
@@ -81,6 +92,8 @@ def _memory_flash(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> tuple[Tens
     """The memory's own softmax attention: q [H_kv, g, c, D], k/v [H_kv, M, D] ->
     (output [H_kv, g*c, D] float32, log-sum-exp [H_kv, g*c])."""
     h_kv, g, c, d = q.shape
+    if c == 1:  # ("One query in float32", above)
+        q, k, v = q.float(), k.float(), v.float()
     o, lse = _FLASH_CPU(q, k[:, None].expand(-1, g, -1, -1), v[:, None].expand(-1, g, -1, -1), is_causal=False, scale=scaling)
     return o.float().reshape(h_kv, g * c, d), lse.reshape(h_kv, g * c)
 
