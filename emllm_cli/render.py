@@ -305,13 +305,19 @@ def retrieval_view(r: dict, tokens: int):
         t.add_row(str(e["event"]), f"{e['tokens'][0]}-{e['tokens'][1]}", str(e["layers"]), shown(repr(e["preview"])[1:-1]))
     parts = [lines, t]
     if "layer" in r:
+        steps = r["layer"]["steps"]
+        z = any(s.get("scoring") == "z" for s in steps)
         lt = Table(title=f"layer {r['layer']['index']}")
         lt.add_column("step", justify="right")
         lt.add_column("event", justify="right")
         lt.add_column("score", justify="right")
         lt.add_column("text")
-        for s in r["layer"]["steps"]:
+        for s in steps:
+            unit = " z" if s.get("scoring") == "z" else ""
             for e in s["events"]:
-                lt.add_row(str(s["step"]), str(e["event"]), f"{e['score']:.3f}", shown(repr(e["preview"])[1:-1]))
+                lt.add_row(str(s["step"]), str(e["event"]), f"{e['score']:.3f}{unit}", shown(repr(e["preview"])[1:-1]))
         parts.append(lt)
+        if z:
+            parts.append(Text("z: the event's best z-score over the question's tokens (question_scoring max); "
+                              "other scores: the query's inner product with the event's key", style="dim"))
     return Group(*parts)

@@ -280,3 +280,35 @@ def test_question_scoring_rejects_unknown_values():
 
     with pytest.raises(ProfileError, match="question_scoring: must be one of mean, max"):
         tiny_profile(question_scoring="median")
+
+
+def test_a_trace_says_what_its_scores_are():
+    """`inspect --query` shows a question's z-scores (question_scoring "max") and a generated
+    token's inner products: each recorded step says which, and the table marks them."""
+    from rich.console import Console
+
+    from emllm.app.trace import Trace
+    from emllm_cli.render import retrieval_view
+
+    model = tiny_model("llama3.1")
+    eng = Engine(model, tiny_profile(question_centering=1.0, question_scoring="max"))
+    eng.feed(torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(3)))
+    trace = Trace.attach(eng)
+    eng.begin_question()
+    eng.feed(torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(4)))
+    eng.generate(1)
+    trace.detach()
+    by_step = {(r.step, r.scoring) for r in trace.records}
+    assert by_step == {(0, "z"), (1, "dot")}
+    q = [r for r in trace.records if r.step == 0 and r.layer == 0][0]
+    assert q.scores.numel() and float(q.scores.abs().max()) < 10  # z-scores, not inner products
+    # the table: a question's scores marked z, with a caption saying so; a token's plain
+    ev = lambda e, sc: {"event": e, "tokens": [0, 4], "layers": 1, "preview": "text", "score": sc}  # noqa: E731
+    doc = {"query": "q?", "layers": 1, "bins": 2, "coverage": [[0.5, 0.0]], "top_events": [],
+           "layer": {"index": 0, "steps": [{"step": 0, "scoring": "z", "events": [ev(3, 2.5)]},
+                                          {"step": 1, "scoring": "dot", "events": [ev(4, 17.25)]}]}}
+    con = Console(record=True, width=200)
+    con.print(retrieval_view(doc, 8))
+    out = con.export_text()
+    assert "2.500 z" in out and "17.250 " in out and "17.250 z" not in out
+    assert "z: the event's best z-score over the question's tokens" in out

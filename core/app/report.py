@@ -88,5 +88,6 @@ def retrieval_doc(trace, st, tok, query: str, layer: int | None = None, top: int
     if layer is not None:
         recs = [r for r in trace.records if r.layer == layer]
         out["layer"] = {"index": layer, "steps": [
-            {"step": r.step, "events": [event(int(e), float(s)) for e, s in zip(r.ids, r.scores)]} for r in recs]}
+            {"step": r.step, "scoring": r.scoring, "events": [event(int(e), float(s)) for e, s in zip(r.ids, r.scores)]}
+            for r in recs]}
     return out

@@ -26,6 +26,9 @@ class Record:
     layer: int
     ids: Tensor  # [k] event ids, increasing
     scores: Tensor  # [k]
+    # what the scores are: "dot", the query's inner product with each event's representative key;
+    # "z", each event's best z-score over a question's tokens (profile question_scoring "max")
+    scoring: str = "dot"
 
 
 @dataclass
@@ -46,7 +49,8 @@ class Trace:
     def _record(self, layer: int, sel: Selection, query: Tensor | None = None) -> None:
         if layer == 0 or self._step < 0:
             self._step += 1
-        self.records.append(Record(self._step, layer, sel.ids.cpu(), sel.scores.float().cpu()))
+        scoring = "z" if query is not None and query.dim() == 3 else "dot"  # ([T, H_r, D]: a question's tokens)
+        self.records.append(Record(self._step, layer, sel.ids.cpu(), sel.scores.float().cpu(), scoring))
 
     def event_spans(self) -> Tensor:
         """[E, 2] stream positions [start, end) of every event (events follow the initial tokens)."""
