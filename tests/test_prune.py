@@ -113,6 +113,32 @@ def test_a_bfloat16_estimate_leaves_few_events_to_score():
     assert int((upper >= floor).sum()) < 3 * want.ids.numel()
 
 
+
+def test_a_sample_whose_threshold_holds_too_few_tokens_falls_back_to_the_best_k(monkeypatch):
+    """bfloat16 rows take the sampled threshold; where the sampled events are the best ones (so
+    the events estimated above the threshold hold too few tokens) the best k of every estimate
+    give the floor instead: the scan's selection either way. A non-finite key: the general path."""
+    monkeypatch.setattr(_prune, "SAMPLE", 100)  # every 30th of 3,000 events
+    lengths, rows = _events(3000, 31, 1.0, torch.bfloat16)
+    q = torch.randn(96, generator=torch.Generator().manual_seed(32))
+    rows = rows.clone()
+    rows[::30] = (rows[::30].float() + 3 * q / q.norm()).bfloat16()  # the sampled events score best
+    floors = []
+    real = _prune._floor
+    monkeypatch.setattr(_prune, "_floor", lambda *a: floors.append(real(*a)) or floors[-1])
+    for budget in (1, 40, 400):
+        floors.clear()
+        got = prune.select(rows, prune.norms_up(rows), q, lengths, budget)
+        want = select_events(event_scores(rows.reshape(-1, 3, 32), q), lengths, budget)
+        assert got.ids.tolist() == want.ids.tolist() and torch.equal(got.scores, want.scores)
+        if budget == 400:  # the ~27 events above the threshold hold ~120 tokens: -inf, then the best k
+            assert len(floors) == 2 and floors[0] == float("-inf") and floors[1] > float("-inf")
+    bad = rows.clone()
+    bad[7, 3] = float("nan")
+    got = prune.select(bad, prune.norms_up(bad), q, lengths, 40)
+    want = select_events(event_scores(bad.reshape(-1, 3, 32), q), lengths, 40)
+    assert got.ids.tolist() == want.ids.tolist()
+
 @pytest.mark.parametrize("spread", [1.0, 0.0])
 def test_the_floor_is_at_most_the_stopper(spread):
     """stopper_floor (from lower bounds) <= the score where select_events stops, ties included;

@@ -38,6 +38,8 @@ from emllm.memory.selection import Selection, event_scores, gamma, score_error, 
 # and the bfloat16 estimate, 262 events 0.13 against 0.35 ms, 2,285 events 0.57 against 0.41).
 PRUNE_FROM = 2048
 
+SAMPLE = 2048  # estimates a bfloat16 selection samples for its first threshold (`_select_near`)
+
 
 def norms_up(x: Tensor) -> Tensor:
     """x [n, dim] -> |x| [n] float32, rounded up (computed in float64): bounds built on it hold."""
@@ -136,18 +138,32 @@ def split_estimate(rows: Tensor, norms: Tensor, query: Tensor) -> tuple[Tensor, 
 
 
 def _split_estimate(rows: Tensor, norms: np.ndarray, query: Tensor, qn: float) -> tuple[np.ndarray, np.ndarray]:
+    est = _split_product(rows, query)
+    return est, _slack(est, norms, _slack_terms(query.numel(), qn))
+
+
+def _split_product(rows: Tensor, query: Tensor) -> np.ndarray:
+    """The estimates [n] float32 of `split_estimate`: one bfloat16 product against hi and lo."""
     q = query.reshape(-1).float()
     hi = q.to(torch.bfloat16)
     lo = (q - hi.float()).to(torch.bfloat16)  # (q - hi is exact: they are within a factor of 2)
     o = torch.mm(rows, torch.stack((hi, lo), 1)).float().numpy()  # [n, 2]
-    est = o[:, 0] + o[:, 1]
-    dim = q.numel()
+    return o[:, 0] + o[:, 1]
+
+
+def _slack_terms(dim: int, qn: float) -> tuple[np.float32, np.float32, np.float32]:
+    """(a, b, c): the slack of `split_estimate` is a |est| + b |x| + c, each event's."""
     tiny = dim * 2.0**-120 * (1 + qn)
     per_norm = ((2.0**-15 + 2.0**-16) * (1 + 2.0**-5) + gamma(dim) * (1 + 2.0**-7) + score_error(dim)) * qn * (1 + 2.0**-10)
-    slack = np.abs(est) * np.float32(2.0**-8 * (1 + 2.0**-5))
-    slack += norms * np.float32(per_norm + tiny)
-    slack += np.float32(tiny + 2.0**-100)
-    return est, slack
+    return np.float32(2.0**-8 * (1 + 2.0**-5)), np.float32(per_norm + tiny), np.float32(tiny + 2.0**-100)
+
+
+def _slack(est: np.ndarray, norms: np.ndarray, terms: tuple[np.float32, np.float32, np.float32]) -> np.ndarray:
+    a, b, c = terms
+    slack = np.abs(est) * a
+    slack += norms * b
+    slack += c
+    return slack
 
 
 def stopper_floor(lower: Tensor, lengths: Tensor, budget: int) -> float:
@@ -160,6 +176,8 @@ def stopper_floor(lower: Tensor, lengths: Tensor, budget: int) -> float:
 
 def _floor(lower: np.ndarray, lengths: np.ndarray, budget: int) -> float:
     n = lower.size
+    if n == 0:
+        return float("-inf")
     k = min(n, budget // max(1, int(lengths.min())) + 1)  # the best k surely hold more than the budget, if all do
     top = np.argpartition(lower, n - k)[n - k :] if k < n else np.arange(n)
     top = top[np.argsort(-lower[top], kind="stable")]  # best first
@@ -180,6 +198,10 @@ def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: 
     n = rows.shape[0]
     if n + tail_np.size == 0 or budget <= 0:
         return select_events(torch.zeros(0), lengths, 0)
+    if rows.dtype == torch.bfloat16 and tail is None and n >= PRUNE_FROM:
+        got = _select_near(rows, norms, query, lengths.numpy(), budget)
+        if got is not None:
+            return got
     lower_upper = _bounds(rows, norms, query) if n >= PRUNE_FROM else None
     # few events; or a NaN/inf key: no bound holds. Every upper bound finite (their sum is) makes
     # every lower bound finite too (upper - lower = 2 slack, slack >= 0). (A sum that overflows
@@ -202,6 +224,56 @@ def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: 
         scores = np.empty(ids.size, dtype=np.float32)
         scores[held] = event_scores(rows[torch.from_numpy(ids[held])], query).numpy()
         scores[~held] = tail_np[ids[~held] - n]
+    pos = select_positions(scores, lens[ids], budget)
+    return Selection(torch.from_numpy(ids[pos]), torch.from_numpy(scores[pos]))
+
+
+def _select_near(rows: Tensor, norms: Tensor, query: Tensor, lens: np.ndarray, budget: int) -> Selection | None:
+    """`select` over bfloat16 rows, the bounds computed for a few events only (None: a key is
+    not finite, take the general path).
+
+    The slack a |est| + b |x| + c is at most a |est| + b max|x| + c: both bounds are then
+    increasing in the estimate. So (1) the floor of the stopper can come from the events
+    estimated above a threshold T read off a sample of every s-th estimate, about 2k events
+    (any events whose lower bounds hold more than the budget give a floor: they cannot all be
+    selected); only where they hold too few tokens are the best k estimates partitioned out of
+    all of them, as in `select`; (2) an event estimated below the t where
+    t + a |t| + b max|x| + c reaches the floor cannot reach it: only the events at or above t
+    get their own bounds. Then as `select`: every event whose own upper bound reaches the floor
+    is scored exactly, and the selection over them stops where the full ranking does. At 17k
+    events a layer, a few passes over the estimates instead of a dozen and a partition of all
+    of them (docs/benchmark-log.md)."""
+    n = rows.shape[0]
+    est = _split_product(rows, query)
+    if not math.isfinite(float(est.sum())):  # (a NaN or infinite key: no bound holds)
+        return None
+    terms = _slack_terms(query.numel(), _norm64(query))
+    nrm = norms.numpy()
+
+    def lower(ids: np.ndarray) -> np.ndarray:
+        return est[ids] - _slack(est[ids], nrm[ids], terms)
+
+    k = min(n, budget // max(1, int(lens.min())) + 1)  # the best k surely hold more than the budget, if all do
+    stride = max(1, n // SAMPLE)
+    sample = est[::stride]
+    r = -(-2 * k // stride)  # the sample's r-th best: about 2k events estimated at least as well
+    floor = float("-inf")
+    if r < sample.size:
+        near = np.flatnonzero(est >= np.partition(sample, sample.size - r)[sample.size - r])
+        floor = _floor(lower(near), lens[near], budget)
+    if floor == float("-inf"):  # they hold too few tokens (or there are few events): the best k
+        top = np.argpartition(est, n - k)[n - k :] if k < n else np.arange(n)
+        floor = _floor(lower(top), lens[top], budget)
+    if floor == float("-inf"):  # everything fits
+        ids = np.arange(n)
+    else:
+        a, b, c = (float(x) for x in terms)
+        d = floor - (b * float(nrm.max()) + c)  # an event reaching the floor has est + a |est| >= d
+        t = d / (1 + a) if d >= 0 else d / (1 - a)
+        t -= (abs(t) + abs(floor) + abs(d)) * 2.0**-12 + 2.0**-120  # (room for the bounds' float32 arithmetic)
+        near = np.flatnonzero(est >= np.float32(t))
+        ids = near[est[near] + _slack(est[near], nrm[near], terms) >= floor]
+    scores = event_scores(rows[torch.from_numpy(ids)], query).numpy()  # a score's bits depend on its row alone
     pos = select_positions(scores, lens[ids], budget)
     return Selection(torch.from_numpy(ids[pos]), torch.from_numpy(scores[pos]))
 
