@@ -251,7 +251,8 @@ def _select_near(rows: Tensor, norms: Tensor, query: Tensor, lens: np.ndarray, b
     nrm = norms.numpy()
 
     def lower(ids: np.ndarray) -> np.ndarray:
-        return est[ids] - _slack(est[ids], nrm[ids], terms)
+        e = est[ids]
+        return e - _slack(e, nrm[ids], terms)
 
     k = min(n, budget // max(1, int(lens.min())) + 1)  # the best k surely hold more than the budget, if all do
     stride = max(1, n // SAMPLE)
@@ -272,7 +273,8 @@ def _select_near(rows: Tensor, norms: Tensor, query: Tensor, lens: np.ndarray, b
         t = d / (1 + a) if d >= 0 else d / (1 - a)
         t -= (abs(t) + abs(floor) + abs(d)) * 2.0**-12 + 2.0**-120  # (room for the bounds' float32 arithmetic)
         near = np.flatnonzero(est >= np.float32(t))
-        ids = near[est[near] + _slack(est[near], nrm[near], terms) >= floor]
+        e = est[near]
+        ids = near[e + _slack(e, nrm[near], terms) >= floor]
     scores = event_scores(rows[torch.from_numpy(ids)], query).numpy()  # a score's bits depend on its row alone
     pos = select_positions(scores, lens[ids], budget)
     return Selection(torch.from_numpy(ids[pos]), torch.from_numpy(scores[pos]))
