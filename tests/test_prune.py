@@ -50,16 +50,10 @@ def _select(rows: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor, budget: 
         _prune.event_scores = real
 
 
-@pytest.mark.parametrize("layout", ["rows", "transposed"])
 @pytest.mark.parametrize("spread", [1.0, 0.001, 0.0])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_selection_is_the_scans_bit_for_bit(spread, dtype, layout):
-    """Rows as given, or as a store keeps its resident keys: a transposed view of [dim, n]
-    (its estimate is then another product, with other roundings: the bounds hold for any)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_selection_is_the_scans_bit_for_bit(spread, dtype):
     lengths, rows = _events(3000, 1, spread, dtype)
-    if layout == "transposed":
-        rows = rows.t().contiguous().t()
-        assert prune.transposed(rows)
     g = torch.Generator().manual_seed(2)
     for _ in range(10):
         q = torch.randn(96, generator=g) * 3
@@ -202,9 +196,6 @@ def test_a_store_selects_from_resident_keys_what_its_scan_selects(tmp_path, kv, 
                     a, b = fast.select(q, budget), scan.select(q, budget)
                     assert a.ids.tolist() == b.ids.tolist() and torch.equal(a.scores, b.scores)
             assert fast.resident.n == len(fast) and scan.resident.n == 0
-            assert prune.transposed(fast._resident_rows(len(fast)))  # (kept [dim, n]: the faster product)
-            q = torch.randn(4, 3, 32, generator=g)  # a question's tokens: the scan's bits from either
-            assert torch.equal(fast.token_scores(q), scan.token_scores(q))
 
 
 @pytest.mark.parametrize("kv", [None, "bfloat16"])

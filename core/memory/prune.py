@@ -41,14 +41,6 @@ PRUNE_FROM = 2048
 SAMPLE = 2048  # estimates a bfloat16 selection samples for its first threshold (`_select_near`)
 
 
-def transposed(rows: Tensor) -> bool:
-    """rows [n, dim] is a transposed view of keys kept [dim, n] (a store's resident keys): its
-    products are then taken as [m, dim] x [dim, n], which reads them faster than [n, dim] x [dim, m]
-    reads rows (measured at 17k x 192 bfloat16 keys, 30 layers' worth, 2 threads: 0.47-0.69 ms
-    against 0.71-0.78 a layer; 1 thread 0.86 against 1.24). Any order of summation: the bounds hold."""
-    return rows.dim() == 2 and rows.shape[0] > 1 and rows.stride(0) == 1 and rows.stride(1) >= rows.shape[0]
-
-
 def norms_up(x: Tensor) -> Tensor:
     """x [n, dim] -> |x| [n] float32, rounded up (computed in float64): bounds built on it hold."""
     n64 = x.double().norm(dim=1)
@@ -70,7 +62,7 @@ def estimate(rows: Tensor, query: Tensor) -> Tensor:
     scores [n] float32 (BLAS mv, one per block of half rows)."""
     q = query.reshape(-1).float()
     if rows.dtype == torch.float32:
-        return torch.mm(q[None], rows.t())[0] if transposed(rows) else torch.mv(rows, q)
+        return torch.mv(rows, q)
     n, dim = rows.shape
     out = torch.empty(n, dtype=torch.float32, device=rows.device)
     for a in range(0, n, ESTIMATE_BLOCK):
@@ -155,9 +147,6 @@ def _split_product(rows: Tensor, query: Tensor) -> np.ndarray:
     q = query.reshape(-1).float()
     hi = q.to(torch.bfloat16)
     lo = (q - hi.float()).to(torch.bfloat16)  # (q - hi is exact: they are within a factor of 2)
-    if transposed(rows):
-        o = torch.mm(torch.stack((hi, lo)), rows.t()).float().numpy()  # [2, n]
-        return o[0] + o[1]
     o = torch.mm(rows, torch.stack((hi, lo), 1)).float().numpy()  # [n, 2]
     return o[:, 0] + o[:, 1]
 

@@ -111,22 +111,8 @@ def event_scores(reprs: Tensor, query: Tensor) -> Tensor:
 
 def token_scores(n: int, dim: int, block: Callable[[int, int], Tensor], queries: Tensor) -> Tensor:
     """Every event's score for each of several queries: queries [T, ...] (each `dim` floats) ->
-    [T, n] float32, row t the bits `scores_in_blocks(n, dim, block, queries[t])` gives.
-
-    Each block of rows is read once for all T queries. Rows not laid out as rows (a store keeps
-    its resident keys transposed) are copied once a block into float32 rows (widened exactly: the
-    same bits; a transposing copy in bfloat16 cost 2x, and scoring the transposed rows query by
-    query 6x, measured at 17k x 192 keys)."""
-    out = torch.empty(queries.shape[0], n, dtype=torch.float32, device=queries.device)
-    step = score_block_rows(dim)
-    for a in range(0, n, step):
-        b = min(n, a + step)
-        x = block(a, b)
-        if not x.is_contiguous():
-            x = work_buffer(b - a, dim, queries.device, slot=3).copy_(x)
-        for t, q in enumerate(queries):
-            out[t, a:b] = scores_in_blocks(b - a, dim, lambda i, j: x[i:j], q)
-    return out
+    [T, n] float32, row t the bits `scores_in_blocks(n, dim, block, queries[t])` gives."""
+    return torch.stack([scores_in_blocks(n, dim, block, q) for q in queries])
 
 
 def token_max(scores: Tensor) -> Tensor:

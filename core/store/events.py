@@ -95,12 +95,10 @@ class StoredEvents:
         # As the store holds them: a half format's rows stay half (widened exactly when scored;
         # half the RAM of float32, and a question's first token sooner: at 128k tokens ask's peak
         # RSS 1,128 against 1,939 MiB, 2.0 against 2.5 s; a generated token ~9% slower at 256k:
-        # docs/benchmarks.md); integer rows decoded to float32. Kept transposed ([dim, events]):
-        # the estimate of every event's score reads them 1.3-1.5x faster so (`prune`), and an
-        # exact score's bits do not depend on the layout.
+        # docs/benchmarks.md); integer rows decoded to float32.
         rdt = self.r.dtype if self.fmt.reprs.bits is None else torch.float32
         self.resident_cap = (mb << 20) // (g.layers * self.dim * rdt.itemsize)  # events per layer
-        self.resident = GrowBuffer((self.dim, 0), 1, rdt, torch.device("cpu"))
+        self.resident = GrowBuffer((0, self.dim), 0, rdt, torch.device("cpu"))
         self.resident_norms = GrowBuffer((0,), 0, torch.float32, torch.device("cpu"))
 
     def __len__(self) -> int:
@@ -215,12 +213,12 @@ class StoredEvents:
 
     def _resident_rows(self, n: int) -> Tensor:
         """[n, H_r * D]: the first n events' representative keys (as the store holds them, or
-        float32 decoded from integers), the new ones read in. A transposed view (strides 1, cap)."""
+        float32 decoded from integers), the new ones read in."""
         for a in range(self.resident.n, n, 1 << 14):
             x = self._repr_block(a, min(n, a + (1 << 14))).to(self.resident.buf.dtype)
-            self.resident.append(x.t())
+            self.resident.append(x)
             self.resident_norms.append(prune.norms_up(x))
-        return self.resident.view().t()
+        return self.resident.view()
 
     def _select_sketched(self, query: Tensor, budget: int) -> Selection:
         """The scan's selection, reading a few events' keys: exact scores for the best-sketched
