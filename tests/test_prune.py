@@ -51,7 +51,7 @@ def _select(rows: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor, budget: 
 
 
 @pytest.mark.parametrize("spread", [1.0, 0.001, 0.0])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_selection_is_the_scans_bit_for_bit(spread, dtype):
     lengths, rows = _events(3000, 1, spread, dtype)
     g = torch.Generator().manual_seed(2)
