@@ -55,7 +55,7 @@ from torch import Tensor
 
 from emllm.memory.buffers import GrowBuffer
 
-from emllm.memory.selection import Selection, event_scores, select_events
+from emllm.memory.selection import Selection, event_scores, events_past, select_events
 
 # Defaults chosen with tests/test_search.py (recall) and benchmarks/retrieval_cost.py (cost).
 DEFAULT_THRESHOLD = 20_000  # events per layer from which the faiss path pays off
@@ -191,7 +191,7 @@ class EventIndex:
         shortest = int(lengths.min())
         # k events of at least `shortest` tokens hold more than `budget` tokens: with the true
         # top-k, the first event that does not fit is among them, so the prefix is the exact one.
-        k = n if shortest <= 0 else min(n, budget // shortest + 1 + self.margin)
+        k = min(n, events_past(budget, shortest, n) + self.margin)
         while k < n:
             cand = self.search(query, k).to(lengths.device)
             # Widen when the candidates cannot fill the budget (the graph returned fewer than k

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from emllm.memory.selection import Selection, event_scores, gamma, score_error, select_events, select_positions, work_buffer
+from emllm.memory.selection import (Selection, event_scores, events_past, gamma, score_error, select_events,
+                                    select_positions, work_buffer)
 
 
 # Below this many events, scoring every one exactly costs less than the estimate, the bound and
@@ -38,7 +39,7 @@ from emllm.memory.selection import Selection, event_scores, gamma, score_error, 
 # and the bfloat16 estimate, 262 events 0.13 against 0.35 ms, 2,285 events 0.57 against 0.41).
 PRUNE_FROM = 2048
 
-SAMPLE = 2048  # estimates a bfloat16 selection samples for its first threshold (`_select_near`)
+SAMPLE = 2048  # estimates a selection samples for its first threshold (`_candidates`)
 
 
 def norms_up(x: Tensor) -> Tensor:
@@ -73,48 +74,21 @@ def estimate(rows: Tensor, query: Tensor) -> Tensor:
     return out
 
 
-def upper_bound(est: Tensor, norms: Tensor, query: Tensor) -> Tensor:
-    """The most each event's exact score can be, given its estimate: est [n], norms [n] (|x|,
-    rounded up), query [dim] -> [n] float32."""
-    return torch.from_numpy(_upper(est.numpy(), norms.numpy(), _norm64(query), query.numel()))
-
-
 def _norm64(query: Tensor) -> float:
     return float(np.linalg.norm(query.reshape(-1).float().numpy().astype(np.float64)))
 
 
-def _upper(est: np.ndarray, norms: np.ndarray, qn: float, dim: int) -> np.ndarray:
-    """`upper_bound` on host arrays (qn: |query|). In float32 (a generated token computes this for
-    every event of every layer): the slack is taken 2^-10 wider and |est| 2^-20 wider than it is,
-    which covers the rounding of the float32 operations here (each within 2^-24 relative) many
-    times over."""
-    slack = (gamma(dim) + score_error(dim)) * qn * (1 + 2.0**-10)
-    out = np.abs(est) * np.float32(2.0**-20)
-    out += norms * np.float32(slack)
-    out += est
-    out += np.float32(2.0**-100)  # (an est of 0 with norms of 0: still >= the exact 0)
-    return out
-
-
 def bounds(rows: Tensor, norms: Tensor, query: Tensor) -> tuple[Tensor, Tensor]:
     """rows [n, dim], norms [n] (`norms_up`), query [dim] -> (lower, upper) [n] float32: each
-    event's exact score (`event_scores`) lies between them.
+    event's exact score (`event_scores`) lies between them; the bounds `select` uses.
 
     bfloat16 rows: one bfloat16 matrix product against the query split in two
-    (`split_estimate`); float32 rows: one float32 mv (`estimate`, `upper_bound`); float16 rows:
-    widened a block at a time (`estimate`)."""
-    lower, upper = _bounds(rows, norms, query)
-    return torch.from_numpy(lower), torch.from_numpy(upper)
-
-
-def _bounds(rows: Tensor, norms: Tensor, query: Tensor) -> tuple[np.ndarray, np.ndarray]:
-    qn, dim = _norm64(query), query.numel()
-    if rows.dtype == torch.bfloat16:
-        est, slack = _split_estimate(rows, norms.numpy(), query, qn)
-        return est - slack, est + slack
-    est = estimate(rows, query).numpy()
-    ub = _upper(est, norms.numpy(), qn, dim)
-    return est - (ub - est), ub
+    (`split_estimate`); float32 rows: one float32 mv (`estimate`), within
+    (gamma(dim) + score_error(dim)) |q| |x| (Higham 3.1), taken a little wider for the float32
+    arithmetic of the bound itself; float16 rows: widened a block at a time (`estimate`), the same."""
+    est, terms = _estimate(rows, query)
+    slack = _slack(est, norms.numpy(), terms)
+    return torch.from_numpy(est - slack), torch.from_numpy(est + slack)
 
 
 def split_estimate(rows: Tensor, norms: Tensor, query: Tensor) -> tuple[Tensor, Tensor]:
@@ -178,83 +152,86 @@ def _floor(lower: np.ndarray, lengths: np.ndarray, budget: int) -> float:
     n = lower.size
     if n == 0:
         return float("-inf")
-    k = min(n, budget // max(1, int(lengths.min())) + 1)  # the best k surely hold more than the budget, if all do
+    k = events_past(budget, int(lengths.min()), n)
     top = np.argpartition(lower, n - k)[n - k :] if k < n else np.arange(n)
     top = top[np.argsort(-lower[top], kind="stable")]  # best first
     m = int(np.searchsorted(np.cumsum(lengths[top]), budget, side="right"))  # the first past the budget
     return float(lower[top[m]]) if m < top.size else float("-inf")
 
 
+def _estimate(rows: Tensor, query: Tensor) -> tuple[np.ndarray, tuple[np.float32, np.float32, np.float32]]:
+    """(estimates [n] float32, (a, b, c)): every event's exact score lies within
+    a |est| + b |x| + c of its estimate. bfloat16 rows: `split_estimate`. float32 and float16
+    rows: `estimate`, off by at most (gamma(dim) + score_error(dim)) |q| |x|, taken 2^-10 wider,
+    plus 2^-20 |est| and 2^-100: that covers the rounding of the float32 operations on the bounds
+    (each within 2^-24 relative) many times over, and an estimate of 0 with |x| = 0."""
+    qn = _norm64(query)
+    if rows.dtype == torch.bfloat16:
+        return _split_product(rows, query), _slack_terms(query.numel(), qn)
+    b = (gamma(query.numel()) + score_error(query.numel())) * qn * (1 + 2.0**-10)
+    return estimate(rows, query).numpy(), (np.float32(2.0**-20), np.float32(b), np.float32(2.0**-100))
+
+
 def select(rows: Tensor, norms: Tensor, query: Tensor, lengths: Tensor, budget: int,
            tail: Tensor | None = None) -> Selection:
-    """`select_events(event_scores(rows, query), lengths, budget)` from an mv estimate.
+    """`select_events(event_scores(rows, query), lengths, budget)` from an estimate.
 
     rows [R, dim] float32, or bfloat16/float16 (every event's representative key, as a store of
     that format holds it), norms [R] from `norms_up`; tail [T] (optional): the exact scores of T
     more events after those (a store's events past what stays resident, scanned from its file);
     lengths [R + T]. All on the host. The selection is the one of all R + T exact scores, bit for
-    bit."""
+    bit.
+
+    Every event's score is estimated within a slack a |est| + b |x| + c (`_estimate`; a tail
+    event's estimate is its exact score, |x| taken 0: the slack still holds). Since the slack is
+    at most a |est| + b max|x| + c, both bounds increase with the estimate, so the bounds are
+    computed only for the events near the top (`_candidates`); every event whose upper bound
+    reaches a floor of the stopper is scored exactly, and the selection over those stops where the
+    full ranking stops."""
     tail_np = np.zeros(0, dtype=np.float32) if tail is None else tail.float().numpy()
     n = rows.shape[0]
     if n + tail_np.size == 0 or budget <= 0:
         return select_events(torch.zeros(0), lengths, 0)
-    if rows.dtype == torch.bfloat16 and tail is None and n >= PRUNE_FROM:
-        got = _select_near(rows, norms, query, lengths.numpy(), budget)
-        if got is not None:
-            return got
-    lower_upper = _bounds(rows, norms, query) if n >= PRUNE_FROM else None
-    # few events; or a NaN/inf key: no bound holds. Every upper bound finite (their sum is) makes
-    # every lower bound finite too (upper - lower = 2 slack, slack >= 0). (A sum that overflows
-    # with finite terms also takes the scan: slower, still exact.)
-    if lower_upper is None or not math.isfinite(float(lower_upper[1].sum()) + float(tail_np.sum())):
-        return select_events(torch.cat((event_scores(rows, query), torch.from_numpy(tail_np))), lengths, budget)
-    lower, upper = lower_upper
-    if tail_np.size:  # a tail event's bounds are its exact score
-        lower, upper = np.concatenate((lower, tail_np)), np.concatenate((upper, tail_np))
-
-    # Every event whose upper bound reaches a floor of the stopper is scored exactly; the others
-    # score below the stopper, so they are neither selected nor the stopper: the selection over
-    # the scored ones (in id order, for its ties) stops where the full ranking stops.
-    lens = lengths.numpy()
-    ids = np.flatnonzero(upper >= _floor(lower, lens, budget))
-    held = ids < n
-    if held.all():
-        scores = event_scores(rows[torch.from_numpy(ids)], query).numpy()  # a score's bits depend on its row alone
-    else:
-        scores = np.empty(ids.size, dtype=np.float32)
-        scores[held] = event_scores(rows[torch.from_numpy(ids[held])], query).numpy()
-        scores[~held] = tail_np[ids[~held] - n]
-    pos = select_positions(scores, lens[ids], budget)
-    return Selection(torch.from_numpy(ids[pos]), torch.from_numpy(scores[pos]))
+    if n >= PRUNE_FROM:
+        est, terms = _estimate(rows, query)
+        nrm = norms.numpy()
+        if tail_np.size:
+            est, nrm = np.concatenate((est, tail_np)), np.concatenate((nrm, np.zeros(tail_np.size, np.float32)))
+        # (a NaN or infinite key or norm: no bound holds; a sum that overflows with finite terms
+        # takes the scan too: slower, still exact)
+        if math.isfinite(float(est.sum()) + float(nrm.max())):
+            lens = lengths.numpy()
+            ids = _candidates(est, nrm, terms, lens, budget)
+            held = ids < n
+            scores = np.empty(ids.size, dtype=np.float32)
+            # a score's bits depend on its row alone
+            scores[held] = event_scores(rows[torch.from_numpy(ids[held])], query).numpy()
+            scores[~held] = tail_np[ids[~held] - n]
+            pos = select_positions(scores, lens[ids], budget)
+            return Selection(torch.from_numpy(ids[pos]), torch.from_numpy(scores[pos]))
+    # few events (scoring them all costs less), or no bound holds
+    return select_events(torch.cat((event_scores(rows, query), torch.from_numpy(tail_np))), lengths, budget)
 
 
-def _select_near(rows: Tensor, norms: Tensor, query: Tensor, lens: np.ndarray, budget: int) -> Selection | None:
-    """`select` over bfloat16 rows, the bounds computed for a few events only (None: a key is
-    not finite, take the general path).
+def _candidates(est: np.ndarray, nrm: np.ndarray, terms: tuple[np.float32, np.float32, np.float32],
+                lens: np.ndarray, budget: int) -> np.ndarray:
+    """The events [m] (increasing) whose upper bound reaches a floor of the stopper: the
+    selection over their exact scores is the full ranking's.
 
-    The slack a |est| + b |x| + c is at most a |est| + b max|x| + c: both bounds are then
-    increasing in the estimate. So (1) the floor of the stopper can come from the events
-    estimated above a threshold T read off a sample of every s-th estimate, about 2k events
-    (any events whose lower bounds hold more than the budget give a floor: they cannot all be
-    selected); only where they hold too few tokens are the best k estimates partitioned out of
-    all of them, as in `select`; (2) an event estimated below the t where
+    (1) The floor comes from the events estimated above a threshold T read off a sample of every
+    s-th estimate, about 2k events (any events whose lower bounds hold more than the budget give
+    a floor: they cannot all be selected); only where they hold too few tokens are the best k
+    estimates partitioned out of all of them. (2) An event estimated below the t where
     t + a |t| + b max|x| + c reaches the floor cannot reach it: only the events at or above t
-    get their own bounds. Then as `select`: every event whose own upper bound reaches the floor
-    is scored exactly, and the selection over them stops where the full ranking does. At 17k
-    events a layer, a few passes over the estimates instead of a dozen and a partition of all
-    of them (docs/benchmark-log.md)."""
-    n = rows.shape[0]
-    est = _split_product(rows, query)
-    if not math.isfinite(float(est.sum())):  # (a NaN or infinite key: no bound holds)
-        return None
-    terms = _slack_terms(query.numel(), _norm64(query))
-    nrm = norms.numpy()
+    get their own bounds. At 17k events a layer, a few passes over the estimates instead of a
+    dozen and a partition of all of them (docs/benchmark-log.md)."""
+    n = est.size
 
     def lower(ids: np.ndarray) -> np.ndarray:
         e = est[ids]
         return e - _slack(e, nrm[ids], terms)
 
-    k = min(n, budget // max(1, int(lens.min())) + 1)  # the best k surely hold more than the budget, if all do
+    k = events_past(budget, int(lens.min()), n)
     stride = max(1, n // SAMPLE)
     sample = est[::stride]
     r = -(-2 * k // stride)  # the sample's r-th best: about 2k events estimated at least as well
@@ -266,19 +243,15 @@ def _select_near(rows: Tensor, norms: Tensor, query: Tensor, lens: np.ndarray, b
         top = np.argpartition(est, n - k)[n - k :] if k < n else np.arange(n)
         floor = _floor(lower(top), lens[top], budget)
     if floor == float("-inf"):  # everything fits
-        ids = np.arange(n)
-    else:
-        a, b, c = (float(x) for x in terms)
-        d = floor - (b * float(nrm.max()) + c)  # an event reaching the floor has est + a |est| >= d
-        t = d / (1 + a) if d >= 0 else d / (1 - a)
-        t -= (abs(t) + abs(floor) + abs(d)) * 2.0**-12 + 2.0**-120  # (room for the bounds' float32 arithmetic)
-        near = np.flatnonzero(est >= np.float32(t))
-        e = est[near]
-        ids = near[e + _slack(e, nrm[near], terms) >= floor]
-    scores = event_scores(rows[torch.from_numpy(ids)], query).numpy()  # a score's bits depend on its row alone
-    pos = select_positions(scores, lens[ids], budget)
-    return Selection(torch.from_numpy(ids[pos]), torch.from_numpy(scores[pos]))
+        return np.arange(n)
+    a, b, c = (float(x) for x in terms)
+    d = floor - (b * float(nrm.max()) + c)  # an event reaching the floor has est + a |est| >= d
+    t = d / (1 + a) if d >= 0 else d / (1 - a)
+    t -= (abs(t) + abs(floor) + abs(d)) * 2.0**-12 + 2.0**-120  # (room for the bounds' float32 arithmetic)
+    near = np.flatnonzero(est >= np.float32(t))
+    e = est[near]
+    return near[e + _slack(e, nrm[near], terms) >= floor]
 
 
-__all__ = ["PRUNE_FROM", "ESTIMATE_BLOCK", "norms_up", "estimate", "upper_bound", "bounds", "split_estimate",
+__all__ = ["PRUNE_FROM", "ESTIMATE_BLOCK", "norms_up", "estimate", "bounds", "split_estimate",
            "stopper_floor", "select"]

@@ -155,6 +155,13 @@ def select_events(scores: Tensor, lengths: Tensor, budget: int) -> Selection:
     return Selection(ids, scores[ids])
 
 
+def events_past(budget: int, shortest: int, n: int) -> int:
+    """How many of n events, each at least `shortest` tokens long, surely hold more than `budget`
+    tokens (all n when that takes more, or when an event may be empty): the best k of a ranking
+    reach past the budget, so the event where it stops is among them."""
+    return n if shortest <= 0 else min(n, budget // shortest + 1)
+
+
 def select_positions(scores: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
     """`select_events` on host arrays: scores [n], lengths [n] -> the selected positions [k]
     (int64, increasing).
@@ -166,8 +173,7 @@ def select_positions(scores: np.ndarray, lengths: np.ndarray, budget: int) -> np
     n = scores.size
     if n == 0 or budget <= 0:
         return np.zeros(0, dtype=np.int64)
-    shortest = int(lengths.min())
-    k = n if shortest <= 0 else min(n, budget // shortest + 1)  # k events hold more than the budget
+    k = events_past(budget, int(lengths.min()), n)
     nan = np.isnan(scores)
     if nan.any():
         order = np.lexsort((-np.where(nan, 0, scores), ~nan))  # (last key first: NaN, then by score)
