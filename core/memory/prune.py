@@ -107,13 +107,8 @@ def split_estimate(rows: Tensor, norms: Tensor, query: Tensor) -> tuple[Tensor, 
     of the estimate and of the slack itself. Measured on a 32k store's question (30 layers):
     2,914 events scored exactly where the float32 mv's bound scored 2,750, and the estimate
     takes ~3x less time than widening the rows block by block (docs/benchmark-log.md)."""
-    est, slack = _split_estimate(rows, norms.numpy(), query, _norm64(query))
-    return torch.from_numpy(est), torch.from_numpy(slack)
-
-
-def _split_estimate(rows: Tensor, norms: np.ndarray, query: Tensor, qn: float) -> tuple[np.ndarray, np.ndarray]:
     est = _split_product(rows, query)
-    return est, _slack(est, norms, _slack_terms(query.numel(), qn))
+    return torch.from_numpy(est), torch.from_numpy(_slack(est, norms.numpy(), _slack_terms(query.numel(), _norm64(query))))
 
 
 def _split_product(rows: Tensor, query: Tensor) -> np.ndarray:
