@@ -61,7 +61,7 @@ EOF2
 suite() {  # the whole suite there, but for what needs SmolLM2's weights (absent) and the slow marker:
   # every command that loads a model through emllm (the CLI, the server) computes on the GPU
   OMP_NUM_THREADS=1 timeout ${SUITE_S:-220} python3 -m pytest -q -p no:cacheprovider -n ${SUITE_N:-8} --timeout 120 -m "not slow" \
-    -k "not smollm2" --ignore=tests/test_cuda.py --tb=line tests >"$OUT/suite.log" 2>&1
+    -k "not smollm2" --ignore=tests/test_cuda.py --tb=line ${SUITE_TESTS:-tests} >"$OUT/suite.log" 2>&1
   tail -60 "$OUT/suite.log"
 }
 

@@ -18,6 +18,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 python3 -m pip download -q --no-deps -d .whl chatterbot-corpus==1.3.3
 src=$(.venv/bin/python -c "from emllm import models; print(models.resolve('smollm2').path)")
 mkdir -p .gpu/home/models/smollm2
-cp "$src"/config.json "$src"/tokenizer* "$src"/generation_config.json .gpu/home/models/smollm2/
+cp "$src"/config.json "$src"/tokenizer* "$src"/chat_template* "$src"/generation_config.json .gpu/home/models/smollm2/
 : >.gpu/home/models/smollm2/model.safetensors  # resolve() needs the name; nothing there loads it
 du -sh .whl .gpu
