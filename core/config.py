@@ -77,11 +77,16 @@ class Profile:
     # (z-scores), and an event takes its best token's: the one token that singles a needle out (a
     # name, a key) is not averaged away by the rest of the question, in early layers above all.
     # The needle in 99.5% of layers at 32k instead of 95.9%, above the retrieval baseline's 98.9%
-    # (docs/benchmarks.md, recall: scoring the question token by token). Only
-    # while a question is read (`Engine.begin_question`) and only for chunks of several tokens: a
-    # generated token's z-score ranks as its score does, and the document's chunks score as before.
-    # It needs the centring above (without it, worse than the mean); stores made before keep "mean".
-    question_scoring: str = "max"
+    # (docs/benchmarks.md, recall: scoring the question token by token). "lse" (the default since
+    # 2026-11-27): a soft maximum of those z-scores (`selection.token_lse`, temperature 0.5), so
+    # an event several tokens find also gains: the same recall as "max" within a needle, and the
+    # passkey's first answer token less close to a tie (found at 1M, where "max" answers the
+    # filler; docs/benchmarks.md, recall). Only while a question is read
+    # (`Engine.begin_question`) and only for chunks of several tokens: a generated token's
+    # z-score ranks as its score does, and the document's chunks score as before. It needs the
+    # centring above (without it, worse than the mean); stores keep the scoring they were made
+    # with ("mean" before 2026-11-26, "max" until 2026-11-27).
+    question_scoring: str = "lse"
     # Representative keys scaled to unit length per head (query or KV head, as the store keeps
     # them) when events close: an event then scores the sum over heads of |q_h| cos(q_h, r_h),
     # and keys that are long win no more often. True by default since 2026-11-26 (evening): the
@@ -116,7 +121,7 @@ class Profile:
 
 
 REPRESENTATIVES = ("attention", "mean")
-QUESTION_SCORINGS = ("mean", "max")
+QUESTION_SCORINGS = ("mean", "max", "lse")
 
 _INT_MIN = {
     "chunk_size": 1, "n_init": 0, "n_local": 1, "n_mem": 0, "repr_topk": 1,

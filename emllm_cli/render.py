@@ -318,6 +318,7 @@ def retrieval_view(r: dict, tokens: int):
                 lt.add_row(str(s["step"]), str(e["event"]), f"{e['score']:.3f}{unit}", shown(repr(e["preview"])[1:-1]))
         parts.append(lt)
         if z:
-            parts.append(Text("z: the event's best z-score over the question's tokens (question_scoring max); "
+            parts.append(Text("z: the event's z-scores over the question's tokens, their best (question_scoring max) "
+                              "or a soft maximum (lse); "
                               "other scores: the query's inner product with the event's key", style="dim"))
     return Group(*parts)

@@ -3,6 +3,7 @@ against the layers' own selections and a brute-force ranking; a chunk retriever'
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from emllm.engine.stream import Engine
@@ -231,16 +232,42 @@ def test_token_max_is_each_events_best_standardised_token_score():
                        torch.sort(one[0], descending=True, stable=True).indices)
 
 
-def test_question_scoring_max_selects_by_each_tokens_z_score():
-    """question_scoring "max": a question's chunk retrieves with every token's centred query, each
-    event scoring its best token's z-score (brute force here); the document's chunks and a
-    generated token retrieve with one query, as with "mean"."""
+def test_token_lse_is_a_soft_maximum_of_the_z_scores():
     import numpy as np
+
+    from emllm.memory.selection import LSE_TEMPERATURE as T
+    from emllm.memory.selection import token_lse, token_max
+
+    g = torch.Generator().manual_seed(8)
+    s = torch.randn(6, 50, generator=g)
+    s[2] = -1.0  # a token whose scores are all equal: z 0 for every event, still counted in the sum
+    got = token_lse(s)
+    x = s.double().numpy()
+    sd = x.std(1, keepdims=True)
+    z = np.where(sd > 0, (x - x.mean(1, keepdims=True)) / np.where(sd > 0, sd, 1), 0.0)
+    np.testing.assert_allclose(got.numpy(), T * np.log(np.exp(z / T).sum(0)), rtol=0, atol=1e-12)
+    best = token_max(s)
+    assert got.dtype == torch.float64 and bool((got >= best).all()) and bool((got <= best + T * np.log(6) + 1e-12).all())
+    # an event two tokens find beats one that only one token finds as well
+    two = torch.tensor([[3.0, 0, 0, 0, 0], [0, 3.0, 0, 0, 0], [3.0, 0, 0, 0, 0]])  # event 0 found by two tokens, 1 by one
+    assert float(token_max(two)[0]) == float(token_max(two)[1]) and float(token_lse(two)[0]) > float(token_lse(two)[1])
+    one = s[:1]  # one token: its z-score
+    torch.testing.assert_close(token_lse(one), token_max(one), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("scoring", ["max", "lse"])
+def test_question_scoring_selects_by_each_tokens_z_score(scoring):
+    """question_scoring "max" and "lse": a question's chunk retrieves with every token's centred
+    query, each event scoring its best token's z-score, or their soft maximum (brute force here);
+    the document's chunks and a generated token retrieve with one query, as with "mean"."""
+    import numpy as np
+
+    from emllm.memory.selection import LSE_TEMPERATURE as T
 
     model = tiny_model("llama3.1")
     ids = torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(3))
     question = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(4))
-    eng = Engine(model, tiny_profile(question_centering=1.0, question_scoring="max"))
+    eng = Engine(model, tiny_profile(question_centering=1.0, question_scoring=scoring))
     seen: list = []
     w = eng.windows[0]
     # (the events there are at the retrieval: the step closes more after it)
@@ -258,7 +285,8 @@ def test_question_scoring_max_selects_by_each_tokens_z_score():
     ev = w.events
     reprs = ev.repr_keys()[:e].double().reshape(e, -1).numpy()
     s = used.double().reshape(6, -1).numpy() @ reprs.T  # [T, E]
-    z = ((s - s.mean(1, keepdims=True)) / s.std(1, keepdims=True)).max(0)
+    zs = (s - s.mean(1, keepdims=True)) / s.std(1, keepdims=True)
+    z = zs.max(0) if scoring == "max" else T * np.log(np.exp(zs / T).sum(0))
     order = sorted(range(len(z)), key=lambda i: (-z[i], i))
     lengths = ev.event_lengths()[:e].tolist()
     want, used_tokens = [], 0
@@ -278,7 +306,7 @@ def test_question_scoring_rejects_unknown_values():
 
     from emllm.config import ProfileError
 
-    with pytest.raises(ProfileError, match="question_scoring: must be one of mean, max"):
+    with pytest.raises(ProfileError, match="question_scoring: must be one of mean, max, lse"):
         tiny_profile(question_scoring="median")
 
 
@@ -311,4 +339,4 @@ def test_a_trace_says_what_its_scores_are():
     con.print(retrieval_view(doc, 8))
     out = con.export_text()
     assert "2.500 z" in out and "17.250 " in out and "17.250 z" not in out
-    assert "z: the event's best z-score over the question's tokens" in out
+    assert "z: the event's z-scores over the question's tokens, their best" in out

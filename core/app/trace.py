@@ -27,7 +27,8 @@ class Record:
     ids: Tensor  # [k] event ids, increasing
     scores: Tensor  # [k]
     # what the scores are: "dot", the query's inner product with each event's representative key;
-    # "z", each event's best z-score over a question's tokens (profile question_scoring "max")
+    # "z", z-scores over a question's tokens combined: the best (profile question_scoring "max")
+    # or a soft maximum ("lse")
     scoring: str = "dot"
 
 

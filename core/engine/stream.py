@@ -177,7 +177,7 @@ class Engine:
         step = StepInfo(cos, sin, pr.n_local, pr.n_init, pr.n_mem - cont, cont, pr.neighbours, centering,
                         bool(pr.query_centering or pr.question_centering), self.on_retrieval,
                         pr.representative == "attention", slack,
-                        self.answering and pr.question_scoring == "max" and c > 1)
+                        pr.question_scoring if self.answering and pr.question_scoring != "mean" and c > 1 else None)
         if self.model.config._attn_implementation != attention.NAME:  # someone ran the plain model meanwhile
             self.model.set_attn_implementation(attention.NAME)
         x = chunk.to(self.device)[None]

@@ -20,7 +20,7 @@ from emllm.engine.rotated import RotatedWindow
 from emllm.memory.buffers import SlidingRows, token_index
 from emllm.memory.events import EventMemory
 from emllm.memory.selection import (
-    Selection, fold_query, mean_keys, representative_keys, select_events, token_max, update_contiguity,
+    Selection, fold_query, mean_keys, representative_keys, select_events, TOKEN_SCORINGS, update_contiguity,
 )
 from emllm.math.rope import apply_rotary
 
@@ -42,7 +42,9 @@ class StepInfo:
     on_retrieval: Callable[[int, Selection, Tensor], None] | None = None
     mass: bool = True  # whether the window's attention mass is computed (representative keys need it)
     token_slack: int = 0  # steps of one token keep the window rotated (`RotatedWindow`) with this room (0: never)
-    token_max: bool = False  # events score by their best token's z-score (profile question_scoring "max")
+    # a question's chunk: each token scores every event, combined as profile question_scoring says
+    # ("max", "lse": `selection.TOKEN_SCORINGS`); None: the chunk's mean query scores them
+    token_scoring: str | None = None
 
 
 @dataclass
@@ -167,11 +169,11 @@ class LayerWindow:
             query = q_mem.mean(1)  # [H_q, D]
             if len(self.events):
                 # (summed over each group of query heads where the memory keeps a key per KV head)
-                if st.token_max:  # [c, H_r, D]: every token's query, centred as the mean would be
+                if st.token_scoring:  # [c, H_r, D]: every token's query, centred as the mean would be
                     scored = fold_query(self._centred(q_mem.transpose(0, 1), st.centering), self.events.repr_heads)
                 else:
                     scored = fold_query(self._centred(query, st.centering), self.events.repr_heads)
-                ids = self.retrieve(scored, st.budget, st.on_retrieval).ids.to(self.contiguity.device)
+                ids = self.retrieve(scored, st.budget, st.on_retrieval, st.token_scoring).ids.to(self.contiguity.device)
                 if st.contiguity_budget:
                     self.contiguity = update_contiguity(
                         self.contiguity, ids, self.events.event_lengths().to(ids.device), st.neighbours,
@@ -237,12 +239,15 @@ class LayerWindow:
         return k, v
 
     def retrieve(self, query: Tensor, budget: int,
-                 on_retrieval: Callable[[int, Selection, Tensor], None] | None = None) -> Selection:
+                 on_retrieval: Callable[[int, Selection, Tensor], None] | None = None,
+                 token_scoring: str | None = None) -> Selection:
         """query [H_r, D] (rotated at the memory position; H_r: the memory's representative heads)
-        -> the events to attend to. query [T, H_r, D], a chunk's tokens': events score by their
-        best token's z-score (`selection.token_max`; exact, every event scored)."""
+        -> the events to attend to. query [T, H_r, D], a chunk's tokens': every event scored by
+        each token, the scores combined by `token_scoring` ("max" unless given;
+        `selection.TOKEN_SCORINGS`; exact, every event scored)."""
         if query.dim() == 3:
-            sel = select_events(token_max(self.events.token_scores(query)), self.events.event_lengths(), budget)
+            scores = TOKEN_SCORINGS[token_scoring or "max"](self.events.token_scores(query))
+            sel = select_events(scores, self.events.event_lengths(), budget)
         else:
             sel = self.events.select(query, budget)
         if on_retrieval is not None:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from emllm.memory.selection import Selection, event_scores, token_max
+from emllm.memory.selection import TOKEN_SCORINGS, Selection, event_scores
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,8 @@ def needle_recall(engine: Any, probe: RecallProbe, needles: Sequence[tuple[int, 
         if layer not in ranks_of:
             _, query, n = probe.last[layer]
             events = windows[layer].events
-            if query.dim() == 3:  # a question's tokens, scored by their best z-score (`LayerWindow.retrieve`)
-                scores = token_max(events.token_scores(query)[:, :n]).cpu()
+            if query.dim() == 3:  # a question's tokens, scored as the profile says (`LayerWindow.retrieve`)
+                scores = TOKEN_SCORINGS[engine.profile.question_scoring](events.token_scores(query)[:, :n]).cpu()
             else:
                 scores = event_scores(events.repr_keys()[:n].float(), query)
             order = torch.sort(scores, descending=True, stable=True).indices  # as select_events ranks

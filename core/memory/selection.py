@@ -115,19 +115,43 @@ def token_scores(n: int, dim: int, block: Callable[[int, int], Tensor], queries:
     return torch.stack([scores_in_blocks(n, dim, block, q) for q in queries])
 
 
-def token_max(scores: Tensor) -> Tensor:
-    """[T, E] scores of E events for each of a chunk's T tokens -> [E] float64: each token's scores
-    standardised over the events (z-scores: a token whose scores all lie close together decides
-    nothing), then each event's best (profile question_scoring "max").
+def token_z(scores: Tensor) -> Tensor:
+    """[T, E] scores of E events for each of a chunk's T tokens -> [T, E] float64: each token's
+    scores standardised over the events (z-scores: a token whose scores all lie close together
+    decides nothing). A token whose scores are all equal gives every event 0.
 
     In float64 from float32 scores, on the scores' device: the same [T, E] give the same bits
-    wherever the events are kept (in RAM, a store's files). A token whose scores are all equal
-    gives every event 0."""
+    wherever the events are kept (in RAM, a store's files)."""
     s = scores.double()
     mean = s.mean(1, keepdim=True)
     sd = s.std(1, correction=0, keepdim=True)
-    z = torch.where(sd > 0, (s - mean) / torch.where(sd > 0, sd, 1.0), 0.0)
-    return z.max(0).values
+    return torch.where(sd > 0, (s - mean) / torch.where(sd > 0, sd, 1.0), 0.0)
+
+
+def token_max(scores: Tensor) -> Tensor:
+    """[T, E] -> [E] float64: each event's best z-score over the tokens (`token_z`; profile
+    question_scoring "max")."""
+    return token_z(scores).max(0).values
+
+
+# The soft maximum's temperature, in z-score units: at 0.5 a token half a standard deviation
+# behind the best counts e^-1 as much. Measured against 0.25, 1 and the hard maximum on the
+# passkey's first answer token and the needle's recall (docs/benchmarks.md, recall).
+LSE_TEMPERATURE = 0.5
+
+
+def token_lse(scores: Tensor, temperature: float = LSE_TEMPERATURE) -> Tensor:
+    """[T, E] -> [E] float64: a soft maximum of each event's z-scores over the tokens,
+    temperature * log(sum_t exp(z_t / temperature)) (profile question_scoring "lse"). Like
+    "max", one token that singles an event out lifts it; unlike it, an event that several of
+    the question's tokens find also gains. In z units: never below the best z, at most
+    temperature * log(T) above it. One token: its z-score."""
+    return temperature * torch.logsumexp(token_z(scores) / temperature, 0)
+
+
+# How a question's chunk of several tokens turns their [T, E] scores into one per event
+# (profile question_scoring; "mean" scores the tokens' mean query instead, with no [T, E]).
+TOKEN_SCORINGS: dict[str, Callable[[Tensor], Tensor]] = {"max": token_max, "lse": token_lse}
 
 
 TOPK_FROM = 1024  # select_events narrows to a top-k before sorting only past this many events

@@ -205,7 +205,7 @@ class StoredEvents:
 
     def token_scores(self, queries: Tensor) -> Tensor:
         """Every event's exact score for each query [T, H_r, D] -> [T, E] float32, on the host:
-        each row the bits the scan gives (a question's chunk: `selection.token_max`)."""
+        each row the bits the scan gives (a question's chunk: `selection.TOKEN_SCORINGS`)."""
         n = len(self)
         # the resident keys where a selection keeps them; else the file's, read once for all T
         rows = self._resident_rows(n) if self.sketch is None and n <= self.resident_cap else self._repr_block(0, n)
