@@ -4,7 +4,8 @@ captured as the engine retrieves with them (rotated at the memory position, cent
 KV head), and the events there were at that retrieval ranked by
 - mean: the tokens' mean query (the paper's; profile question_scoring "mean"),
 - zmax: each token's scores z-scored over the events, an event's best (question_scoring "max"),
-- lse:T: a log-sum-exp of those z-scores at temperature T (a softer maximum),
+- lse:T: a log-sum-exp of those z-scores at temperature T (a softer maximum; at 0.5 it ranks
+  as question_scoring "lse", the default since 2026-11-27),
 - zmean: the mean of the z-scores, max: the best raw score.
 Prints, per variant, the share of layers whose budget (`select_positions`, exact scores) holds
 each asked needle, averaged over needles, and the needles each layer misses.
