@@ -20,7 +20,7 @@ from emllm.engine.rotated import RotatedWindow
 from emllm.memory.buffers import SlidingRows, token_index
 from emllm.memory.events import EventMemory
 from emllm.memory.selection import (
-    Selection, fold_query, mean_keys, representative_keys, select_events, TOKEN_SCORINGS, update_contiguity,
+    TOKEN_SCORINGS, Selection, fold_query, mean_keys, representative_keys, select_events, update_contiguity,
 )
 from emllm.math.rope import apply_rotary
 
