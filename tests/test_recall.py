@@ -45,6 +45,40 @@ def test_needles_in_memory_window_and_initial_tokens():
                 assert rank <= len(selected[layer])
 
 
+@pytest.mark.parametrize("scoring", ["max", "lse"])
+def test_needle_ranks_of_a_question_follow_its_scoring(scoring):
+    """A question's chunk scored token by token: `needle_recall` ranks each needle as the layer's
+    own selection did (brute force from the captured queries, the profile's combination)."""
+    import numpy as np
+
+    from emllm.memory.selection import LSE_TEMPERATURE as T
+
+    model = tiny_model("llama3.1")
+    prof = tiny_profile(segmentation="F", max_block=8, min_block=8, n_mem=16, question_centering=1.0,
+                        question_scoring=scoring)
+    eng = Engine(model, prof)
+    g = torch.Generator().manual_seed(5)
+    eng.feed(torch.randint(0, 300, (200,), generator=g))
+    selected: dict[int, list[int]] = {}
+    eng.on_retrieval = lambda layer, sel, q: selected.__setitem__(layer, sel.ids.tolist())
+    probe = RecallProbe(eng)
+    eng.begin_question()
+    eng.feed(torch.randint(0, 300, (6,), generator=g))
+    probe.detach()
+    needles = [(4 + 8 * i, 12 + 8 * i) for i in range(12)]  # events 0-11, one each
+    got = needle_recall(eng, probe, needles)
+    for i, r in enumerate(got):
+        assert r.where == "memory" and r.events == 1
+        for layer in (0, 1):
+            _, q, n = probe.last[layer]
+            assert q.dim() == 3  # the question's tokens
+            x = q.double().reshape(q.shape[0], -1).numpy() @ eng.windows[layer].events.repr_keys()[:n].double().reshape(n, -1).numpy().T
+            z = (x - x.mean(1, keepdims=True)) / x.std(1, keepdims=True)
+            sc = z.max(0) if scoring == "max" else T * np.log(np.exp(z / T).sum(0))
+            assert r.ranks[layer] == 1 + sum(v > sc[i] or (v == sc[i] and j < i) for j, v in enumerate(sc))
+        assert r.layers == sum(i in selected[layer] for layer in (0, 1))
+
+
 def test_chunk_recall_at_a_budget():
     spans = [(0, 10), (10, 20), (20, 25), (25, 40)]
     ranked = [3, 0, 2, 1]  # best first
