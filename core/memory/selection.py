@@ -135,8 +135,9 @@ def token_max(scores: Tensor) -> Tensor:
 
 
 # The soft maximum's temperature, in z-score units: at 0.5 a token half a standard deviation
-# behind the best counts e^-1 as much. Measured against 0.25, 1 and the hard maximum on the
-# passkey's first answer token and the needle's recall (docs/benchmarks.md, recall).
+# behind the best counts e^-1 as much. Not tuned: the value the offline recall probe had tried
+# (recall equal to the hard maximum's); on the passkey's first answer token it was compared with
+# temperature 1 and the hard maximum (docs/benchmarks.md, recall; docs/benchmark-log.md).
 LSE_TEMPERATURE = 0.5
 
 
