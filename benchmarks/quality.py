@@ -89,9 +89,11 @@ def parse_variant(text: str, base):
 def recall_fields(found: list) -> dict:
     """An emllm answer's recall of the asked needles (evals.recall): per needle where it was and
     how many layers held it at the question, with ranks per layer; `retrieved`: every asked needle
-    was in the window/initial tokens or held by at least half the layers."""
+    was in the window/initial tokens or held by at least half the layers; `needle_whole`: the share
+    of layers that held every event of the needle (its key and its value, where boundaries split them)."""
     return {"recall": [r.as_dict() for r in found],
             "needle_layers": round(sum(r.share for r in found) / len(found), 4) if found else None,
+            "needle_whole": round(sum(r.whole / r.of for r in found) / len(found), 4) if found else None,
             "retrieved": all(r.share >= 0.5 for r in found)}
 
 
@@ -109,8 +111,9 @@ def rag_recall(tok, prompt, chunk_tokens: int, budget: int) -> dict:
 
 def recall_table(rows: list[dict], methods: list[str]) -> str:
     """Per task x length x method: emllm's share of layers holding the asked needles at the question
-    (and answers: correct / retrieved but misread / not retrieved), the baseline's chunk recall at
-    the same budget (n_mem tokens)."""
+    (and answers: correct / retrieved but misread / not retrieved; where recorded, the share of
+    layers that held every event of the needle, "whole"), the baseline's chunk recall at the same
+    budget (n_mem tokens)."""
     acc: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         acc[(r["task"], r["length"], r["method"])].append(r)
@@ -132,7 +135,9 @@ def recall_table(rows: list[dict], methods: list[str]) -> str:
             share = 100 * sum(r["needle_layers"] for r in rs) / len(rs)
             ok = sum(r["score"] == 1 for r in rs)
             misread = sum(r["score"] < 1 and r["retrieved"] for r in rs)
-            vals.append(f"{share:.0f}% ({ok} right, {misread} misread, {len(rs) - ok - misread} not retrieved)")
+            w = [r["needle_whole"] for r in rs if r.get("needle_whole") is not None]
+            whole = f"{100 * sum(w) / len(w):.0f}% whole; " if len(w) == len(rs) else ""
+            vals.append(f"{share:.0f}% ({whole}{ok} right, {misread} misread, {len(rs) - ok - misread} not retrieved)")
         out.append(f"| {t} | {n} | " + " | ".join(vals) + " |")
     return "\n".join(out)
 

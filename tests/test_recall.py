@@ -12,11 +12,12 @@ from emllm.memory.selection import event_scores, fold_query, select_events
 from tests.conftest import tiny_model, tiny_profile
 
 
-def test_needles_in_memory_window_and_initial_tokens():
+@pytest.mark.parametrize("seed", [0, 1])
+def test_needles_in_memory_window_and_initial_tokens(seed):
     model = tiny_model("llama3.1")
     prof = tiny_profile(segmentation="F", max_block=8, min_block=8, n_mem=16)  # fixed events of 8 tokens from 4
     eng = Engine(model, prof)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     eng.feed(torch.randint(0, 300, (200,), generator=g))
     selected: dict[int, list[int]] = {}
     def outer(layer, sel, query):  # a listener set before the probe still hears every retrieval
@@ -28,14 +29,15 @@ def test_needles_in_memory_window_and_initial_tokens():
     assert eng.on_retrieval is outer and set(selected) == {0, 1}
     needles = [(1, 3), (21, 25), (30, 38), (eng.n_tokens - 10, eng.n_tokens - 8)]
     got = needle_recall(eng, probe, needles)
-    assert got[0].where == "init" and got[0].layers == 2 and got[0].ranks == []
-    assert got[3].where == "window" and got[3].share == 1.0
+    assert got[0].where == "init" and got[0].layers == got[0].whole == 2 and got[0].ranks == []
+    assert got[3].where == "window" and got[3].share == 1.0 and got[3].whole == 2
     lengths = eng.windows[0].events.event_lengths()
     assert bool((lengths == 8).all())
     for r, (s, e) in zip(got[1:3], needles[1:3]):
         ev = list(range((s - 4) // 8, (e - 1 - 4) // 8 + 1))  # events [4 + 8i, 12 + 8i)
         assert r.where == "memory" and r.events == len(ev)
         assert r.layers == sum(any(i in selected[layer] for i in ev) for layer in (0, 1))
+        assert r.whole == sum(all(i in selected[layer] for i in ev) for layer in (0, 1))
         for layer in (0, 1):  # brute force: 1 + events scoring higher, ties to the lower id
             sel, q, n = probe.last[layer]  # (ranked among the events there were at the retrieval)
             sc = event_scores(eng.windows[layer].events.repr_keys()[:n], q).tolist()
@@ -43,6 +45,8 @@ def test_needles_in_memory_window_and_initial_tokens():
             assert r.ranks[layer] == rank
             if any(i in selected[layer] for i in ev):  # held: within the selection's size
                 assert rank <= len(selected[layer])
+    if seed == 1:  # the needle over two events reaches one layer in part: held, not whole
+        assert (got[2].events, got[2].layers, got[2].whole) == (2, 1, 0)
 
 
 @pytest.mark.parametrize("scoring", ["max", "lse"])

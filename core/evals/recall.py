@@ -5,9 +5,10 @@ A quality answer alone cannot tell "the memory did not find it" from "the model 
 retrieval the answer's first token attends to), and `needle_recall` says, per needle:
 - where it was: in the initial tokens or the window (every layer attends to it, nothing to
   retrieve), or in events of the memory;
-- how many layers' selections held one of its events, and per layer the best rank of its events
-  in that layer's full ranking (1: the best-scoring event; exact scores of every event, the
-  ranking `select_events` sorts).
+- how many layers' selections held one of its events, how many held all of them (a needle split
+  by boundaries into several events may reach a layer in part: its key without its value), and
+  per layer the best rank of its events in that layer's full ranking (1: the best-scoring event;
+  exact scores of every event, the ranking `select_events` sorts).
 
     probe = RecallProbe(engine); engine.feed(question); probe.detach()
     found = needle_recall(engine, probe, prompt.needles)   # one NeedleRecall per needle
@@ -32,6 +33,7 @@ class NeedleRecall:
     of: int  # layers
     ranks: list[int]  # per layer, the best rank of the needle's events (1 = top); [] unless "memory"
     events: int  # events the needle's tokens fall in
+    whole: int = 0  # layers whose selection held every one of those events (all layers for init/window)
 
     @property
     def share(self) -> float:
@@ -94,17 +96,19 @@ def needle_recall(engine: Any, probe: RecallProbe, needles: Sequence[tuple[int, 
         ev = ev[ev < n_then]
         if ev.numel() == 0:
             where = "init" if e <= n_init else "window"
-            out.append(NeedleRecall(j, where, n_layers, n_layers, [], 0))
+            out.append(NeedleRecall(j, where, n_layers, n_layers, [], 0, n_layers))
             continue
-        held, best = 0, []
+        held, whole, best = 0, 0, []
         for layer in range(n_layers):
             if layer not in probe.last:  # this layer did not retrieve (no events yet)
                 best.append(0)
                 continue
             sel, _, _ = probe.last[layer]
-            held += bool(torch.isin(ev, sel.ids).any())
+            hit = torch.isin(ev, sel.ids)
+            held += bool(hit.any())
+            whole += bool(hit.all())
             best.append(int(ranks(layer)[ev].min()))
-        out.append(NeedleRecall(j, "memory", held, n_layers, best, ev.numel()))
+        out.append(NeedleRecall(j, "memory", held, n_layers, best, ev.numel(), whole))
     return out
 
 
