@@ -28,14 +28,16 @@ import json
 import random
 import time
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
 from benchmarks import git_commit
 from emllm import models
 from emllm.engine.stream import Engine
+from emllm.evals.passkey import run_baseline
 from emllm.evals.recall import RecallProbe
-from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt
+from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt, read_prompt
 
 
 def reread_context(eng: Engine, probe: RecallProbe, document: list[int], question: list[int]) -> tuple[list[int], list[int]]:
@@ -69,7 +71,6 @@ def main() -> None:
     src = models.resolve("smollm2")
     model, tok = models.load(src)
     prof = src.profile.replace(segmentation="S")
-    stop = models.stop_token_ids(tok, model)
     name = a.task if a.haystack is None else f"{a.task} ({a.haystack})"
     commit = git_commit()
     for run in a.samples.split(","):
@@ -79,17 +80,10 @@ def main() -> None:
             p = build_prompt(a.task, tok, a.length, depth, random.Random(f"{a.seed}/{a.task}/{a.length}/{i}"), a.haystack)
             t0 = time.perf_counter()
             eng = Engine(model, prof)
-            eng.feed(p.document)
-            probe = RecallProbe(eng)
-            eng.begin_question()
-            eng.feed(p.question)
-            probe.detach()
+            probe = read_prompt(eng, p)
             ids, chosen = reread_context(eng, probe, p.document, p.question)
-            model.set_attn_implementation("sdpa")
-            x = torch.tensor([ids], device=models.input_device(model))
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=p.max_new_tokens, do_sample=False,
-                                 eos_token_id=stop, pad_token_id=tok.pad_token_id or tok.eos_token_id)
-            answer = tok.decode(out[0, x.shape[1] :], skip_special_tokens=True)
+            # the plain model on the context (it fits: no truncation), the question after it
+            answer = run_baseline(model, tok, replace(p, document=ids[: len(ids) - len(p.question)]), p.max_new_tokens)
             r = {"task": name, "length": a.length, "sample": i, "depth": depth, "method": "reread",
                  "answers": p.answers, "answer": answer.strip(), "score": p.score(answer), "context": len(ids),
                  "events": len(chosen), "seconds": round(time.perf_counter() - t0, 1), "commit": commit}

@@ -381,20 +381,27 @@ def build_prompt(task: str, tok, length: int, depth: float, rng: random.Random, 
     return gen(tok, length, depth, rng, haystack=haystack)
 
 
+def read_prompt(eng, prompt: Prompt, progress: Callable | None = None) -> RecallProbe:
+    """Feed the document, then the question as its own chunk (`begin_question`); returns the probe
+    that recorded every layer's retrieval at the question (`evals.recall`)."""
+    eng.feed(prompt.document, progress=progress)
+    probe = RecallProbe(eng)
+    eng.begin_question()
+    eng.feed(prompt.question)
+    probe.detach()
+    return probe
+
+
 def run_task(engine_factory: Callable[[], object], tok, prompt: Prompt, max_new_tokens: int | None = None,
              progress: Callable | None = None, recall: list | None = None) -> str:
     """emllm: ingest the document, feed the question as its own chunk, generate greedily.
     recall: a list to extend with every needle's `evals.recall.NeedleRecall` at the question."""
     eng = engine_factory()
-    eng.feed(prompt.document, progress=progress)
-    probe = RecallProbe(eng) if recall is not None else None
-    eng.begin_question()
-    eng.feed(prompt.question)
-    if probe is not None:
-        probe.detach()
+    probe = read_prompt(eng, prompt, progress)
+    if recall is not None:
         recall.extend(needle_recall(eng, probe, prompt.needles))
     out = eng.generate(max_new_tokens or prompt.max_new_tokens, stop_ids=set(_stop_ids(tok, eng.model)))
     return tok.decode(out, skip_special_tokens=True)
 
 
-__all__ = ["TASKS", "HAYSTACKS", "needle_only", "Prompt", "build_prompt", "run_task", "score", "score_part", "essay_sentence"]
+__all__ = ["TASKS", "HAYSTACKS", "needle_only", "Prompt", "build_prompt", "read_prompt", "run_task", "score", "score_part", "essay_sentence"]
