@@ -116,8 +116,10 @@ def _split_product(rows: Tensor, query: Tensor) -> np.ndarray:
     q = query.reshape(-1).float()
     hi = q.to(torch.bfloat16)
     lo = (q - hi.float()).to(torch.bfloat16)  # (q - hi is exact: they are within a factor of 2)
-    o = torch.mm(rows, torch.stack((hi, lo), 1)).float().numpy()  # [n, 2]
-    return o[:, 0] + o[:, 1]
+    # [2, dim] x [dim, n] (rows read transposed, no copy): ~0.2 ms a layer less than
+    # [n, dim] x [dim, 2] at 17k events, and each result row is contiguous for the sum
+    o = torch.mm(torch.stack((hi, lo)), rows.t()).float().numpy()  # [2, n]
+    return o[0] + o[1]
 
 
 def _slack_terms(dim: int, qn: float) -> tuple[np.float32, np.float32, np.float32]:
