@@ -11,3 +11,11 @@ def git_commit() -> str:
     environment's EMLLM_COMMIT, else ""."""
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
     return r.stdout.strip() or os.environ.get("EMLLM_COMMIT", "")
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword that hands a model's forward its KV cache: `cache` in recent transformers 5.x
+    (which warns on the old name), `past_key_values` before the rename."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}

@@ -34,6 +34,7 @@ from emllm import models
 from emllm.engine.stream import Engine
 from emllm.evals.passkey import parse_length
 
+from benchmarks import cache_kwargs
 from benchmarks.quality import parse_variant
 
 
@@ -63,7 +64,7 @@ class Vanilla:
         past = self.cache.get_seq_length()
         dev = models.input_device(self.model)
         pos = torch.arange(past, past + x.numel(), device=dev)[None]
-        self.model(input_ids=x.to(dev)[None], past_key_values=self.cache, position_ids=pos, use_cache=True)
+        self.model(input_ids=x.to(dev)[None], **cache_kwargs(self.model, self.cache), position_ids=pos, use_cache=True)
         for layer in self.cache.layers:  # slide: keep the last `window` tokens
             layer.keys, layer.values = layer.keys[:, :, -self.window :], layer.values[:, :, -self.window :]
 

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from benchmarks import cache_kwargs
 from benchmarks.ingest_speed import Vanilla
 from emllm import models
 from emllm.config import load_profile
@@ -81,7 +82,7 @@ class Full:
         self.model.set_attn_implementation("sdpa")
         dev = models.input_device(self.model)
         pos = torch.arange(self.n, self.n + x.numel(), device=dev)[None]
-        return self.model(input_ids=x.to(dev)[None], past_key_values=self.cache, position_ids=pos, use_cache=True).logits[0, -1]
+        return self.model(input_ids=x.to(dev)[None], **cache_kwargs(self.model, self.cache), position_ids=pos, use_cache=True).logits[0, -1]
 
 
 def fill_memory(engine, m: int, gen: torch.Generator) -> None:
