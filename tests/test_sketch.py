@@ -208,15 +208,18 @@ def test_readers_select_from_the_sketch_exactly_what_the_scan_selects(tmp_path, 
         assert st.repr_heads == 3 and st.manifest["version"] == (7 if per_kv_head else 6 if kv else 5)
         for layer in range(G.layers):
             ev = StoredEvents(st, layer)
-            assert ev.sketch is not None
-            for _ in range(20):
-                q = torch.randn(3, 32, generator=g)
-                for budget in (8, 40):
-                    got, want = ev.select(q, budget), _exact(st, layer, q, budget)
-                    assert got.ids.tolist() == want.ids.tolist()
-                    assert torch.equal(got.scores, want.scores)  # the same bits: a score depends on its row alone
-    with Store.open(tmp_path / "s", writable=True) as st:  # a writer always scans
-        assert StoredEvents(st, 0).sketch is None
+            assert ev.sketch is not None and ev.retrieval_mapped  # a reader of a small store: through maps
+            for mapped in (True, False):  # and by pread, as a store larger than half the memory is read
+                ev.retrieval_mapped = mapped
+                for _ in range(10):
+                    q = torch.randn(3, 32, generator=g)
+                    for budget in (8, 40):
+                        got, want = ev.select(q, budget), _exact(st, layer, q, budget)
+                        assert got.ids.tolist() == want.ids.tolist()
+                        assert torch.equal(got.scores, want.scores)  # the same bits: a score depends on its row alone
+    with Store.open(tmp_path / "s", writable=True) as st:  # a writer always scans, by pread
+        ev = StoredEvents(st, 0)
+        assert ev.sketch is None and not ev.retrieval_mapped
 
 
 def test_an_event_off_the_basis_appended_after_the_fit_is_found(tmp_path, monkeypatch):
