@@ -43,7 +43,9 @@ def _write(path: Path, batches: list[int], commit_every: int, seed: int = 0,
     if outlier is not None:
         reprs[outlier[0]] = outlier[1].reshape(3, 32)
     g = G7 if per_kv_head else G
-    st = Store.create(path, IDENT, {"name": "t", "faiss_threshold": THRESHOLD}, g, kv=kv,
+    # repr_cache_mb 0: a reader keeps no keys resident, as for a store past that budget, so its
+    # selections go through the sketch
+    st = Store.create(path, IDENT, {"name": "t", "faiss_threshold": THRESHOLD, "repr_cache_mb": 0}, g, kv=kv,
                       repr_heads=g.kv_heads if per_kv_head else None)
     evs = [StoredEvents(st, i) for i in range(g.layers)]
     done = 0
@@ -209,9 +211,13 @@ def test_readers_select_from_the_sketch_exactly_what_the_scan_selects(tmp_path, 
         for layer in range(G.layers):
             ev = StoredEvents(st, layer)
             assert ev.sketch is not None and ev.retrieval_mapped  # a reader of a small store: through maps
-            for mapped in (True, False):  # and by pread, as a store larger than half the memory is read
-                ev.retrieval_mapped = mapped
-                for _ in range(10):
+            assert ev._sketched()  # its keys past repr_cache_mb (0 here)
+            # the sketch through maps, by pread (a store larger than half the memory), and the
+            # resident keys' product (a store whose keys fit in repr_cache_mb)
+            for resident, mapped in ((False, True), (False, False), (True, True)):
+                ev.resident_cap, ev.retrieval_mapped = (len(ev) if resident else 0), mapped
+                assert ev._sketched() != resident
+                for _ in range(7):
                     q = torch.randn(3, 32, generator=g)
                     for budget in (8, 40):
                         got, want = ev.select(q, budget), _exact(st, layer, q, budget)
