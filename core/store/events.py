@@ -31,7 +31,7 @@ class StoredEvents:
       exactly at every step, reading `layers/NN.r` a block at a time into one reused buffer
       (pread, from the page cache once warm); a reader of a store with a sketch scans the
       sketches instead and scores exactly only the events that can be selected (the same
-      selection);
+      selection; only past `repr_cache_mb`: below it the resident keys' bound is far tighter);
     - keys and values are read per step for the retrieved events only (the engine's layers keep
       the last step's and ask only for the others): from the files (`RowFile.take`: pread,
       nothing mapped), or from an `EventCache` of the events read last where the profile's
@@ -50,8 +50,8 @@ class StoredEvents:
         self.repr_heads = store.repr_heads  # rows of a representative key: KV heads (version 7) or query heads
         self.dim = self.repr_heads * g.head_dim
         self.k, self.v, self.r = store.layer_files[layer]
-        # A reader of a store that has a sketch scores the sketches, then exactly only the events
-        # that can be selected (core/memory/sketch.py); a writer always scans (its selections are part of the bytes
+        # A reader of a store that has a sketch, once its keys exceed repr_cache_mb, scores the
+        # sketches, then exactly only the events that can be selected (core/memory/sketch.py); a writer always scans (its selections are part of the bytes
         # it writes, so they must not depend on when the sketch was fitted).
         self.sketch: tuple[RowFile, RowFile, Tensor, Tensor] | None = None  # coords, norms, mean, basis
         if store.sketch_files is not None and not store.writable:
