@@ -88,7 +88,7 @@ class StoredEvents:
         self.random_access = not store.writable and self.cache is None and mappable(kv_bytes)
         # The same for what a reader's sketched selection reads at every step: the sketches, and
         # the representative keys it scores exactly (~1.7k scattered rows a layer at 512k): one
-        # index of a map instead of a pread per run (0.47 -> 0.30 s a token at 512k, 1 thread).
+        # index of a map instead of a pread per run (512k of filler, 1 thread: 0.89 -> 0.39 s a token).
         retrieval_bytes = self.r.rows * self.r.row_bytes + sum(f.rows * f.row_bytes for f in (self.sketch or ())[:2])
         self.retrieval_mapped = not store.writable and mappable(g.layers * retrieval_bytes)
         # A writer's window computes each step as the same stream resumed from its files would
@@ -213,13 +213,13 @@ class StoredEvents:
         each row the bits the scan gives (a question's chunk: `selection.TOKEN_SCORINGS`)."""
         n = len(self)
         # the resident keys where a selection keeps them; else the file's, read once for all T
-        rows = self._resident_rows(n) if not self._sketched() and n <= self.resident_cap else self._repr_block(0, n)
+        rows = self._resident_rows(n) if n <= self.resident_cap else self._repr_block(0, n)
         return token_scores(n, self.dim, lambda a, b: rows[a:b], queries.cpu())
 
     def _sketched(self) -> bool:
         """Whether a selection goes through the sketch: a reader's, once its events' keys no longer
         all fit in `repr_cache_mb`. Below that the resident keys' product and its tight bound
-        leave ~100 exact scores a layer where the sketch's bound leaves thousands (512k tokens of
+        leave ~130 exact scores a layer where the sketch's bound leaves thousands (512k tokens of
         code, 1 thread: 0.30 -> 0.17 s a generated token); a question reads every key either way."""
         return self.sketch is not None and len(self) > self.resident_cap
 
