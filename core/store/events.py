@@ -51,8 +51,9 @@ class StoredEvents:
         self.dim = self.repr_heads * g.head_dim
         self.k, self.v, self.r = store.layer_files[layer]
         # A reader of a store that has a sketch, once its keys exceed repr_cache_mb, scores the
-        # sketches, then exactly only the events that can be selected (core/memory/sketch.py); a writer always scans (its selections are part of the bytes
-        # it writes, so they must not depend on when the sketch was fitted).
+        # sketches, then exactly only the events that can be selected (core/memory/sketch.py); a
+        # writer always scans (its selections are part of the bytes it writes, so they must not
+        # depend on when the sketch was fitted).
         self.sketch: tuple[RowFile, RowFile, Tensor, Tensor] | None = None  # coords, norms, mean, basis
         if store.sketch_files is not None and not store.writable:
             p, nrm = store.sketch_files[layer]
@@ -89,7 +90,8 @@ class StoredEvents:
         # The same for what a reader's sketched selection reads at every step: the sketches, and
         # the representative keys it scores exactly (~1.7k scattered rows a layer at 512k): one
         # index of a map instead of a pread per run (512k of filler, 1 thread: 0.89 -> 0.39 s a token).
-        retrieval_bytes = self.r.rows * self.r.row_bytes + sum(f.rows * f.row_bytes for f in (self.sketch or ())[:2])
+        sketch_files = self.sketch[:2] if self.sketch is not None else ()  # coords, norms
+        retrieval_bytes = sum(f.rows * f.row_bytes for f in (self.r, *sketch_files))
         self.retrieval_mapped = not store.writable and mappable(g.layers * retrieval_bytes)
         # A writer's window computes each step as the same stream resumed from its files would
         # (no window kept rotated across tokens: LayerWindow.forward)
