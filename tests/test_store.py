@@ -820,5 +820,34 @@ def test_rowfile_take_reads_any_rows_in_any_order(tmp_path, dtype):
              torch.randperm(5000, generator=g)[:1500].sort().values]  # gaps below, at and above READ_GAP
     for idx in cases:
         assert torch.equal(r.take(idx), x[idx])
+        assert torch.equal(r.rows_at(idx), x[idx])  # a reader's gather through the map: the same rows
+    r.close()
+    w.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here")
+def test_rowfile_rows_at_asks_for_a_large_gathers_pages_first(tmp_path, monkeypatch):
+    """A question's whole selection gathered through the map tells the kernel of its runs first
+    (a cold store then reads them together, not one fault at a time); a generated token's few rows
+    make no calls."""
+    from emllm.store import rows as rows_mod
+    from emllm.store.files import Folder
+
+    x = torch.randn(5000, 3, 8)
+    w = rows_mod.RowFile(Folder(tmp_path), "x", (3, 8), torch.float32, 0, writable=True)
+    w.append(x)
+    w.sync()
+    r = rows_mod.RowFile(Folder(tmp_path), "x", (3, 8), torch.float32, 5000, writable=False)
+    hints: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, adv: (hints.append((off, n)), real(fd, off, n, adv))[1])
+    rb = 3 * 8 * 4
+    small = torch.tensor([10, 11, 4000])
+    assert torch.equal(r.rows_at(small), x[small]) and hints == []
+    # two runs of events, out of order and repeated, far more than READ_GAP apart
+    big = torch.cat((torch.arange(3000, 3200), torch.arange(100, 300), torch.arange(150, 160)))
+    assert big.numel() >= rows_mod.PREFETCH_ROWS
+    assert torch.equal(r.rows_at(big), x[big])
+    assert sorted(hints) == [(100 * rb, 200 * rb), (3000 * rb, 200 * rb)]
     r.close()
     w.close()

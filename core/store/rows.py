@@ -15,6 +15,12 @@ from emllm.store.files import Folder, UnsafePath
 
 
 READ_GAP = 4 << 10  # bytes: scattered rows closer than this are read in one call
+# A gather through the map of at least this many rows (a question's or a chunk's whole selection,
+# ~n_mem tokens) first tells the kernel of its runs (WILLNEED), so that cold pages come from the
+# disk together instead of one fault at a time: `emllm ask` on a 512k store with the page cache
+# empty spent 7.3 s of its 12.5 s to the first token faulting in its gathers (docs/benchmarks.md).
+# A generated token's gathers (the few events its selection changed) skip the calls.
+PREFETCH_ROWS = 256
 _BLOCKS: dict[tuple[torch.dtype, tuple[int, ...]], Tensor] = {}  # read_block's buffers, one per row shape
 
 # A reader maps its layer files for gathering (`RowFile.rows_at`) while they total at most this
@@ -141,9 +147,7 @@ class RowFile:
         inv = None
         if rows.size > 1 and not bool((rows[1:] > rows[:-1]).all()):
             rows, inv = np.unique(rows, return_inverse=True)
-        cut = np.flatnonzero(np.diff(rows) > 1 + READ_GAP // self.row_bytes) + 1
-        first = np.concatenate(([0], cut))  # index in rows of each run's first row (np.r_ costs 15 us a call)
-        starts, stops = rows[first], rows[np.concatenate((cut - 1, [rows.size - 1]))] + 1
+        first, starts, stops = self._runs(rows)
         self._willneed_runs(starts, stops)
         size = stops - starts
         at = np.cumsum(size) - size  # each run's first row in buf
@@ -166,7 +170,17 @@ class RowFile:
             self._mt = self._tensor(self._mapped(self.rows))
             if self._mm is not None and hasattr(mmap, "MADV_NORMAL"):
                 self._mm.madvise(mmap.MADV_NORMAL)
+        if idx.numel() >= PREFETCH_ROWS:
+            _, starts, stops = self._runs(np.unique(idx.cpu().numpy()))
+            self._willneed_runs(starts, stops)
         return self._mt.index_select(0, idx)
+
+    def _runs(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Increasing rows [n] -> (first, starts, stops): the runs that read them, rows less than
+        `READ_GAP` bytes apart sharing one; first[i] is the index in rows of run i's first row."""
+        cut = np.flatnonzero(np.diff(rows) > 1 + READ_GAP // self.row_bytes) + 1
+        first = np.concatenate(([0], cut))  # (np.r_ costs 15 us a call)
+        return first, rows[first], rows[np.concatenate((cut - 1, [rows.size - 1]))] + 1
 
     def _willneed_runs(self, starts: np.ndarray, stops: np.ndarray) -> None:
         """POSIX_FADV_WILLNEED for row ranges [starts[i], stops[i]) (a hint: skipped where the OS has none)."""
