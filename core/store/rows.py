@@ -17,9 +17,9 @@ from emllm.store.files import Folder, UnsafePath
 READ_GAP = 4 << 10  # bytes: scattered rows closer than this are read in one call
 # A gather through the map of at least this many rows (a question's or a chunk's whole selection,
 # ~n_mem tokens) first tells the kernel of its runs (WILLNEED), so that cold pages come from the
-# disk together instead of one fault at a time: `emllm ask` on a 512k store with the page cache
-# empty spent 7.3 s of its 12.5 s to the first token faulting in its gathers (docs/benchmarks.md).
-# A generated token's gathers (the few events its selection changed) skip the calls.
+# disk together instead of one fault at a time: most of a cold `emllm ask`'s wait for its first
+# token, before (docs/benchmark-log.md, the store at scale). A generated token's gathers (the few
+# events its selection changed) skip the calls (~0.5 us each when the pages are cached).
 PREFETCH_ROWS = 256
 _BLOCKS: dict[tuple[torch.dtype, tuple[int, ...]], Tensor] = {}  # read_block's buffers, one per row shape
 
