@@ -826,10 +826,10 @@ def test_rowfile_take_reads_any_rows_in_any_order(tmp_path, dtype):
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here")
-def test_rowfile_rows_at_asks_for_a_large_gathers_pages_first(tmp_path, monkeypatch):
-    """A question's whole selection gathered through the map tells the kernel of its runs first
-    (a cold store then reads them together, not one fault at a time); a generated token's few rows
-    make no calls."""
+def test_rowfile_rows_at_asks_for_a_chunks_pages_first(tmp_path, monkeypatch):
+    """A chunk's gather through the map (prefetch) tells the kernel of its runs first, so a cold
+    store reads them together, not one fault at a time; a generated token's (no prefetch) makes
+    no calls."""
     from emllm.store import rows as rows_mod
     from emllm.store.files import Folder
 
@@ -842,12 +842,10 @@ def test_rowfile_rows_at_asks_for_a_large_gathers_pages_first(tmp_path, monkeypa
     real = os.posix_fadvise
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, adv: (hints.append((off, n)), real(fd, off, n, adv))[1])
     rb = 3 * 8 * 4
-    small = torch.tensor([10, 11, 4000])
-    assert torch.equal(r.rows_at(small), x[small]) and hints == []
     # two runs of events, out of order and repeated, far more than READ_GAP apart
     big = torch.cat((torch.arange(3000, 3200), torch.arange(100, 300), torch.arange(150, 160)))
-    assert big.numel() >= rows_mod.PREFETCH_ROWS
-    assert torch.equal(r.rows_at(big), x[big])
+    assert torch.equal(r.rows_at(big), x[big]) and hints == []
+    assert torch.equal(r.rows_at(big, prefetch=True), x[big])
     assert sorted(hints) == [(100 * rb, 200 * rb), (3000 * rb, 200 * rb)]
     r.close()
     w.close()

@@ -181,7 +181,7 @@ class LayerWindow:
                     )
                     extra = self.contiguity[~torch.isin(self.contiguity, ids)]
                     ids = torch.sort(torch.cat((ids, extra))).values
-                mk, mv = self._gather(ids)
+                mk, mv = self._gather(ids, prefetch=c > 1)
                 parts_k.append(mk)
                 parts_v.append(mv)
             parts_k.append(self.rem_k)
@@ -203,28 +203,28 @@ class LayerWindow:
             return query
         return query.float() - (share / self.query_n) * self.query_sum
 
-    def _gather(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+    def _gather(self, ids: Tensor, prefetch: bool = False) -> tuple[Tensor, Tensor]:
         """Keys and values of events ids [k] (sorted), [H_kv, n, D] each, on the ids' device: the
         events the last step held are copied from what it held, only the others are read from
         the memory (a store reads on the host). The same rows in the same order as
         `events.gather(ids)`. A memory read by one index (in RAM, a reader's map) is simply indexed."""
         if self.events.random_access:
-            return self.events.gather(ids)
+            return self.events.gather(ids, prefetch)
         held = self._held
         if held is not None and held[0].numel() == ids.numel() and bool(torch.equal(held[0], ids)):
             return held[1], held[2]
         if held is None or ids.numel() == 0 or held[0].numel() == 0:
-            k, v = self.events.gather(ids)
+            k, v = self.events.gather(ids, prefetch)
         else:
             old_ids, old_k, old_v = held
             at_old = torch.searchsorted(old_ids, ids).clamp_max_(old_ids.numel() - 1)  # both sorted
             keep = old_ids[at_old] == ids  # (isin, a sort-based op, cost ~10x more here)
             new = ids[~keep]
             if new.numel() == ids.numel():
-                k, v = self.events.gather(ids)
+                k, v = self.events.gather(ids, prefetch)
             else:
                 lengths = self.events.event_lengths().to(ids.device)
-                n_k, n_v = self.events.gather(new)
+                n_k, n_v = self.events.gather(new, prefetch)
                 old_len = lengths[old_ids]
                 old_at = torch.cumsum(old_len, 0) - old_len  # each held event's first row
                 new_len = lengths[new]

@@ -85,7 +85,8 @@ class EventMemory:
     def event_lengths(self) -> Tensor:
         return self.lengths.view()
 
-    def gather(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values of events `ids` (in that order), concatenated: [H_kv, n, D] each."""
+    def gather(self, ids: Tensor, prefetch: bool = False) -> tuple[Tensor, Tensor]:
+        """Keys and values of events `ids` (in that order), concatenated: [H_kv, n, D] each.
+        (prefetch: a hint for a store's files; nothing to do in RAM.)"""
         idx = token_index(self.starts.view()[ids], self.lengths.view()[ids])
         return self.keys.view()[:, idx], self.values.view()[:, idx]

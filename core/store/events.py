@@ -262,16 +262,17 @@ class StoredEvents:
     def event_lengths(self) -> Tensor:
         return self.lengths.view()
 
-    def gather(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+    def gather(self, ids: Tensor, prefetch: bool = False) -> tuple[Tensor, Tensor]:
         """Keys and values of events `ids`: [H_kv, n, D] each, on the ids' device.
 
         Cached events are copied from the cache; the others are read (map or RAM) and the ones
-        read from the files are cached."""
+        read from the files are cached. prefetch: a chunk's gather, whose rows a map asks the
+        kernel for first (`RowFile.rows_at`)."""
         dev = ids.device
         ids = ids.cpu()
         starts, lengths = self.starts.view()[ids], self.lengths.view()[ids]
         if self.cache is None:
-            k, v = self._read(token_index(starts, lengths))
+            k, v = self._read(token_index(starts, lengths), prefetch)
             return k.transpose(0, 1).to(dev), v.transpose(0, 1).to(dev)
         on_disk = starts + lengths <= self.n_disk  # an event is wholly in the files or wholly in RAM
         offsets = torch.full_like(ids, -1)
@@ -286,7 +287,7 @@ class StoredEvents:
             k[rows], v[rows] = self.cache.read(offsets[hit], lengths[hit])
         need = ~hit
         if bool(need.any()):
-            k_new, v_new = self._read(token_index(starts[need], lengths[need]))
+            k_new, v_new = self._read(token_index(starts[need], lengths[need]), prefetch)
             rows = token_index(out_at[need], lengths[need])
             k[rows], v[rows] = k_new, v_new
             fresh = need & on_disk
@@ -298,12 +299,12 @@ class StoredEvents:
                     self.cache.insert(ids[fresh], lengths[fresh], k[src], v[src])
         return k.transpose(0, 1).to(dev), v.transpose(0, 1).to(dev)
 
-    def _read(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+    def _read(self, idx: Tensor, prefetch: bool = False) -> tuple[Tensor, Tensor]:
         """Token rows idx [n] of the layer's events (files, then a reader's RAM): [n, H_kv, D] each."""
         disk = idx < self.n_disk
         dec_k = lambda rows: self.store.decode_keys(self.layer, rows, self.dtype)  # noqa: E731
         dec_v = lambda rows: self.fmt.decode(rows, self.dtype)  # noqa: E731
-        take = RowFile.rows_at if self.random_access else RowFile.take
+        take = (lambda f, i: f.rows_at(i, prefetch)) if self.random_access else RowFile.take
         if bool(disk.all()):
             return dec_k(take(self.k, idx)), dec_v(take(self.v, idx))
         k = torch.empty((idx.numel(), *self.row), dtype=self.dtype)

@@ -15,12 +15,6 @@ from emllm.store.files import Folder, UnsafePath
 
 
 READ_GAP = 4 << 10  # bytes: scattered rows closer than this are read in one call
-# A gather through the map of at least this many rows (a question's or a chunk's whole selection,
-# ~n_mem tokens) first tells the kernel of its runs (WILLNEED), so that cold pages come from the
-# disk together instead of one fault at a time: most of a cold `emllm ask`'s wait for its first
-# token, before (docs/benchmark-log.md, the store at scale). A generated token's gathers (the few
-# events its selection changed) skip the calls (~0.5 us each when the pages are cached).
-PREFETCH_ROWS = 256
 _BLOCKS: dict[tuple[torch.dtype, tuple[int, ...]], Tensor] = {}  # read_block's buffers, one per row shape
 
 # A reader maps its layer files for gathering (`RowFile.rows_at`) while they total at most this
@@ -161,16 +155,21 @@ class RowFile:
         pos = np.repeat(at - starts, np.diff(np.concatenate((first, [rows.size])))) + rows  # each row's place in buf
         return buf[torch.from_numpy(pos if inv is None else pos[inv])]
 
-    def rows_at(self, idx: Tensor) -> Tensor:
+    def rows_at(self, idx: Tensor, prefetch: bool = False) -> Tensor:
         """Rows idx [n] (long, < rows) -> [n, *row], indexed in a map of the file: one copy, where
         `take` costs a read call per run (~10x the time for a generated token's ~16 events, figures
         in docs/benchmark-log.md). For readers: the pages it touches stay mapped, counted in the
-        resident memory as the page cache's (shared, clean: the kernel takes them back as it needs)."""
+        resident memory as the page cache's (shared, clean: the kernel takes them back as it needs).
+
+        prefetch: first tell the kernel of the rows' runs (WILLNEED), so that pages not cached come
+        from the disk together instead of one fault at a time (most of a cold `emllm ask`'s wait
+        for its first token, before: docs/benchmark-log.md, the store at scale). For a chunk's
+        gathers; a generated token's skip it (at 256k the calls cost a quarter more time a token)."""
         if self._mt is None or self._mt.shape[0] < self.rows:
             self._mt = self._tensor(self._mapped(self.rows))
             if self._mm is not None and hasattr(mmap, "MADV_NORMAL"):
                 self._mm.madvise(mmap.MADV_NORMAL)
-        if idx.numel() >= PREFETCH_ROWS:
+        if prefetch and idx.numel():  # (a question's or a chunk's whole selection: see the docstring)
             _, starts, stops = self._runs(np.unique(idx.cpu().numpy()))
             self._willneed_runs(starts, stops)
         return self._mt.index_select(0, idx)
