@@ -247,7 +247,7 @@ def test_a_layer_reuses_the_last_steps_events_and_reads_the_same_rows():
     w = LayerWindow(0, 2, 4, 8, torch.float32, torch.device("cpu"), mem)
     reads = []
     gather = mem.gather
-    mem.gather = lambda ids: (reads.append(ids.tolist()), gather(ids))[1]
+    mem.gather = lambda ids, prefetch=False: (reads.append(ids.tolist()), gather(ids, prefetch))[1]
     picks = [[3, 7, 9, 20], [3, 7, 9, 20], [3, 9, 21, 40, 41], [0, 59], [0, 5, 59], [], [4, 5], [5, 6]]
     for ids in picks:
         ids = torch.tensor(ids, dtype=torch.long)
