@@ -179,6 +179,33 @@ def test_a_score_has_the_same_bits_whatever_rows_it_is_scored_with(dim, dtype):
             assert torch.equal(scores_in_blocks(m, dim, lambda a, b: buf[a:b], q), full[ids])
 
 
+@pytest.mark.parametrize("n,t,dim,dtype", [(1, 1, 192, torch.bfloat16), (777, 3, 192, torch.bfloat16),
+                                             (5000, 40, 192, torch.float32), (3001, 17, 576, torch.float16),
+                                             (100, 5, 7, torch.float32), (9000, 64, 192, torch.bfloat16)])
+def test_token_scores_are_each_querys_scan_bit_for_bit(n, t, dim, dtype):
+    # A question's chunk scores every event with each of its tokens at once (blocks of [T, m, dim]);
+    # each row must be the scan's bits, which the z-scores and a store's readers rely on.
+    from emllm.memory.selection import token_scores
+    g = torch.Generator().manual_seed(n + t)
+    x = (torch.randn(n, dim, generator=g) * 3).to(dtype)
+    q = torch.randn(t, dim, generator=g)
+    got = token_scores(n, dim, lambda a, b: x[a:b], q)
+    assert got.shape == (t, n) and got.dtype == torch.float32
+    for i in range(t):
+        assert torch.equal(got[i], scores_in_blocks(n, dim, lambda a, b: x[a:b], q[i]))
+
+
+def test_norms_up_bound_each_rows_norm_from_above_bit_for_bit_in_any_block():
+    from emllm.memory import prune
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5000, 192, generator=g) * torch.logspace(-2, 2, 192)).to(torch.bfloat16)
+    up = prune.norms_up(x)
+    exact = x.double().norm(dim=1)
+    assert up.dtype == torch.float32 and bool((up.double() >= exact).all())
+    assert bool((up.double() - exact <= exact * 2.0**-23).all())  # one float32 step at most
+    assert torch.equal(prune.norms_up(x[1234:4321]), up[1234:4321])
+
+
 @pytest.mark.parametrize("dim", [7, 96, 576, 2048])
 def test_scores_stay_within_their_rounding_bound(dim):
     # score_error is what the sketch's bound trusts; cancelling sums make the rounding show.

@@ -111,8 +111,29 @@ def event_scores(reprs: Tensor, query: Tensor) -> Tensor:
 
 def token_scores(n: int, dim: int, block: Callable[[int, int], Tensor], queries: Tensor) -> Tensor:
     """Every event's score for each of several queries: queries [T, ...] (each `dim` floats) ->
-    [T, n] float32, row t the bits `scores_in_blocks(n, dim, block, queries[t])` gives."""
-    return torch.stack([scores_in_blocks(n, dim, block, q) for q in queries])
+    [T, n] float32, row t the bits `scores_in_blocks(n, dim, block, queries[t])` gives.
+
+    The same operations as the scan, on [T, m, dim] at once: each block of keys is read once for
+    all T queries, and the blocks shrink with T so the products stay ~4 MiB (40 tokens over 35k
+    events, 1 thread: 86 against 122 ms a layer; tests/test_selection.py checks the bits)."""
+    q = queries.reshape(-1, dim).float()  # [T, dim]
+    t = q.shape[0]
+    out = torch.empty(t, n, dtype=torch.float32, device=q.device)
+    step = max(16, SCORE_BLOCK_BYTES // (4 * dim * max(t, 1)))
+    g = score_groups(dim)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        m = stop - start
+        w = work_buffer(t * m, dim, q.device).view(t, m, dim)
+        torch.mul(block(start, stop).unsqueeze(0), q.unsqueeze(1), out=w)
+        if g > 1:
+            w2 = work_buffer(t * m, dim // g, q.device, slot=1).view(t, m, dim // g)
+            torch.sum(w.view(t, m, g, dim // g), 2, out=w2)
+            w = w2
+        s = work_buffer(t * m, 1, q.device, slot=3).view(t, m)
+        torch.sum(w, 2, out=s)  # (into a contiguous buffer: each row's sum as the scan does it)
+        out[:, start:stop] = s
+    return out
 
 
 def token_z(scores: Tensor) -> Tensor:
