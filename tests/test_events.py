@@ -87,3 +87,16 @@ def test_s_boundaries_are_deterministic_and_causal_on_smollm2(smollm2):
     assert starts[0] == starts[1]  # deterministic
     early = lambda s: [b for b in s if b < cut - prof.chunk_size]  # noqa: E731
     assert early(starts[0]) == early(starts[2]) and len(early(starts[0])) > 10
+
+
+def test_growbuffer_reserve_keeps_rows_and_appends_after_them():
+    from emllm.memory.buffers import GrowBuffer
+    b = GrowBuffer((0, 3), 0, torch.float32, torch.device("cpu"), cap=2)
+    x = torch.arange(12.0).view(4, 3)
+    b.append(x[:3])
+    b.reserve(100)
+    assert b.buf.shape[0] == 100 and torch.equal(b.view(), x[:3])
+    b.reserve(10)  # never shrinks
+    assert b.buf.shape[0] == 100
+    b.append(x[3:])
+    assert torch.equal(b.view(), x)

@@ -18,16 +18,20 @@ class GrowBuffer:
 
     def append(self, x: Tensor) -> None:
         m = x.shape[self.dim]
-        cap = self.buf.shape[self.dim]
-        if self.n + m > cap:
-            new_cap = max(2 * cap, self.n + m)
-            shape = list(self.buf.shape)
-            shape[self.dim] = new_cap
-            grown = torch.empty(shape, dtype=self.buf.dtype, device=self.buf.device)
-            grown.narrow(self.dim, 0, self.n).copy_(self.view())
-            self.buf = grown
+        if self.n + m > self.buf.shape[self.dim]:
+            self.reserve(max(2 * self.buf.shape[self.dim], self.n + m))
         self.buf.narrow(self.dim, self.n, m).copy_(x)
         self.n += m
+
+    def reserve(self, cap: int) -> None:
+        """Room for `cap` rows in all, at once (a reader filling a known count: no doubling copies)."""
+        if cap <= self.buf.shape[self.dim]:
+            return
+        shape = list(self.buf.shape)
+        shape[self.dim] = cap
+        grown = torch.empty(shape, dtype=self.buf.dtype, device=self.buf.device)
+        grown.narrow(self.dim, 0, self.n).copy_(self.view())
+        self.buf = grown
 
     def view(self) -> Tensor:
         return self.buf.narrow(self.dim, 0, self.n)

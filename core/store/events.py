@@ -228,6 +228,10 @@ class StoredEvents:
     def _resident_rows(self, n: int) -> Tensor:
         """[n, H_r * D]: the first n events' representative keys (as the store holds them, or
         float32 decoded from integers), the new ones read in."""
+        if n - self.resident.n > 1 << 14:  # a first question reads them all: one allocation, with
+            room = n + max(256, n >> 4)  # room for the events a conversation closes in RAM
+            self.resident.reserve(room)
+            self.resident_norms.reserve(room)
         for a in range(self.resident.n, n, 1 << 14):
             x = self._repr_block(a, min(n, a + (1 << 14))).to(self.resident.buf.dtype)
             self.resident.append(x)
