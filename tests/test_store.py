@@ -468,7 +468,7 @@ def test_ctrl_c_stops_cleanly_and_resume_completes(tiny, tmp_path):
 
 
 def test_store_scan_equals_the_in_ram_exact_path(tmp_path, monkeypatch):
-    """A store scores representative keys from its files a block at a time (never resident):
+    """A store scores representative keys from its files (read into RAM block by block):
     the selection and its scores are bit for bit the in-RAM exact path's, for a writer, for a
     reader, and for a reader's own events in RAM, including a block that straddles file and RAM."""
     from emllm.memory import selection as memory
@@ -476,6 +476,8 @@ def test_store_scan_equals_the_in_ram_exact_path(tmp_path, monkeypatch):
     from emllm.store import Geometry, Identity, StoredEvents
 
     monkeypatch.setattr(memory, "SCORE_BLOCK_BYTES", 64 * 6 * 4)  # 64 events per block: several blocks
+    from emllm.store import events as stored_events
+    monkeypatch.setattr(stored_events, "RESIDENT_BLOCK", 16)  # resident keys read in over several blocks
     g = Geometry(layers=1, kv_heads=1, q_heads=3, head_dim=2, vocab=10, dtype="float32")
     ident = Identity("m", "c", "w", "t")
     gen = torch.Generator().manual_seed(0)

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from emllm.store.store import Store
 
 
+RESIDENT_BLOCK = 1 << 14  # events read into the resident keys at a time
+
+
 # -- the event memory of one layer, backed by the store --------------------------------------------
 class StoredEvents:
     """`EventMemory` for one layer whose keys, values and representative keys live in the store's files.
@@ -228,12 +231,13 @@ class StoredEvents:
     def _resident_rows(self, n: int) -> Tensor:
         """[n, H_r * D]: the first n events' representative keys (as the store holds them, or
         float32 decoded from integers), the new ones read in."""
-        if n - self.resident.n > 1 << 14:  # a first question reads them all: one allocation, with
+        if n - self.resident.n > RESIDENT_BLOCK:  # a first question reads them all: one allocation, with
             room = n + max(256, n >> 4)  # room for the events a conversation closes in RAM
             self.resident.reserve(room)
             self.resident_norms.reserve(room)
-        for a in range(self.resident.n, n, 1 << 14):
-            x = self._repr_block(a, min(n, a + (1 << 14))).to(self.resident.buf.dtype)
+        for a in range(self.resident.n, n, RESIDENT_BLOCK):
+            b = min(n, a + RESIDENT_BLOCK)
+            x = self._repr_block(a, b).to(self.resident.buf.dtype)
             self.resident.append(x)
             self.resident_norms.append(prune.norms_up(x))
         return self.resident.view()
