@@ -115,7 +115,7 @@ def token_scores(n: int, dim: int, block: Callable[[int, int], Tensor], queries:
 
     The same operations as the scan, on [T, m, dim] at once: each block of keys is read once for
     all T queries, and the blocks shrink with T so the products stay ~4 MiB (40 tokens over 35k
-    events, 1 thread: 86 against 122 ms a layer; tests/test_selection.py checks the bits)."""
+    events, 1 thread: 86 against 122 ms a layer; tests/test_surprise_memory.py checks the bits)."""
     q = queries.reshape(-1, dim).float()  # [T, dim]
     t = q.shape[0]
     out = torch.empty(t, n, dtype=torch.float32, device=q.device)
