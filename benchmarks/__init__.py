@@ -19,3 +19,20 @@ def cache_kwargs(model, cache) -> dict:
     import inspect
 
     return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
+
+def frozen_code(rev: str, into: Path) -> Path:
+    """The code of commit `rev` (any git revision; "." for the working tree) as importable
+    packages under `into` (emllm/, emllm/profiles/, emllm_cli/, as pyproject's package-dir
+    lays them out), for alternating two versions of the code in one benchmark run: a process
+    started with PYTHONPATH=<returned folder> imports that code, not the installed one."""
+    root = Path(__file__).resolve().parent.parent
+    into.mkdir(parents=True, exist_ok=True)
+    parts = ["core", "profiles", "emllm_cli"]
+    if rev == ".":
+        subprocess.run(f"tar -c {' '.join(parts)} | tar -x -C {into}", shell=True, check=True, cwd=root)
+    else:
+        subprocess.run(f"git archive {rev} {' '.join(parts)} | tar -x -C {into}", shell=True, check=True, cwd=root)
+    (into / "core").rename(into / "emllm")
+    (into / "profiles").rename(into / "emllm" / "profiles")
+    return into

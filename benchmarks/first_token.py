@@ -9,6 +9,13 @@ before every ask (`sync; echo 1 > /proc/sys/vm/drop_caches`, root only), so each
 needs from the disk: the honest case for a store larger than RAM. Without it, the first run
 warms the cache and the later ones show what an ask costs when its pages are cached.
 Prints the medians and their ratio to the first store's.
+
+    python -m benchmarks.first_token --stores S1,S2 --runs 4 --cold --then-cached --revs c7c6306,.
+
+`--revs` compares versions of the code side by side: each revision (a commit, or "." for the
+working tree) is frozen into a temporary folder (`benchmarks.frozen_code`) and the asks alternate
+between them, store by store, run by run (this VM's speed drifts: only alternated runs compare).
+`--then-cached` asks once more right after each ask, its pages now cached.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import git_commit
+from benchmarks import frozen_code, git_commit
 
 EMLLM = str(Path(sys.executable).parent / "emllm")
 
@@ -33,10 +41,16 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("1\n")
 
 
-def ask(store: str, question: str) -> dict:
+def ask(store: str, question: str, code: Path | None = None) -> dict:
+    """One `emllm ask` process: the installed executable, or the frozen code under `code`."""
     t = time.perf_counter()
-    p = subprocess.Popen([EMLLM, "ask", question, "--store", store, "-n", "1", "--json"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [EMLLM]
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
+        cmd = [sys.executable, "-c", "import sys; from emllm_cli.main import cli; sys.argv[0] = 'emllm'; sys.exit(cli())"]
+    p = subprocess.Popen([*cmd, "ask", question, "--store", store, "-n", "1", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=code)
     out, err = p.communicate()
     if p.returncode != 0:
         raise SystemExit(f"emllm ask --store {store} failed: {err.decode()[-500:]}")
@@ -51,30 +65,41 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="drop the page cache before every ask (root)")
     ap.add_argument("--question", default="What is the pass key?")
     ap.add_argument("--out", default=None, help="append the result as one JSON line")
+    ap.add_argument("--revs", default=None, help="comma-separated git revisions (\".\": the working tree) to alternate")
+    ap.add_argument("--then-cached", action="store_true", help="after each ask, ask again with its pages cached")
     a = ap.parse_args()
     stores = a.stores.split(",")
-    times: dict[str, list[float]] = {s: [] for s in stores}
+    tmp = tempfile.TemporaryDirectory(prefix="emllm-first-token-")
+    revs = a.revs.split(",") if a.revs else [None]
+    codes = {r: (frozen_code(r, Path(tmp.name) / f"code{i}") if r else None) for i, r in enumerate(revs)}
+    kinds = ["cold" if a.cold else "first", *(["cached"] if a.then_cached else [])]
+    times: dict[tuple, list[float]] = {(s, r, k): [] for s in stores for r in revs for k in kinds}
     for run in range(a.runs):
         for s in stores:
-            if a.cold:
-                drop_caches()
-            r = ask(s, a.question)
-            times[s].append(r["first_token_s"])
-            print(json.dumps({"run": run, "store": s, **r}), flush=True)
+            for r in revs:
+                if a.cold:
+                    drop_caches()
+                for k in kinds:
+                    res = ask(s, a.question, codes[r])
+                    times[(s, r, k)].append(res["first_token_s"])
+                    print(json.dumps({"run": run, "store": s, "rev": r, "kind": k, **res}), flush=True)
     rows = []
-    base = statistics.median(times[stores[0]])
-    for s in stores:
+    base = {k: statistics.median(times[(stores[0], revs[0], k)]) for k in kinds}
+    for (s, r, k), ts in times.items():
         m = json.loads((Path(s) / "manifest.json").read_text())
-        med = statistics.median(times[s])
-        rows.append({"store": s, "tokens": m["rows"]["tokens"], "events": m["rows"]["events"],
-                     "sketch": bool(m.get("sketch")), "first_token_s": times[s], "median_s": med,
-                     "ratio": round(med / base, 3)})
+        med = statistics.median(ts)
+        rows.append({"store": s, "rev": r, "kind": k, "tokens": m["rows"]["tokens"], "events": m["rows"]["events"],
+                     "sketch": bool(m.get("sketch")), "first_token_s": ts, "median_s": med,
+                     "ratio": round(med / base[k], 3)})
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": git_commit(), "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
-              "cold": a.cold, "question": a.question, "rows": rows}
+              "cold": a.cold, "question": a.question, "revs": revs, "rows": rows}
     print(json.dumps(result, indent=1))
+    for row in rows:
+        print(f"{row['store']}  {row['rev'] or 'installed'}  {row['kind']}: median {row['median_s']:.2f} s ({row['ratio']}x)")
     if a.out:
         with open(a.out, "a") as f:
             f.write(json.dumps(result) + "\n")
+    tmp.cleanup()
 
 
 if __name__ == "__main__":
