@@ -378,3 +378,23 @@ def test_a_trace_says_what_its_scores_are():
     out = con.export_text()
     assert "2.500 z" in out and "17.250 " in out and "17.250 z" not in out
     assert "z: the event's z-scores over the question's tokens, their best" in out
+
+
+def test_token_z_and_lse_keep_the_bits_of_their_out_of_place_formulas():
+    # token_z works in place on its float64 copy (fresh memory is costly at 1M tokens); the bits
+    # must stay those of the formulas the stores' selections were made with.
+    from emllm.memory.selection import token_lse, token_z
+    g = torch.Generator().manual_seed(9)
+    for t, e in ((1, 7), (5, 1000), (21, 4000)):
+        x = torch.randn(t, e, generator=g) * 3
+        x[t // 2] = 1.25  # a token whose scores are all equal: z 0
+        x0 = x.clone()
+        s = x.double()
+        mean, sd = s.mean(1, keepdim=True), s.std(1, correction=0, keepdim=True)
+        z = torch.where(sd > 0, (s - mean) / torch.where(sd > 0, sd, 1.0), 0.0)
+        assert torch.equal(token_z(x), z)
+        assert torch.equal(token_lse(x), 0.5 * torch.logsumexp(z / 0.5, 0))
+        assert torch.equal(x, x0)  # the scores themselves untouched
+        xd = x.double()
+        token_z(xd)
+        assert torch.equal(xd, x0.double())  # float64 scores too
