@@ -191,7 +191,11 @@ def test_token_scores_are_each_querys_scan_bit_for_bit(n, t, dim, dtype):
     q = torch.randn(t, dim, generator=g)
     got = token_scores(n, dim, lambda a, b: x[a:b], q)
     assert got.shape == (t, n) and got.dtype == torch.float32
+    g_ = score_groups(dim)
     for i in range(t):
+        # the scan's formula, one query over all rows at once: products, g strided sums, their sum
+        want = (x.float() * q[i]).view(n, g_, dim // g_).sum(1).sum(1)
+        assert torch.equal(got[i], want)
         assert torch.equal(got[i], scores_in_blocks(n, dim, lambda a, b: x[a:b], q[i]))
 
 

@@ -74,21 +74,7 @@ def scores_in_blocks(n: int, dim: int, block: Callable[[int, int], Tensor], quer
     exactly what the scan selects, and on the two levels for a tight rounding bound
     (`score_error`: gamma(47) instead of gamma(576) for SmolLM2). query [dim] -> [n] float32.
     """
-    q = query.reshape(-1).float()
-    out = torch.empty(n, dtype=torch.float32, device=q.device)
-    step = score_block_rows(dim)
-    g = score_groups(dim)
-    for start in range(0, n, step):
-        stop = min(n, start + step)
-        m = stop - start
-        w = work_buffer(m, dim, q.device)
-        torch.mul(block(start, stop), q, out=w)  # (a half row is widened exactly, as .float() would)
-        if g > 1:
-            w2 = work_buffer(m, dim // g, q.device, slot=1)
-            torch.sum(w.view(m, g, dim // g), 1, out=w2)  # [m, dim / g] lanes, each a sum of g strided terms
-            w = w2
-        torch.sum(w, 1, out=out[start:stop])
-    return out
+    return token_scores(n, dim, block, query.reshape(1, dim))[0]
 
 
 def fold_query(query: Tensor, heads: int) -> Tensor:
@@ -113,26 +99,25 @@ def token_scores(n: int, dim: int, block: Callable[[int, int], Tensor], queries:
     """Every event's score for each of several queries: queries [T, ...] (each `dim` floats) ->
     [T, n] float32, row t the bits `scores_in_blocks(n, dim, block, queries[t])` gives.
 
-    The same operations as the scan, on [T, m, dim] at once: each block of keys is read once for
-    all T queries, and the blocks shrink with T so the products stay ~4 MiB (40 tokens over 35k
-    events, 1 thread: 86 against 122 ms a layer; tests/test_surprise_memory.py checks the bits)."""
+    The scan's operations (`scores_in_blocks` is this for one query), on [T, m, dim] at once: each
+    block of keys is read once for all T queries, and the blocks shrink with T so the products
+    stay ~4 MiB (40 tokens over 35k events, 1 thread: 86 against 122 ms a layer one query at a
+    time; tests/test_surprise_memory.py checks the bits against the scan's formula)."""
     q = queries.reshape(-1, dim).float()  # [T, dim]
     t = q.shape[0]
     out = torch.empty(t, n, dtype=torch.float32, device=q.device)
-    step = max(16, SCORE_BLOCK_BYTES // (4 * dim * max(t, 1)))
+    step = max(16, score_block_rows(dim) // max(t, 1))
     g = score_groups(dim)
     for start in range(0, n, step):
         stop = min(n, start + step)
         m = stop - start
         w = work_buffer(t * m, dim, q.device).view(t, m, dim)
-        torch.mul(block(start, stop).unsqueeze(0), q.unsqueeze(1), out=w)
+        torch.mul(block(start, stop).unsqueeze(0), q.unsqueeze(1), out=w)  # (a half row is widened exactly, as .float() would)
         if g > 1:
             w2 = work_buffer(t * m, dim // g, q.device, slot=1).view(t, m, dim // g)
-            torch.sum(w.view(t, m, g, dim // g), 2, out=w2)
+            torch.sum(w.view(t, m, g, dim // g), 2, out=w2)  # [T, m, dim / g] lanes, each a sum of g strided terms
             w = w2
-        s = work_buffer(t * m, 1, q.device, slot=3).view(t, m)
-        torch.sum(w, 2, out=s)  # (into a contiguous buffer: each row's sum as the scan does it)
-        out[:, start:stop] = s
+        torch.sum(w, 2, out=out[:, start:stop])
     return out
 
 
