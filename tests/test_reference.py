@@ -218,3 +218,60 @@ def test_a_generated_token_without_mass_runs_the_kernel_over_the_window_in_float
     assert torch.equal(attention.attend(q, k.float(), v.float(), qm, km, vm, scaling, with_mass=False)[0], out)
     with_mass = attention.attend(q, k, v, qm, km, vm, scaling, with_mass=True)
     assert torch.equal(with_mass[0], attention._attend(q, k, v, qm, km, vm, scaling, attention._memory_flash)[0])
+
+
+@pytest.mark.parametrize(
+    "h_q,h_kv,c,length,m",
+    [(9, 3, 40, 100, 70), (4, 2, 16, 16, 0), (6, 2, 33, 60, 1), (8, 8, 17, 50, 30)],  # GQA, no memory, L == c, MHA
+)
+@pytest.mark.parametrize("scaling", [0.25, 0.3])  # 1/sqrt(16), and one the queries' rounding must absorb
+def test_bf16_products_path_is_one_softmax_in_blocks_of_any_size(h_q, h_kv, c, length, m, scaling, monkeypatch):
+    """A bf16 chunk without the mass takes `_attend_products`: within bf16's rounding of the float64
+    softmax over memory and causal window together, closer than transformers' eager attention in
+    bf16 (scores rounded as they are; these are first shifted by an estimate of their row's
+    largest: half its error or less), within 4x torch's flash kernel's (float32 scores), and the same bits whatever its blocks (rows are independent; blocks of 16 positions leave a partial
+    last block here, whose buffers must be contiguous views)."""
+    from emllm.math import attention
+    gen = torch.Generator().manual_seed(h_q + c + length + m)
+    r = lambda *s: (torch.randn(*s, generator=gen) * 2).to(torch.bfloat16)  # noqa: E731
+    d = 16
+    # large scores (queries x3), where bfloat16 rounds them coarsely unless shifted towards 0
+    q, qm = r(h_q, c, d) * 3, r(h_q, c, d) * 3
+    k, v, km, vm = r(h_kv, length, d), r(h_kv, length, d), r(h_kv, m, d), r(h_kv, m, d)
+    mem = (qm, km, vm) if m else (None, None, None)
+    out, mass = attention.attend(q, k, v, *mem, scaling, with_mass=False)
+    assert mass is None and out.dtype == torch.bfloat16
+    assert torch.equal(out, attention._attend_products(q, k, v, *mem, scaling))
+    monkeypatch.setattr(attention, "PRODUCT_BLOCK_BYTES", 1)  # blocks of 16 positions
+    assert torch.equal(attention._attend_products(q, k, v, *mem, scaling), out)
+    g = h_q // h_kv
+    want = torch.zeros(h_q, c, d, dtype=torch.float64)
+    eager = torch.zeros(h_q, c, d, dtype=torch.float64)  # transformers' eager attention in bf16
+    for h in range(h_q):
+        for i in range(c):
+            seen = length - c + i + 1
+            keys, values = torch.cat((km[h // g], k[h // g, :seen])), torch.cat((vm[h // g], v[h // g, :seen]))
+            logits = torch.cat((km[h // g].double() @ qm[h, i].double(), k[h // g, :seen].double() @ q[h, i].double())) * scaling
+            want[h, i] = torch.softmax(logits, 0) @ values.double()
+            rounded = torch.cat((km[h // g] @ qm[h, i], k[h // g, :seen] @ q[h, i])) * scaling  # bf16 scores
+            eager[h, i] = (torch.softmax(rounded, 0, dtype=torch.float32).to(torch.bfloat16) @ values).double()
+    err, err_eager = (out.double() - want).abs(), (eager - want).abs()
+    assert err.mean() <= 0.6 * err_eager.mean() and err.max() <= err_eager.max()
+    if attention._FLASH_CPU is not None:  # the kernel's scores are float32
+        kernel = attention._attend_fused(q, k, v, *mem, scaling, False)[0]
+        assert err.mean() <= 4 * (kernel.double() - want).abs().mean()
+
+
+def test_only_a_bf16_chunk_without_mass_takes_the_products_path(monkeypatch):
+    from emllm.math import attention
+    calls = []
+    real = attention._attend_products
+    monkeypatch.setattr(attention, "_attend_products", lambda *a: calls.append(a) or real(*a))
+    gen = torch.Generator().manual_seed(1)
+    r = lambda dt, *s: torch.randn(*s, generator=gen).to(dt)  # noqa: E731
+    for dt, c, with_mass, taken in [(torch.bfloat16, 32, False, True), (torch.bfloat16, 32, True, False),
+                                    (torch.float32, 32, False, False), (torch.bfloat16, 1, False, False)]:
+        calls.clear()
+        q, k, v = r(dt, 4, c, 8), r(dt, 2, c + 8, 8), r(dt, 2, c + 8, 8)
+        attention.attend(q, k, v, r(dt, 4, c, 8), r(dt, 2, 5, 8), r(dt, 2, 5, 8), 8**-0.5, with_mass)
+        assert bool(calls) == taken, (dt, c, with_mass)

@@ -52,8 +52,10 @@ def attend(
     take the memory's part from the kernel with its log-sum-exp (`_attend`); elsewhere (CUDA)
     everything is written out in float32. The output is in the queries' dtype.
     """
+    c = q_local.shape[1]
+    if q_local.device.type == "cpu" and not with_mass and c >= PRODUCTS_FROM and _all_bf16(q_local, k_local, v_local, q_mem, k_mem, v_mem):
+        return _attend_products(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling), None
     if q_local.device.type == "cpu" and _FLASH_CPU is not None:
-        c = q_local.shape[1]
         if c >= FUSED_FROM[k_local.dtype == torch.float32]:
             return _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass)
         if c == 1 and not with_mass:  # (see "One query in float32" below)
@@ -79,6 +81,77 @@ FUSED_FROM = (64, 256)
 # other (float32 the faster), not worth a chunk's changed bits. The output is more precise than
 # the plain model's bfloat16 sdpa, so its last bits differ from it. The window is kept rotated in
 # float32 for it (`RotatedWindow`). Measured end to end: docs/benchmarks.md, decoding.
+
+# A chunk in bfloat16 on the CPU, without the mass: bfloat16 matrix products (`_attend_products`),
+# which gain from the processor's bfloat16 (torch's flash kernel does not: the same time as in
+# float32). SmolLM2's 512 queries over 1,024 + 1,152 keys: 24 against 36 ms on 1 thread, 11 against
+# 26 on 2; Llama-3.1-8B's heads over 4k + 4.2k keys: 0.55 against 0.87 s. Its scores (shifted by
+# their row's estimated largest) and probabilities are rounded to bfloat16; end to end on SmolLM2
+# its logits are as close to float32's as the plain model's own bfloat16 (eager or sdpa) and the
+# kernel's path: docs/benchmark-log.md, ingest speed.
+PRODUCTS_FROM = 16
+# Bytes of bfloat16 scores one block of `_attend_products` writes (a block of query positions,
+# all heads; at most 128 positions): scores and probabilities stay in the processor's caches.
+PRODUCT_BLOCK_BYTES = 32 << 20
+SHIFT_KEYS = 32
+
+
+def _all_bf16(*ts: Tensor | None) -> bool:
+    return all(t is None or t.dtype == torch.bfloat16 for t in ts)
+
+
+def _attend_products(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling):
+    """`attend`'s output (no mass) from bfloat16 matrix products: per KV head, the scores of a
+    block of query positions (its g query heads side by side) against the memory's keys and then
+    the window's, in one [rows, M + L] buffer, each row shifted by an estimate of its largest
+    score; one softmax over it (bfloat16 in and out, float32 inside); one product with the values.
+    The scaling goes into the queries first (exact when it is a power of two, as 1/sqrt(64) is)."""
+    h_q, c, d = q_local.shape
+    h_kv, length, _ = k_local.shape
+    g = h_q // h_kv
+    m = 0 if k_mem is None else k_mem.shape[1]
+    n = m + length
+    old = length - c  # window keys every query of the chunk sees
+
+    def position_major(q: Tensor) -> Tensor:  # [H_q, c, D] -> [H_kv, c*g, D]: row p*g + h
+        out = torch.empty(h_kv, c, g, d, dtype=q.dtype, device=q.device)
+        return torch.mul(q.view(h_kv, g, c, d).transpose(1, 2), scaling, out=out).view(h_kv, c * g, d)
+
+    ql = position_major(q_local)
+    kl_t = k_local.transpose(1, 2)
+    if m:
+        qm, km_t = position_major(q_mem), k_mem.transpose(1, 2)
+        values = torch.cat((v_mem, v_local), 1)  # [H_kv, M + L, D]
+    else:
+        values = v_local
+    block = max(16, min(128, PRODUCT_BLOCK_BYTES // (2 * h_kv * g * n)))
+    block = min(block, c)
+    s = torch.empty(h_kv, block * g, n, dtype=q_local.dtype, device=q_local.device)
+    p = torch.empty_like(s)
+    out = torch.empty(h_kv, c * g, d, dtype=q_local.dtype, device=q_local.device)
+    for i in range(0, c, block):
+        j = min(c, i + block)
+        rows = slice(i * g, j * g)
+        # contiguous views of the buffers' first rows (`_softmax.out` writes a strided `out` wrongly)
+        sv, pv = (t.view(-1)[: h_kv * (j - i) * g * n].view(h_kv, (j - i) * g, n) for t in (s, p))
+        # Each row's scores less an estimate of its largest (that over the first 32 keys of the
+        # memory and of the window: the initial tokens, where attention sinks, are the memory's
+        # first): softmax does not change, and the scores that carry the probability are rounded
+        # to bfloat16 near 0, where it keeps the most absolute bits.
+        shift = torch.bmm(ql[:, rows], kl_t[..., :SHIFT_KEYS]).amax(-1, keepdim=True)  # [H_kv, rows, 1]
+        if m:
+            torch.maximum(shift, torch.bmm(qm[:, rows], km_t[..., :SHIFT_KEYS]).amax(-1, keepdim=True), out=shift)
+        shift.neg_()
+        if m:
+            torch.baddbmm(shift, qm[:, rows], km_t, out=sv[..., :m])
+        torch.baddbmm(shift, ql[:, rows], kl_t, out=sv[..., m:])
+        # causal: position i + r sees the chunk's keys 0..i + r
+        later = torch.ones(j - i, c, dtype=torch.bool, device=s.device).triu_(i + 1)
+        sv.view(h_kv, j - i, g, n)[..., m + old :].masked_fill_(later[:, None], float("-inf"))
+        torch.ops.aten._softmax.out(sv, -1, False, out=pv)  # (bfloat16 in and out, float32 inside)
+        torch.bmm(pv, values, out=out[:, rows])
+    return out.view(h_kv, c, g, d).transpose(1, 2).reshape(h_q, c, d)
+
 
 # torch's CPU flash-attention kernel; unlike the public sdpa it also returns the log-sum-exp,
 # which is what lets separately rotated parts share one softmax. Absent: the materialised path.
