@@ -222,14 +222,14 @@ def test_a_generated_token_without_mass_runs_the_kernel_over_the_window_in_float
 
 @pytest.mark.parametrize(
     "h_q,h_kv,c,length,m",
-    [(9, 3, 40, 100, 70), (4, 2, 16, 16, 0), (6, 2, 33, 60, 1), (8, 8, 17, 50, 30)],  # GQA, no memory, L == c, MHA
+    [(9, 3, 40, 100, 70), (4, 2, 16, 16, 0), (6, 2, 33, 60, 1), (8, 8, 17, 50, 30), (6, 3, 2, 9, 5)],  # GQA, no memory, L == c, MHA, 2 queries
 )
 @pytest.mark.parametrize("scaling", [0.25, 0.3])  # 1/sqrt(16), and one the queries' rounding must absorb
 def test_bf16_products_path_is_one_softmax_in_blocks_of_any_size(h_q, h_kv, c, length, m, scaling, monkeypatch):
     """A bf16 chunk without the mass takes `_attend_products`: within bf16's rounding of the float64
     softmax over memory and causal window together, closer than transformers' eager attention in
     bf16 (scores rounded as they are; these are first shifted by an estimate of their row's
-    largest: half its error or less), within 4x torch's flash kernel's (float32 scores), and the same bits whatever its blocks (rows are independent; blocks of 16 positions leave a partial
+    largest: 0.75 of its error or less), within 4x torch's flash kernel's (float32 scores), and the same bits whatever its blocks (rows are independent; blocks of 16 positions leave a partial
     last block here, whose buffers must be contiguous views)."""
     from emllm.math import attention
     gen = torch.Generator().manual_seed(h_q + c + length + m)
@@ -256,7 +256,7 @@ def test_bf16_products_path_is_one_softmax_in_blocks_of_any_size(h_q, h_kv, c, l
             rounded = torch.cat((km[h // g] @ qm[h, i], k[h // g, :seen] @ q[h, i])) * scaling  # bf16 scores
             eager[h, i] = (torch.softmax(rounded, 0, dtype=torch.float32).to(torch.bfloat16) @ values).double()
     err, err_eager = (out.double() - want).abs(), (eager - want).abs()
-    assert err.mean() <= 0.6 * err_eager.mean() and err.max() <= err_eager.max()
+    assert err.mean() <= 0.75 * err_eager.mean() and err.max() <= err_eager.max()
     if attention._FLASH_CPU is not None:  # the kernel's scores are float32
         kernel = attention._attend_fused(q, k, v, *mem, scaling, False)[0]
         assert err.mean() <= 4 * (kernel.double() - want).abs().mean()
@@ -270,7 +270,8 @@ def test_only_a_bf16_chunk_without_mass_takes_the_products_path(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     r = lambda dt, *s: torch.randn(*s, generator=gen).to(dt)  # noqa: E731
     for dt, c, with_mass, taken in [(torch.bfloat16, 32, False, True), (torch.bfloat16, 32, True, False),
-                                    (torch.float32, 32, False, False), (torch.bfloat16, 1, False, False)]:
+                                    (torch.float32, 32, False, False), (torch.bfloat16, 2, False, True),
+                                    (torch.bfloat16, 1, False, False)]:
         calls.clear()
         q, k, v = r(dt, 4, c, 8), r(dt, 2, c + 8, 8), r(dt, 2, c + 8, 8)
         attention.attend(q, k, v, r(dt, 4, c, 8), r(dt, 2, 5, 8), r(dt, 2, 5, 8), 8**-0.5, with_mass)

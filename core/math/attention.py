@@ -45,17 +45,20 @@ def attend(
     None unless `with_mass`).
 
     Query i of the chunk sees window keys 0..L-c+i (causal) and all memory keys: one exact
-    softmax. On the CPU a chunk of many queries runs torch's fused flash kernel only
-    (`_attend_fused`: nothing of size [H_q, c, L] written out), and so does a generated token
-    when no mass is kept, in float32 whatever the model's dtype (one query sees the whole window:
-    no causal part); other few-query steps write the window's probabilities out in float32 and
-    take the memory's part from the kernel with its log-sum-exp (`_attend`); elsewhere (CUDA)
-    everything is written out in float32. The output is in the queries' dtype.
+    softmax. On the CPU a bfloat16 chunk of two queries or more, when no mass is kept, runs on
+    bfloat16 matrix products (`_attend_products`). Otherwise a chunk of many queries runs torch's
+    fused flash kernel only (`_attend_fused`: nothing of size [H_q, c, L] written out), and so
+    does a generated token when no mass is kept, in float32 whatever the model's dtype (one query
+    sees the whole window: no causal part); other few-query steps write the window's
+    probabilities out in float32 and take the memory's part from the kernel with its
+    log-sum-exp (`_attend`); elsewhere (CUDA) everything is written out in float32. The output is
+    in the queries' dtype.
     """
     c = q_local.shape[1]
-    if q_local.device.type == "cpu" and not with_mass and c >= PRODUCTS_FROM and _all_bf16(q_local, k_local, v_local, q_mem, k_mem, v_mem):
+    cpu = q_local.device.type == "cpu"
+    if cpu and not with_mass and c >= PRODUCTS_FROM and _all_bf16(q_local, k_local, v_local, q_mem, k_mem, v_mem):
         return _attend_products(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling), None
-    if q_local.device.type == "cpu" and _FLASH_CPU is not None:
+    if cpu and _FLASH_CPU is not None:
         if c >= FUSED_FROM[k_local.dtype == torch.float32]:
             return _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass)
         if c == 1 and not with_mass:  # (see "One query in float32" below)
@@ -84,12 +87,12 @@ FUSED_FROM = (64, 256)
 
 # A chunk in bfloat16 on the CPU, without the mass: bfloat16 matrix products (`_attend_products`),
 # which gain from the processor's bfloat16 (torch's flash kernel does not: the same time as in
-# float32). SmolLM2's 512 queries over 1,024 + 1,152 keys: 24 against 36 ms on 1 thread, 11 against
-# 26 on 2; Llama-3.1-8B's heads over 4k + 4.2k keys: 0.55 against 0.87 s. Its scores (shifted by
+# float32). SmolLM2's 512 queries over 1,024 + 1,152 keys: 27 against 36 ms on 1 thread, 15 against
+# 23 on 2; Llama-3.1-8B's heads over 4k + 4.2k keys: 0.56 against 0.86 s. Its scores (shifted by
 # their row's estimated largest) and probabilities are rounded to bfloat16; end to end on SmolLM2
 # its logits are as close to float32's as the plain model's own bfloat16 (eager or sdpa) and the
 # kernel's path: docs/benchmark-log.md, ingest speed.
-PRODUCTS_FROM = 16
+PRODUCTS_FROM = 2  # (faster from 2 queries on: 0.45 against 0.62 ms; one query: float32, below)
 # Bytes of bfloat16 scores one block of `_attend_products` writes (a block of query positions,
 # all heads; at most 128 positions): scores and probabilities stay in the processor's caches.
 PRODUCT_BLOCK_BYTES = 32 << 20
