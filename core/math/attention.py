@@ -69,7 +69,8 @@ def attend(
     return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, _memory_materialised, with_mass)
 
 
-# Chunks of at least this many queries take `_attend_fused` (fewer: `_attend`), [bf16/f16, f32]:
+# Chunks of at least this many queries take `_attend_fused` (fewer: `_attend`), [bf16/f16, f32]
+# (a bfloat16 chunk without the mass takes the products, below):
 # the crossovers measured on the project's CPU, a window of 1k, memory of 1.3k (SmolLM2's heads):
 # bf16 at 128 queries 2.8 against 4.2 ms, at 32 1.4 against 1.2; f32 at 512 22.8 against 30.2 ms,
 # at 128 5.4 against 5.1. A generated token (one query) costs the fused path 2.5x with the mass
