@@ -204,3 +204,23 @@ def test_engine_survives_the_plain_model_running_in_between():
     got = eng.feed(ids[64:])
     assert eng.n_events == ref.n_events > 0
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_chunks_with_memory_take_the_products_and_stay_as_close_as_the_kernel(arch, monkeypatch):
+    """Every layer of every bf16 chunk takes `_attend_products` (memory in play: 200 tokens
+    through a window of 32), and the logits are as close to the float32 engine's as those of
+    the same chunks through torch's flash kernel."""
+    from emllm.math import attention
+    ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(7))
+    prof, split = tiny_profile(chunk_size=8), [8] * 25
+    ref = engine_logits(tiny_model(arch), prof, ids, split)
+    model = tiny_model_dtype(arch, torch.bfloat16)
+    calls, real = [], attention._attend_products
+    monkeypatch.setattr(attention, "_attend_products", lambda *a: calls.append(1) or real(*a))
+    products = engine_logits(model, prof, ids, split)
+    assert len(calls) == 25 * model.config.num_hidden_layers
+    monkeypatch.setattr(attention, "PRODUCTS_FROM", 1 << 30)
+    kernel = engine_logits(model, prof, ids, split)
+    assert len(calls) == 25 * model.config.num_hidden_layers  # (no more)
+    assert (products - ref).abs().mean() <= 1.25 * (kernel - ref).abs().mean()
