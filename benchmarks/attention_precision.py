@@ -35,31 +35,66 @@ def plain_logits(model, ids: torch.Tensor, impl: str) -> torch.Tensor:
         return model(ids[None]).logits[0].float()
 
 
-def emllm_logits(model, profile, ids: torch.Tensor, chunk: int) -> torch.Tensor:
-    eng = Engine(model, profile)
-    out = [eng.step(ids[i : i + chunk]) for i in range(0, ids.numel(), chunk)]
-    return torch.cat(out).float()
+class Errors:
+    """Running comparison of logits against the truth's, chunk by chunk (a 16k-token run's
+    logits are 3 GB a copy: none is kept)."""
+
+    def __init__(self) -> None:
+        self.n, self.abs_sum, self.abs_max, self.kl_sum, self.flips = 0, 0.0, 0.0, 0.0, 0
+
+    def add(self, got: torch.Tensor, truth: torch.Tensor) -> None:  # [n, V] float32 each
+        for i in range(0, got.shape[0], 256):
+            g, t = got[i : i + 256], truth[i : i + 256]
+            err = (g - t).abs()
+            kl = torch.nn.functional.kl_div(g.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+            self.n += g.shape[0]
+            self.abs_sum += err.sum().item() / g.shape[1]
+            self.abs_max = max(self.abs_max, err.max().item())
+            self.kl_sum += kl.sum().item()
+            self.flips += int((g.argmax(-1) != t.argmax(-1)).sum())
+
+    def row(self) -> dict:
+        return {"mean_abs": round(self.abs_sum / self.n, 4), "max_abs": round(self.abs_max, 3),
+                "mean_kl": round(self.kl_sum / self.n, 5), "top1_differs": round(self.flips / self.n, 4), "tokens": self.n}
 
 
 def compare(got: torch.Tensor, truth: torch.Tensor) -> dict:
-    err = (got - truth).abs()
-    kl = torch.nn.functional.kl_div(got.log_softmax(-1), truth.log_softmax(-1), log_target=True, reduction="none").sum(-1)
-    return {
-        "mean_kl": round(kl.mean().item(), 5),
-        "mean_abs": round(err.mean().item(), 4),
-        "max_abs": round(err.max().item(), 3),
-        "top1_differs": round((got.argmax(-1) != truth.argmax(-1)).float().mean().item(), 4),
-    }
+    e = Errors()
+    e.add(got, truth)
+    return e.row()
 
 
-def on_path(path: str, fn):
-    """Run fn with chunks taking `path`: "products" (bfloat16 products) or "flash" (the kernel)."""
-    keep = attention.PRODUCTS_FROM
-    attention.PRODUCTS_FROM = keep if path == "products" else 1 << 30
-    try:
-        return fn()
-    finally:
-        attention.PRODUCTS_FROM = keep
+def set_path(path: str) -> None:
+    """Chunks take `path` from now on: "products" (bfloat16 products) or "flash" (the kernel)."""
+    attention.PRODUCTS_FROM = PRODUCTS_FROM if path == "products" else 1 << 30
+
+
+PRODUCTS_FROM = attention.PRODUCTS_FROM
+
+
+def emllm_logits(model, profile, ids: torch.Tensor, chunk: int, path: str = "products") -> torch.Tensor:
+    set_path(path)
+    eng = Engine(model, profile)
+    with torch.no_grad():
+        out = [eng.step(ids[i : i + chunk]) for i in range(0, ids.numel(), chunk)]
+    set_path("products")
+    return torch.cat(out).float()
+
+
+def with_memory(m32, m16, prof, ids: torch.Tensor, chunk: int) -> dict[str, Errors]:
+    """emllm in float32 (the truth) and in bfloat16 on each path, in lockstep, chunk by chunk."""
+    truth = Engine(m32, prof)
+    engines = {path: Engine(m16, prof) for path in ("products", "flash")}
+    errors = {path: Errors() for path in engines}
+    with torch.no_grad():
+        for i in range(0, ids.numel(), chunk):
+            x = ids[i : i + chunk]
+            t = truth.step(x).float()
+            for path, eng in engines.items():
+                set_path(path)
+                errors[path].add(eng.step(x).float(), t)
+    set_path("products")
+    return errors
 
 
 def main() -> None:
@@ -84,15 +119,12 @@ def main() -> None:
     rows.append(("exact", "plain bf16, sdpa", compare(plain_logits(m16, ids, "sdpa"), truth)))
     rows.append(("exact", "emllm float32", compare(emllm_logits(m32, exact, ids, a.chunk), truth)))
     for path in ("products", "flash"):
-        got = on_path(path, lambda: emllm_logits(m16, exact, ids, a.chunk))
-        rows.append(("exact", f"emllm bf16, {path}", compare(got, truth)))
+        rows.append(("exact", f"emllm bf16, {path}", compare(emllm_logits(m16, exact, ids, a.chunk, path), truth)))
+    del truth
 
-    ids = ids_all[: a.long]
     prof = src.profile.replace(chunk_size=a.chunk)
-    truth = emllm_logits(m32, prof, ids, a.chunk)
-    for path in ("products", "flash"):
-        got = on_path(path, lambda: emllm_logits(m16, prof, ids, a.chunk))
-        rows.append(("memory", f"emllm bf16, {path}", compare(got, truth)))
+    for path, e in with_memory(m32, m16, prof, ids_all[: a.long], a.chunk).items():
+        rows.append(("memory", f"emllm bf16, {path}", e.row()))
 
     print(f"| {a.text} | logits | mean abs error | largest | KL(truth, these), mean | top-1 differs |")
     print("|---|---|---:|---:|---:|---:|")
