@@ -5,7 +5,7 @@
 1. Exact mode (the whole text fits the local window, so emllm is the plain model): logits of the
    plain model in float32 are the truth; against them, the plain model in bfloat16 (eager and
    sdpa attention) and emllm in bfloat16 on each CPU path for a chunk (bfloat16 products, torch's
-   flash kernel). Mean and largest |logit error|, and the share of tokens whose top-1 differs.
+   flash kernel).
 2. With memory (a longer text, the profile's window): emllm in float32 is the truth; emllm in
    bfloat16 on each path against it.
 
@@ -64,12 +64,12 @@ def compare(got: torch.Tensor, truth: torch.Tensor) -> dict:
     return e.row()
 
 
+PRODUCTS_FROM = attention.PRODUCTS_FROM  # (as imported: the products' own threshold)
+
+
 def set_path(path: str) -> None:
     """Chunks take `path` from now on: "products" (bfloat16 products) or "flash" (the kernel)."""
     attention.PRODUCTS_FROM = PRODUCTS_FROM if path == "products" else 1 << 30
-
-
-PRODUCTS_FROM = attention.PRODUCTS_FROM
 
 
 def emllm_logits(model, profile, ids: torch.Tensor, chunk: int, path: str = "products") -> torch.Tensor:

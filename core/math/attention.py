@@ -142,13 +142,14 @@ def _attend_products(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling):
         # memory and of the window: the initial tokens, where attention sinks, are the memory's
         # first): softmax does not change, and the scores that carry the probability are rounded
         # to bfloat16 near 0, where it keeps the most absolute bits.
-        shift = torch.bmm(ql[:, rows], kl_t[..., :SHIFT_KEYS]).amax(-1, keepdim=True)  # [H_kv, rows, 1]
-        if m:
-            torch.maximum(shift, torch.bmm(qm[:, rows], km_t[..., :SHIFT_KEYS]).amax(-1, keepdim=True), out=shift)
+        parts = ([(qm, km_t, sv[..., :m])] if m else []) + [(ql, kl_t, sv[..., m:])]  # (queries, keys^T, scores)
+        shift = None  # [H_kv, rows, 1]
+        for q, k_t, _ in parts:
+            top = torch.bmm(q[:, rows], k_t[..., :SHIFT_KEYS]).amax(-1, keepdim=True)
+            shift = top if shift is None else torch.maximum(shift, top, out=shift)
         shift.neg_()
-        if m:
-            torch.baddbmm(shift, qm[:, rows], km_t, out=sv[..., :m])
-        torch.baddbmm(shift, ql[:, rows], kl_t, out=sv[..., m:])
+        for q, k_t, scores in parts:
+            torch.baddbmm(shift, q[:, rows], k_t, out=scores)
         # causal: position i + r sees the chunk's keys 0..i + r
         later = torch.ones(j - i, c, dtype=torch.bool, device=s.device).triu_(i + 1)
         sv.view(h_kv, j - i, g, n)[..., m + old :].masked_fill_(later[:, None], float("-inf"))
