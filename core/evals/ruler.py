@@ -393,14 +393,25 @@ def read_prompt(eng, prompt: Prompt, progress: Callable | None = None) -> Recall
 
 
 def run_task(engine_factory: Callable[[], object], tok, prompt: Prompt, max_new_tokens: int | None = None,
-             progress: Callable | None = None, recall: list | None = None) -> str:
+             progress: Callable | None = None, recall: list | None = None, reread: bool = False) -> str:
     """emllm: ingest the document, feed the question as its own chunk, generate greedily.
-    recall: a list to extend with every needle's `evals.recall.NeedleRecall` at the question."""
+    recall: a list to extend with every needle's `evals.recall.NeedleRecall` at the question.
+    reread: answer by re-reading the passages the memory chose (`app.reread`)."""
+    n_new = max_new_tokens or prompt.max_new_tokens
     eng = engine_factory()
-    probe = read_prompt(eng, prompt, progress)
+    if reread:
+        from emllm.app.reread import reread as reread_passages
+
+        eng.feed(prompt.document, progress=progress)
+        probe = RecallProbe(eng)
+        answering, _ = reread_passages(eng, prompt.question, tok, n_new)
+        probe.detach()
+    else:
+        probe = read_prompt(eng, prompt, progress)
+        answering = eng
     if recall is not None:
         recall.extend(needle_recall(eng, probe, prompt.needles))
-    out = eng.generate(max_new_tokens or prompt.max_new_tokens, stop_ids=set(_stop_ids(tok, eng.model)))
+    out = answering.generate(n_new, stop_ids=set(_stop_ids(tok, eng.model)))
     return tok.decode(out, skip_special_tokens=True)
 
 

@@ -1,0 +1,101 @@
+"""Passages for a re-read answer, pure math: the layers' selections at the question, mapped onto
+contiguous passages of the stream, to be read again as one ordinary context (`app/reread.py`).
+
+At the question every layer selects the events it attends to (spec §4). An event that more layers
+selected is likelier to hold what is asked: a token's *votes* are the layers whose selection held
+its event (tokens in the initial tokens or the local window are attended by every layer: all of
+them). The stream is cut into passages of up to `size` tokens, each ending after a sentence where
+its second half has one (`chunk_spans`: the retrieval baseline's chunks, so a needle is rarely cut).
+A passage scores its most-voted token, then its mean votes; passages are taken best first while
+they fit in the room, and read in stream order.
+
+Why passages and not the events themselves: emllm's events average ~14 tokens; read again alone,
+a needle loses the sentence around it. Why the votes and not a separate embedder: the memory's own
+selection holds the asked needle in 97-100% of layers at 8k (docs/benchmarks.md, recall).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+def chunk_spans(n: int, size: int, start: int = 0, sentence_ends: Sequence[bool] | Tensor | None = None) -> list[tuple[int, int]]:
+    """[start, n) cut into consecutive spans of at most `size` tokens that cover it. With
+    `sentence_ends` (per token: does a sentence end with it), each span ends after the last sentence
+    end in its second half when there is one, so that a sentence (a needle) is rarely cut in two."""
+    if size < 1:
+        raise ValueError("chunk size must be >= 1")
+    last_end = None
+    if sentence_ends is not None:
+        ends = torch.as_tensor(sentence_ends, dtype=torch.bool)[:n]
+        # last_end[j]: the latest position <= j after which a sentence ends (-1: none)
+        last_end = torch.where(ends, torch.arange(len(ends)), -1).cummax(0).values.tolist()
+    spans, s = [], start
+    while s < n:
+        e = min(s + size, n)
+        if last_end is not None and e < n:
+            j = last_end[e - 1]
+            if j >= s + size // 2:
+                e = j + 1
+        spans.append((s, e))
+        s = e
+    return spans
+
+
+def event_votes(selections: Sequence[Tensor], n_events: int) -> Tensor:
+    """[E] how many of the selections (one per layer: event ids) hold each event."""
+    if not selections:
+        return torch.zeros(n_events, dtype=torch.long)
+    ids = torch.cat([s.flatten().long().cpu() for s in selections])
+    return torch.bincount(ids, minlength=n_events)[:n_events]
+
+
+def token_votes(event_spans: Tensor, votes: Tensor, n: int, attended: Sequence[tuple[int, int]] = (), layers: int = 0) -> Tensor:
+    """[n] float votes per stream token: its event's (`event_spans` [E, 2] stream positions
+    [start, end), events disjoint; `votes` [E]), and `layers` for the spans in `attended` (the
+    initial tokens, the window: every layer reads them)."""
+    diff = torch.zeros(n + 1, dtype=torch.float64)
+    if len(votes):
+        s, e = event_spans[:, 0].long().clamp(0, n), event_spans[:, 1].long().clamp(0, n)
+        diff.index_add_(0, s, votes.double())
+        diff.index_add_(0, e, -votes.double())
+    tv = diff.cumsum(0)[:n]
+    for a, b in attended:
+        tv[max(a, 0):max(min(b, n), 0)] = layers
+    return tv
+
+
+def passage_order(tv: Tensor, spans: Sequence[tuple[int, int]]) -> list[int]:
+    """Passage indices best first: by the most votes of any of their tokens, then by mean votes,
+    then the earlier passage."""
+    if not spans:
+        return []
+    lengths = torch.tensor([e - s for s, e in spans])
+    first, last = spans[0][0], spans[-1][1]
+    seg = torch.repeat_interleave(torch.arange(len(spans)), lengths)  # [tokens] passage of each token
+    part = tv[first:last]
+    most = torch.zeros(len(spans), dtype=tv.dtype).scatter_reduce(0, seg, part, "amax", include_self=False)
+    mean = torch.zeros(len(spans), dtype=tv.dtype).index_add_(0, seg, part) / lengths
+    # lexsort: the last key is the primary one; stable sorts keep index order for ties
+    order = torch.arange(len(spans))
+    for key in (mean, most):
+        order = order[torch.sort(-key[order], stable=True).indices]
+    return order.tolist()
+
+
+def choose_passages(order: Sequence[int], spans: Sequence[tuple[int, int]], room: int) -> list[int]:
+    """The passages taken best first while they fit in `room` tokens (one that does not fit is
+    passed over: a shorter one after it may), in stream order."""
+    kept, used = [], 0
+    for i in order:
+        s, e = spans[i]
+        if used + (e - s) <= room:
+            kept.append(i)
+            used += e - s
+    return sorted(kept)
+
+
+__all__ = ["chunk_spans", "event_votes", "token_votes", "passage_order", "choose_passages"]

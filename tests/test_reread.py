@@ -1,0 +1,132 @@
+"""Re-read answers (`app.reread`, `memory.passages`): passages voted for by the layers' selections,
+checked against brute-force versions; the re-read answer is the plain model's on its context; the
+store is not changed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from emllm.app.ask import Session
+from emllm.app.reread import SelectionRecorder, reread_context, sentence_ends
+from emllm.memory.passages import choose_passages, chunk_spans, event_votes, passage_order, token_votes
+from emllm.store import Store
+
+from .helpers import QUESTION, TOL, ingest_store, load_tiny, store_files, vanilla_logits, words
+
+
+def _walk(n, size, start, ends):
+    """chunk_spans as first written: walk back from each span's end to a sentence end."""
+    spans, s = [], start
+    while s < n:
+        e = min(s + size, n)
+        if ends is not None and e < n:
+            for j in range(e - 1, s + size // 2 - 1, -1):
+                if ends[j]:
+                    e = j + 1
+                    break
+        spans.append((s, e))
+        s = e
+    return spans
+
+
+def test_chunk_spans_match_the_walk_back_to_sentence_ends():
+    rng = random.Random(0)
+    for _ in range(200):
+        n, size, start = rng.randint(0, 700), rng.randint(1, 130), rng.randint(0, 40)
+        ends = [rng.random() < rng.choice((0.0, 0.02, 0.2, 1.0)) for _ in range(n)]
+        assert chunk_spans(n, size, start, ends) == _walk(n, size, start, ends)
+        assert chunk_spans(n, size, start, torch.tensor(ends, dtype=torch.bool)) == _walk(n, size, start, ends)
+        assert chunk_spans(n, size, start) == _walk(n, size, start, None)
+    with pytest.raises(ValueError):
+        chunk_spans(10, 0)
+
+
+def test_votes_and_the_order_of_passages_against_brute_force():
+    rng = random.Random(1)
+    for _ in range(50):
+        n_init, n = rng.randint(0, 8), rng.randint(50, 400)
+        cuts = sorted(rng.sample(range(n_init + 1, n), rng.randint(1, 20)))
+        spans_e = torch.tensor(list(zip([n_init] + cuts[:-1], cuts)))  # events, disjoint, in order
+        layers = rng.randint(1, 6)
+        sels = [torch.tensor(sorted(rng.sample(range(len(spans_e)), rng.randint(0, len(spans_e))))) for _ in range(layers)]
+        votes = event_votes(sels, len(spans_e))
+        assert votes.tolist() == [sum(int(e in s.tolist()) for s in sels) for e in range(len(spans_e))]
+        window = (max(n_init, n - rng.randint(0, 60)), n)
+        tv = token_votes(spans_e, votes, n, attended=[window], layers=layers)
+        want = [0.0] * n
+        for (a, b), v in zip(spans_e.tolist(), votes.tolist()):
+            for t in range(a, b):
+                want[t] = float(v)
+        for t in range(*window):
+            want[t] = float(layers)
+        assert tv.tolist() == want
+        spans = chunk_spans(n, rng.randint(4, 40), n_init)
+        keys = [(-max(want[s:e]), -sum(want[s:e]) / (e - s), i) for i, (s, e) in enumerate(spans)]
+        assert passage_order(tv, spans) == [k[2] for k in sorted(keys)]
+        room = rng.randint(0, n)
+        kept, used = [], 0
+        for i in (k[2] for k in sorted(keys)):
+            s, e = spans[i]
+            if used + e - s <= room:
+                kept.append(i)
+                used += e - s
+        assert choose_passages(passage_order(tv, spans), spans, room) == sorted(kept)
+    assert event_votes([], 3).tolist() == [0, 0, 0] and passage_order(torch.zeros(4), []) == []
+
+
+def test_sentence_ends_per_token(smollm2):
+    _, tok, _ = smollm2
+    ids = tok("One. Two! Three?\nFour five", add_special_tokens=False)["input_ids"]
+    got = sentence_ends(tok, ids).tolist()
+    want = [tok.decode([t]).rstrip(" ").endswith((".", "!", "?", "\n")) for t in ids]
+    assert got == want and sum(got) >= 3 and not got[-1]
+
+
+@pytest.mark.parametrize("words_in,fits", [(300, False), (3, True)])
+def test_a_reread_answer_is_the_plain_models_on_its_context(tiny, tmp_path, words_in, fits):
+    """A store longer than emllm's span (300 words a document) and one within it (3 words: every
+    passage is read again, so the context is the whole stream). The reader's logits are the plain model's on
+    the initial tokens, the chosen passages and the question; the store is not changed."""
+    folder, prof, _, _ = tiny
+    path = tmp_path / "s"
+    ingest_store(path, folder, prof, [("a", words(1, words_in)), ("b", "The pass key is 71432. " + words(2, words_in))])
+    model, tok = load_tiny(folder)
+    before = store_files(path)
+    with Store.open(path) as st:
+        s = Session(st, model, tok, reread=True)
+        q = s.question_ids(QUESTION)
+        rec = SelectionRecorder(s.engine)
+        reader = s._reread(q, 6)
+        rec.detach()
+        pr = s.engine.profile
+        stream = s.engine.ids.view()[: s.engine.n_tokens - len(q)].tolist()
+        n_init = pr.n_init
+        span = pr.n_init + pr.n_mem + pr.n_local
+        rr = reread_context(s.engine, rec.last, tok, len(stream), span - n_init - len(q))
+        assert rr.passages == s.passages and len(rec.last) == len(s.engine.windows)
+        ctx = rr.ids
+        assert ctx[:n_init] == stream[:n_init]
+        assert all(a < b <= c for (a, b), (c, _) in zip(rr.passages, rr.passages[1:]))  # stream order, disjoint
+        assert ctx[n_init:] == [t for a, b in rr.passages for t in stream[a:b]]
+        assert len(ctx) - n_init <= span - n_init - len(q)
+        assert (len(stream) <= span - len(q)) == fits
+        if fits:
+            assert ctx == stream  # all of it fits: all of it is read
+        else:
+            assert len(ctx) < len(stream) and event_votes(list(rec.last.values()), s.engine.n_events).max() > 0
+        ids = torch.tensor(ctx + q)
+        ref = vanilla_logits(model, ids)[-1]
+        assert torch.allclose(reader.last_logits, ref, atol=TOL, rtol=0)
+        answer = list(reader.generate_iter(6))
+        full = vanilla_logits(model, torch.tensor(ctx + q + answer))
+        picks = full[len(ctx) + len(q) - 1 : -1]
+        top2 = picks.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-3
+        assert (picks.argmax(-1)[clear] == torch.tensor(answer)[clear]).all()
+    with Store.open(path) as st:
+        again = list(Session(st, model, tok, reread=True).answer(QUESTION, 6))
+    assert again == answer  # deterministic
+    assert store_files(path) == before
