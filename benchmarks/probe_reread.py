@@ -1,24 +1,23 @@
-"""Probe: is a miss the memory's selection, or the way the model reads it?
+"""Re-read answers against emllm's own and the retrieval baseline's, side by side on each prompt.
 
-emllm's layers attend to the events each selects, all at one distance (spec §1). This takes the
-events the question's step selected and hands them to the plain model as one ordinary context:
-per RULER-style prompt, emllm (today's profile, in RAM) reads the document and the question; every
-layer's selection is recorded; events are ranked by how many layers selected them (ties: the
-earlier event) and taken while they fit in n_mem tokens; the plain model (sdpa) then reads
+Per RULER-style prompt, emllm (today's profile, in RAM) reads the document once, then the question
+with every layer's selection recorded (`app.reread.SelectionRecorder`). From that one read:
 
-    the first n_init tokens + those events' tokens in stream order + the last n_local tokens + the question
-
-(about emllm's attention span, n_init + n_mem + n_local) at positions 0.. and answers greedily.
-Where this answers what emllm missed, the memory held what was needed and the fixed-distance
-reading lost it; where both miss while the retrieval baseline at the same span answers
-(`quality.py --methods rag --rag-budget 2176`), the selection itself falls short.
+- `emllm`: emllm's own answer (the memory at one distance, spec §1);
+- `reread`: `emllm ask --reread`'s answer (core/app/reread.py): the stream's passages of ~128
+  tokens ranked by the layers' votes, the local window's first (every layer attends to it), taken
+  up to emllm's attention span (n_init + n_mem + n_local), read in order by the plain model;
+- `reread-nowindow`: the same with the window's tokens given no votes, so that every passage is
+  chosen by votes: the retrieval baseline's layout with emllm's choice of chunks;
+- `rag`: the retrieval baseline at emllm's span (`quality.py --methods rag --rag-budget 2176`):
+  the same chunks, chosen by MiniLM.
 
     python -m benchmarks.probe_reread niah_multikey --samples 0:2,2:3,5:10 --out results.jsonl
     python -m benchmarks.probe_reread niah_multikey --haystack code --samples 0:2,2:3,5:10 --out ...
 
 --samples lists quality.py's (--first-sample, --samples) runs whose prompts to ask: a prompt's
 depth depends on its run (quality.py spreads a run's depths evenly). Results: docs/benchmarks.md,
-recall (why the multi-key misses).
+recall (re-read answers).
 """
 
 from __future__ import annotations
@@ -27,34 +26,20 @@ import argparse
 import json
 import random
 import time
-from collections import Counter
-from dataclasses import replace
 
 import torch
 
 from benchmarks import git_commit
 from emllm import models
+from emllm.app.reread import SelectionRecorder, reader, reread_context
 from emllm.engine.stream import Engine
-from emllm.evals.passkey import run_baseline
-from emllm.evals.recall import RecallProbe
-from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt, read_prompt
+from emllm.evals.passkey import _stop_ids
+from emllm.evals.rag import run_rag
+from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt
 
 
-def reread_context(eng: Engine, probe: RecallProbe, document: list[int], question: list[int]) -> tuple[list[int], list[int]]:
-    """(context ids, events chosen) from the question step's selections (module docstring)."""
-    pr = eng.profile
-    votes = Counter(e for sel, _, _ in probe.last.values() for e in sel.ids.tolist())
-    lengths = eng.windows[0].events.event_lengths().tolist()
-    starts = [pr.n_init + s for s in torch.cumsum(torch.tensor([0] + lengths[:-1]), 0).tolist()]
-    chosen, used = [], 0
-    for e in sorted(votes, key=lambda e: (-votes[e], e)):
-        if used + lengths[e] <= pr.n_mem:
-            chosen.append(e)
-            used += lengths[e]
-    chosen.sort()
-    tail_at = len(document) - pr.n_local  # events inside the tail are read there, once
-    mid = [t for e in chosen if starts[e] + lengths[e] <= tail_at for t in document[starts[e] : starts[e] + lengths[e]]]
-    return document[: pr.n_init] + mid + document[tail_at:] + question, chosen
+def needles_in(spans: list[tuple[int, int]], needles: list[tuple[int, int]]) -> list[bool]:
+    return [any(s < ne and ns < e for s, e in spans) for ns, ne in needles]
 
 
 def main() -> None:
@@ -65,31 +50,58 @@ def main() -> None:
     ap.add_argument("--samples", default="0:5", help="FIRST:COUNT[,FIRST:COUNT]: quality.py's runs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default=None, help="auto, float32, bfloat16 (default: the profile's)")
     ap.add_argument("--out", required=True, help="JSON lines, appended")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     src = models.resolve("smollm2")
-    model, tok = models.load(src)
+    model, tok = models.load(src, dtype=a.dtype)
     prof = src.profile.replace(segmentation="S")
+    span = prof.n_init + prof.n_mem + prof.n_local
     name = a.task if a.haystack is None else f"{a.task} ({a.haystack})"
     commit = git_commit()
+    stops = set(_stop_ids(tok, model))
     for run in a.samples.split(","):
         first, count = (int(x) for x in run.split(":"))
         for i in range(first, first + count):
             depth = round((i - first + 0.5) / count, 4)  # as quality.py places them
             p = build_prompt(a.task, tok, a.length, depth, random.Random(f"{a.seed}/{a.task}/{a.length}/{i}"), a.haystack)
+            q, n_new = p.question, p.max_new_tokens
             t0 = time.perf_counter()
             eng = Engine(model, prof)
-            probe = read_prompt(eng, p)
-            ids, chosen = reread_context(eng, probe, p.document, p.question)
-            # the plain model on the context (it fits: no truncation), the question after it
-            answer = run_baseline(model, tok, replace(p, document=ids[: len(ids) - len(p.question)]), p.max_new_tokens)
-            r = {"task": name, "length": a.length, "sample": i, "depth": depth, "method": "reread",
-                 "answers": p.answers, "answer": answer.strip(), "score": p.score(answer), "context": len(ids),
-                 "events": len(chosen), "seconds": round(time.perf_counter() - t0, 1), "commit": commit}
-            print(json.dumps(r), flush=True)
-            with open(a.out, "a") as f:
-                f.write(json.dumps(r) + "\n")
+            eng.feed(p.document)
+            rec = SelectionRecorder(eng)
+            eng.begin_question()
+            eng.feed(q)
+            rec.detach()
+            room = span - prof.n_init - len(q)
+            contexts = {m: reread_context(eng, rec.last, tok, len(p.document), room, window=w)
+                        for m, w in (("reread", True), ("reread-nowindow", False))}
+            rows = []
+            t1 = time.perf_counter()
+            own = tok.decode(eng.generate(n_new, stops), skip_special_tokens=True)
+            rows.append({"method": "emllm", "answer": own, "seconds": round(time.perf_counter() - t0, 1)})
+            for m, rr in contexts.items():
+                t1 = time.perf_counter()
+                r_eng = reader(model, prof, len(rr.ids) + len(q) + n_new)
+                r_eng.feed(rr.ids)
+                r_eng.begin_question()
+                r_eng.feed(q)
+                ans = tok.decode(r_eng.generate(n_new, stops), skip_special_tokens=True)
+                rows.append({"method": m, "answer": ans, "context": len(rr.ids) + len(q), "passages": len(rr.passages),
+                             "needle_in": needles_in(rr.passages, p.needles), "seconds": round(time.perf_counter() - t1, 1)})
+            t1 = time.perf_counter()
+            ans, rc = run_rag(model, tok, p, budget=span)
+            rows.append({"method": "rag", "answer": ans, "context": len(rc.ids), "passages": len(rc.spans),
+                         "needle_in": needles_in(rc.spans, p.needles), "seconds": round(time.perf_counter() - t1, 1)})
+            for r in rows:
+                r = {"task": name, "length": a.length, "sample": i, "depth": depth, "method": r["method"],
+                     "answers": p.answers, "answer": r["answer"].strip(), "score": p.score(r["answer"]),
+                     "targets": list(p.targets), **{k: v for k, v in r.items() if k not in ("method", "answer")},
+                     "dtype": str(eng.dtype).removeprefix("torch."), "commit": commit}
+                print(json.dumps(r), flush=True)
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

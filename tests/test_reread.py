@@ -130,3 +130,27 @@ def test_a_reread_answer_is_the_plain_models_on_its_context(tiny, tmp_path, word
         again = list(Session(st, model, tok, reread=True).answer(QUESTION, 6))
     assert again == answer  # deterministic
     assert store_files(path) == before
+
+
+def test_ask_reread_from_the_command_line(tiny, tmp_path):
+    """`emllm ask --reread --json` answers as the library's re-read session does, says which
+    passages it read, and leaves the store as it was."""
+    import json
+
+    from .helpers import run_in_process
+
+    folder, prof, _, _ = tiny
+    path = tmp_path / "stores" / "s"
+    ingest_store(path, folder, prof, [("a", words(1, 300)), ("b", "The pass key is 71432. " + words(2, 300))])
+    before = store_files(path)
+    r = run_in_process("ask", QUESTION, "--store", "s", "-n", "5", "--reread", "--json", home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    model, tok = load_tiny(folder)
+    with Store.open(path) as st:
+        s = Session(st, model, tok, reread=True)
+        want = "".join(s.answer_text(QUESTION, 5)).strip()
+        passages = s.passages
+    assert doc["answer"] == want and doc["reread"]["passages"] == [list(p) for p in passages]
+    assert doc["reread"]["tokens"] == sum(e - a for a, e in passages) > 0
+    assert store_files(path) == before

@@ -66,9 +66,12 @@ class Reread:
     passages: list[tuple[int, int]]  # stream spans [start, end) taken, in stream order
 
 
-def reread_context(engine: Engine, selections: dict[int, Tensor], tok: Any, n_stream: int, room: int) -> Reread:
+def reread_context(engine: Engine, selections: dict[int, Tensor], tok: Any, n_stream: int, room: int,
+                   window: bool = True) -> Reread:
     """The initial tokens, then the passages of the stream's first `n_stream` tokens that the
-    layers' `selections` vote for, best first while they fit in `room` more tokens."""
+    layers' `selections` vote for, best first while they fit in `room` more tokens. window: the
+    local window's tokens count as every layer's (each layer attends to them), so its passages
+    come first; else they have no votes."""
     pr = engine.profile
     stream = engine.ids.view()[:n_stream]  # [n] the stream's tokens (the question after them is not re-read)
     lengths = engine.windows[0].events.event_lengths().cpu()
@@ -78,7 +81,7 @@ def reread_context(engine: Engine, selections: dict[int, Tensor], tok: Any, n_st
     n_init = min(pr.n_init, n_stream)
     # the local window, as the question's step saw it, is read by every layer
     window = (max(n_init, n_stream - pr.n_local), n_stream)
-    tv = token_votes(spans_e, votes, n_stream, attended=[window], layers=len(engine.windows))
+    tv = token_votes(spans_e, votes, n_stream, attended=[window] if window else [], layers=len(engine.windows))
     spans = chunk_spans(n_stream, PASSAGE_TOKENS, start=n_init, sentence_ends=sentence_ends(tok, stream))
     kept = choose_passages(passage_order(tv, spans), spans, room)
     taken = [spans[i] for i in kept]
@@ -95,7 +98,7 @@ def reader(model: Any, profile: Any, tokens: int) -> Engine:
 
 
 def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
-           read_question: Callable[[list[int]], Any] | None = None) -> tuple[Engine, Reread]:
+           read_question: Callable[[list[int]], Any] | None = None, window: bool = True) -> tuple[Engine, Reread]:
     """Read `question` against the engine's memory (`read_question`, by default as a question of
     its own: begin_question, feed), recording each layer's selection; then return a reader engine
     that has read the initial tokens, the passages voted for and the question, ready to answer,
@@ -113,7 +116,7 @@ def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
     pr = engine.profile
     n_stream = engine.n_tokens - len(question)
     span = pr.n_init + pr.n_mem + pr.n_local
-    rr = reread_context(engine, rec.last, tok, n_stream, max(0, span - min(pr.n_init, n_stream) - len(question)))
+    rr = reread_context(engine, rec.last, tok, n_stream, max(0, span - min(pr.n_init, n_stream) - len(question)), window)
     eng = reader(engine.model, pr, len(rr.ids) + len(question) + max_new_tokens)
     if rr.ids:
         eng.feed(rr.ids)
