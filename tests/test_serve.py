@@ -73,8 +73,16 @@ def test_chat_completions_through_the_openai_client(server, tiny):
 
         assert "".join(Session(st, model, tok).answer_text("who hid the key?", 5)).strip() == r.choices[0].message.content
         other = "".join(Session(st, model, tok).answer_text("and the door?", 5)).strip()
+        rs = Session(st, model, tok, reread=True)
+        reread = "".join(rs.answer_text("and the door?", 5)).strip()
+        assert rs.passages and sum(e - s for s, e in rs.passages) < st.tokens.rows  # passages, not the whole stream
     assert client.chat.completions.create(model="book", messages=[{"role": "user", "content": "and the door?"}],
                                           max_tokens=5, temperature=0).choices[0].message.content == other
+    rr = client.chat.completions.create(model="book", messages=[{"role": "user", "content": "and the door?"}], max_tokens=5,
+                                        temperature=0, extra_body={"reread": True})
+    assert rr.choices[0].message.content == reread and rr.model_extra["emllm"]["reread"]["passages"] == [list(p) for p in rs.passages]
+    assert client.chat.completions.create(model="book", messages=[{"role": "user", "content": "and the door?"}],
+                                          max_tokens=5, temperature=0).model_extra.get("emllm") is None  # not kept
     chunks = list(client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
                                                  max_tokens=5, temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == r.choices[0].message.content

@@ -28,6 +28,7 @@ from emllm.memory.passages import chunk_spans, choose_passages, event_votes, pas
 from emllm.memory.selection import Selection
 
 PASSAGE_TOKENS = 128  # the retrieval baseline's chunk: long enough to hold a needle's sentence whole
+PASSAGES_AT_LEAST = 8  # a small span (a test's profile) gets shorter passages, so that several fit
 
 
 def sentence_ends(tok: Any, ids: Sequence[int] | Tensor) -> Tensor:
@@ -82,7 +83,8 @@ def reread_context(engine: Engine, selections: dict[int, Tensor], tok: Any, n_st
     # the local window, as the question's step saw it, is read by every layer
     window = (max(n_init, n_stream - pr.n_local), n_stream)
     tv = token_votes(spans_e, votes, n_stream, attended=[window] if window else [], layers=len(engine.windows))
-    spans = chunk_spans(n_stream, PASSAGE_TOKENS, start=n_init, sentence_ends=sentence_ends(tok, stream))
+    size = max(1, min(PASSAGE_TOKENS, room // PASSAGES_AT_LEAST))
+    spans = chunk_spans(n_stream, size, start=n_init, sentence_ends=sentence_ends(tok, stream))
     kept = choose_passages(passage_order(tv, spans), spans, room)
     taken = [spans[i] for i in kept]
     ids = stream[:n_init].tolist()

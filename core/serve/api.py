@@ -5,7 +5,10 @@
     POST /v1/chat/completions      a request's messages continue its store's stream, on a copy:
                                    the store is unchanged unless the request sets "remember": true
                                    (then its last exchange is appended and committed; one writer
-                                   per store, a second gets 409). "stream": true sends server-sent
+                                   per store, a second gets 409); "reread": true answers as
+                                   `emllm ask --reread` does (the stream's spans it read again: the
+                                   response's "emllm": {"reread": {"passages"}}, when not streamed).
+                                   "stream": true sends server-sent
                                    events. Sampling: temperature, top_p, seed, stop, max_tokens,
                                    and (as llama.cpp's server) top_k, repetition_penalty.
 
@@ -66,6 +69,7 @@ class ChatRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=0)  # beyond OpenAI's fields, as llama.cpp's server takes them
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     remember: bool = False  # emllm's own: append this exchange to the store
+    reread: bool = False  # emllm's own: answer by re-reading the passages the memory chose (`ask --reread`)
 
 
 def _text(m: Message) -> str:
@@ -217,6 +221,7 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 path = session.store.path
                 history, question = conversation_ids(session, req.messages)
                 session.tail = history
+                session.reread = req.reread
                 pieces = []
                 for piece in session.answer_text(question, limit, sampling, stop):
                     pieces.append(piece)
@@ -226,7 +231,8 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 if req.remember:
                     remember_exchange(path, server.model, server.tok, session.lead + history + ids[len(session.lead):])
                 yield {"finish_reason": finish, "completion_tokens": session.tokens,
-                       "prompt_tokens": len(history) + len(session.question_ids(question))}
+                       "prompt_tokens": len(history) + len(session.question_ids(question)),
+                       "passages": [list(p) for p in session.passages] if req.reread else None}
 
         if not req.stream:
             parts, end = [], {}
@@ -239,7 +245,8 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts).strip()},
                                  "finish_reason": end.get("finish_reason", "stop")}],
                     "usage": {"prompt_tokens": end.get("prompt_tokens", 0), "completion_tokens": end.get("completion_tokens", 0),
-                              "total_tokens": end.get("prompt_tokens", 0) + end.get("completion_tokens", 0)}}
+                              "total_tokens": end.get("prompt_tokens", 0) + end.get("completion_tokens", 0)},
+                    **({"emllm": {"reread": {"passages": end["passages"]}}} if end.get("passages") is not None else {})}
 
         gen = run()
         try:
