@@ -81,8 +81,8 @@ def reread_context(engine: Engine, selections: dict[int, Tensor], tok: Any, n_st
     votes = event_votes(list(selections.values()), len(lengths))
     n_init = min(pr.n_init, n_stream)
     # the local window, as the question's step saw it, is read by every layer
-    window = (max(n_init, n_stream - pr.n_local), n_stream)
-    tv = token_votes(spans_e, votes, n_stream, attended=[window] if window else [], layers=len(engine.windows))
+    local = (max(n_init, n_stream - pr.n_local), n_stream)
+    tv = token_votes(spans_e, votes, n_stream, attended=[local] if window else [], layers=len(engine.windows))
     size = max(1, min(PASSAGE_TOKENS, room // PASSAGES_AT_LEAST))
     spans = chunk_spans(n_stream, size, start=n_init, sentence_ends=sentence_ends(tok, stream))
     kept = choose_passages(passage_order(tv, spans), spans, room)
