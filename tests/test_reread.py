@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from emllm.app.ask import Session
-from emllm.app.reread import SelectionRecorder, reread_context, sentence_ends
+from emllm.app.reread import SelectionRecorder, passage_spans, reread_context, sentence_ends
 from emllm.memory.passages import choose_passages, chunk_spans, event_votes, passage_order, token_votes
 from emllm.store import Store
 
@@ -117,6 +117,12 @@ def test_a_reread_answer_is_the_plain_models_on_its_context(tiny, tmp_path, word
             assert ctx == stream  # all of it fits: all of it is read
         else:
             assert rr.passages and len(ctx) < len(stream) and event_votes(list(rec.last.values()), s.engine.n_events).max() > 0
+        if not fits:  # the window first: every passage inside it is taken; without: they have no votes
+            local = len(stream) - pr.n_local
+            room = span - n_init - len(q)
+            inside = [p for p in passage_spans(tok, torch.tensor(stream), n_init, room) if p[0] >= local]
+            without = reread_context(s.engine, rec.last, tok, len(stream), room, window=False)
+            assert inside and set(inside) <= set(rr.passages) and not set(inside) <= set(without.passages)
         ids = torch.tensor(ctx + q)
         ref = vanilla_logits(model, ids)[-1]
         assert torch.allclose(reader.last_logits, ref, atol=TOL, rtol=0)

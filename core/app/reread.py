@@ -43,6 +43,13 @@ def sentence_ends(tok: Any, ids: Sequence[int] | Tensor) -> Tensor:
     return ends[inverse]
 
 
+def passage_spans(tok: Any, stream: Tensor, start: int, room: int) -> list[tuple[int, int]]:
+    """The passages of `stream` [n] from `start`: PASSAGE_TOKENS long at most, shorter where the
+    room would not hold PASSAGES_AT_LEAST of them, ending after a sentence where they can."""
+    size = max(1, min(PASSAGE_TOKENS, room // PASSAGES_AT_LEAST))
+    return chunk_spans(len(stream), size, start=start, sentence_ends=sentence_ends(tok, stream))
+
+
 class SelectionRecorder:
     """Keeps each layer's last selection while attached (chained to any callback already set)."""
 
@@ -83,8 +90,7 @@ def reread_context(engine: Engine, selections: dict[int, Tensor], tok: Any, n_st
     # the local window, as the question's step saw it, is read by every layer
     local = (max(n_init, n_stream - pr.n_local), n_stream)
     tv = token_votes(spans_e, votes, n_stream, attended=[local] if window else [], layers=len(engine.windows))
-    size = max(1, min(PASSAGE_TOKENS, room // PASSAGES_AT_LEAST))
-    spans = chunk_spans(n_stream, size, start=n_init, sentence_ends=sentence_ends(tok, stream))
+    spans = passage_spans(tok, stream, n_init, room)
     kept = choose_passages(passage_order(tv, spans), spans, room)
     taken = [spans[i] for i in kept]
     ids = stream[:n_init].tolist()
@@ -127,4 +133,4 @@ def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
     return eng, rr
 
 
-__all__ = ["PASSAGE_TOKENS", "Reread", "SelectionRecorder", "reader", "reread", "reread_context", "sentence_ends"]
+__all__ = ["PASSAGE_TOKENS", "Reread", "SelectionRecorder", "passage_spans", "reader", "reread", "reread_context", "sentence_ends"]
