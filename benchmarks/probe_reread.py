@@ -5,10 +5,10 @@ with every layer's selection recorded (`app.reread.SelectionRecorder`). From tha
 
 - `emllm`: emllm's own answer (the memory at one distance, spec §1);
 - `reread`: `emllm ask --reread`'s answer (core/app/reread.py): the stream's passages of ~128
-  tokens ranked by the layers' votes, the local window's first (every layer attends to it), taken
-  up to emllm's attention span (n_init + n_mem + n_local), read in order by the plain model;
-- `reread-nowindow`: the same with the window's tokens given no votes, so that every passage is
-  chosen by votes: the retrieval baseline's layout with emllm's choice of chunks;
+  tokens ranked by the layers' votes, taken up to emllm's attention span (n_init + n_mem +
+  n_local), read in order by the plain model: the retrieval baseline's layout with emllm's choice
+  of chunks (the local window's tokens, in no event, have no votes);
+- `reread-window`: the same with the window's passages first (every layer attends to them);
 - `rag`: the retrieval baseline at emllm's span (`quality.py --methods rag --rag-budget 2176`):
   the same chunks, chosen by MiniLM.
 
@@ -76,7 +76,7 @@ def main() -> None:
             rec.detach()
             room = span - prof.n_init - len(q)
             contexts = {m: reread_context(eng, rec.last, tok, len(p.document), room, window=w)
-                        for m, w in (("reread", True), ("reread-nowindow", False))}
+                        for m, w in (("reread", False), ("reread-window", True))}
             rows = []
             t1 = time.perf_counter()
             own = tok.decode(eng.generate(n_new, stops), skip_special_tokens=True)

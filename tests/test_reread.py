@@ -117,12 +117,12 @@ def test_a_reread_answer_is_the_plain_models_on_its_context(tiny, tmp_path, word
             assert ctx == stream  # all of it fits: all of it is read
         else:
             assert rr.passages and len(ctx) < len(stream) and event_votes(list(rec.last.values()), s.engine.n_events).max() > 0
-        if not fits:  # the window first: every passage inside it is taken; without: they have no votes
+        if not fits:  # window=True: every passage inside the window is taken; by default they have no votes
             local = len(stream) - pr.n_local
             room = span - n_init - len(q)
             inside = [p for p in passage_spans(tok, torch.tensor(stream), n_init, room) if p[0] >= local]
-            without = reread_context(s.engine, rec.last, tok, len(stream), room, window=False)
-            assert inside and set(inside) <= set(rr.passages) and not set(inside) <= set(without.passages)
+            first = reread_context(s.engine, rec.last, tok, len(stream), room, window=True)
+            assert inside and set(inside) <= set(first.passages) and not set(inside) <= set(rr.passages)
         ids = torch.tensor(ctx + q)
         ref = vanilla_logits(model, ids)[-1]
         assert torch.allclose(reader.last_logits, ref, atol=TOL, rtol=0)

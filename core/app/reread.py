@@ -8,7 +8,9 @@ changes the reading:
 
 1. the question is read against the memory as usual, and every layer's selection is recorded;
 2. the stream is cut into passages (`memory.passages`), ranked by the layers' votes, and the best
-   taken while they fit in emllm's attention span (n_init + n_mem + n_local tokens);
+   taken while they fit in emllm's attention span (n_init + n_mem + n_local tokens). The local
+   window's tokens are in no event and have no votes: they are read again only where room is left,
+   so a question about the last n_local tokens before it is better asked without re-reading;
 3. a fresh engine whose window holds all of it reads the initial tokens, those passages in stream
    order, and the question (the plain model, exactly), and answers.
 
@@ -75,11 +77,14 @@ class Reread:
 
 
 def reread_context(engine: Engine, selections: dict[int, Tensor], tok: Any, n_stream: int, room: int,
-                   window: bool = True) -> Reread:
+                   window: bool = False) -> Reread:
     """The initial tokens, then the passages of the stream's first `n_stream` tokens that the
-    layers' `selections` vote for, best first while they fit in `room` more tokens. window: the
-    local window's tokens count as every layer's (each layer attends to them), so its passages
-    come first; else they have no votes."""
+    layers' `selections` vote for, best first while they fit in `room` more tokens.
+
+    The local window's tokens are in no event, so they have no votes: its passages are read only
+    where room is left. window=True counts them as every layer's instead (each layer attends to
+    them), so its passages come first; measured, that answered fewer RULER-style questions (the
+    window takes half the room: docs/benchmarks.md, re-read answers)."""
     pr = engine.profile
     stream = engine.ids.view()[:n_stream]  # [n] the stream's tokens (the question after them is not re-read)
     lengths = engine.windows[0].events.event_lengths().cpu()
@@ -106,7 +111,7 @@ def reader(model: Any, profile: Any, tokens: int) -> Engine:
 
 
 def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
-           read_question: Callable[[list[int]], Any] | None = None, window: bool = True) -> tuple[Engine, Reread]:
+           read_question: Callable[[list[int]], Any] | None = None, window: bool = False) -> tuple[Engine, Reread]:
     """Read `question` against the engine's memory (`read_question`, by default as a question of
     its own: begin_question, feed), recording each layer's selection; then return a reader engine
     that has read the initial tokens, the passages voted for and the question, ready to answer,

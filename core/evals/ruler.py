@@ -394,11 +394,11 @@ def read_prompt(eng, prompt: Prompt, progress: Callable | None = None) -> Recall
 
 def run_task(engine_factory: Callable[[], object], tok, prompt: Prompt, max_new_tokens: int | None = None,
              progress: Callable | None = None, recall: list | None = None, reread: bool = False,
-             reread_window: bool = True) -> str:
+             reread_window: bool = False) -> str:
     """emllm: ingest the document, feed the question as its own chunk, generate greedily.
     recall: a list to extend with every needle's `evals.recall.NeedleRecall` at the question.
     reread: answer by re-reading the passages the memory chose (`app.reread`; reread_window: the
-    local window's passages first)."""
+    local window's passages first, not the default)."""
     n_new = max_new_tokens or prompt.max_new_tokens
     eng = engine_factory()
     if reread:
