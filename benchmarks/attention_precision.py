@@ -70,6 +70,7 @@ PRODUCTS_FROM = attention.PRODUCTS_FROM  # (as imported: the products' own thres
 def set_path(path: str) -> None:
     """Chunks take `path` from now on: "products" (bfloat16 products) or "flash" (the kernel)."""
     attention.PRODUCTS_FROM = PRODUCTS_FROM if path == "products" else 1 << 30
+    attention.PRODUCTS_ON_CPU = True  # measured where asked, whether this CPU computes bfloat16 natively or not
 
 
 def emllm_logits(model, profile, ids: torch.Tensor, chunk: int, path: str = "products") -> torch.Tensor:

@@ -212,6 +212,7 @@ def test_bf16_chunks_with_memory_take_the_products_and_stay_as_close_as_the_kern
     through a window of 32), and the logits are as close to the float32 engine's as those of
     the same chunks through torch's flash kernel."""
     from emllm.math import attention
+    monkeypatch.setattr(attention, "PRODUCTS_ON_CPU", True)  # (whether this CPU computes bfloat16 natively or not)
     ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(7))
     prof, split = tiny_profile(chunk_size=8), [8] * 25
     ref = engine_logits(tiny_model(arch), prof, ids, split)
@@ -224,3 +225,20 @@ def test_bf16_chunks_with_memory_take_the_products_and_stay_as_close_as_the_kern
     kernel = engine_logits(model, prof, ids, split)
     assert len(calls) == 25 * model.config.num_hidden_layers  # (no more)
     assert (products - ref).abs().mean() <= 1.25 * (kernel - ref).abs().mean()
+
+
+def test_the_products_only_where_the_cpu_computes_bf16_natively(monkeypatch):
+    """An engine on a CPU without native bfloat16 (AVX2) leaves a bfloat16 chunk to the kernel:
+    emulated products are ~15x slower there. Decided once, from the CPU's flags."""
+    from emllm.engine import stream
+    from emllm.math import attention
+    calls, real = [], attention._attend_products
+    monkeypatch.setattr(attention, "_attend_products", lambda *a: calls.append(1) or real(*a))
+    model, prof = tiny_model_dtype("llama3.1", torch.bfloat16), tiny_profile(chunk_size=8)
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3))
+    for native in (False, True):
+        monkeypatch.setattr(attention, "PRODUCTS_ON_CPU", None)
+        monkeypatch.setattr(stream, "native_bf16", lambda device, native=native: native)
+        calls.clear()
+        engine_logits(model, prof, ids, [8] * 5)
+        assert attention.PRODUCTS_ON_CPU is native and bool(calls) is native

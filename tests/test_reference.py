@@ -232,6 +232,7 @@ def test_bf16_products_path_is_one_softmax_in_blocks_of_any_size(h_q, h_kv, c, l
     largest: 0.75 of its error or less), within 4x torch's flash kernel's (float32 scores), and the same bits whatever its blocks (rows are independent; blocks of 16 positions leave a partial
     last block here, whose buffers must be contiguous views)."""
     from emllm.math import attention
+    monkeypatch.setattr(attention, "PRODUCTS_ON_CPU", True)  # (an engine may have set it for this CPU)
     gen = torch.Generator().manual_seed(h_q + c + length + m)
     r = lambda *s: (torch.randn(*s, generator=gen) * 2).to(torch.bfloat16)  # noqa: E731
     d = 16
@@ -264,6 +265,7 @@ def test_bf16_products_path_is_one_softmax_in_blocks_of_any_size(h_q, h_kv, c, l
 
 def test_only_a_bf16_chunk_without_mass_takes_the_products_path(monkeypatch):
     from emllm.math import attention
+    monkeypatch.setattr(attention, "PRODUCTS_ON_CPU", True)  # (an engine may have set it for this CPU)
     calls = []
     real = attention._attend_products
     monkeypatch.setattr(attention, "_attend_products", lambda *a: calls.append(a) or real(*a))

@@ -23,7 +23,7 @@ from emllm.config import Profile
 from emllm.memory.buffers import GrowBuffer
 from emllm.memory.events import EventMemory
 from emllm.memory.selection import Selection
-from emllm.models import device_of, input_device
+from emllm.models import device_of, input_device, native_bf16
 from emllm.math.rope import Rotary
 from emllm.math.segmentation import enforce_block_sizes, key_adjacency, refine, surprise_starts
 from emllm.math.surprise import boundary_flags, token_surprise
@@ -99,6 +99,8 @@ class Engine:
         self.model = model
         self.profile = profile
         attention.register()
+        if attention.PRODUCTS_ON_CPU is None:  # emulated bfloat16 products are slower than the kernel
+            attention.PRODUCTS_ON_CPU = native_bf16("cpu")
         model.set_attn_implementation(attention.NAME)
         self.rotary = Rotary(model.model.rotary_emb)
         self.dtype = next(model.parameters()).dtype

@@ -45,8 +45,8 @@ def attend(
     None unless `with_mass`).
 
     Query i of the chunk sees window keys 0..L-c+i (causal) and all memory keys: one exact
-    softmax. On the CPU a bfloat16 chunk of two queries or more, when no mass is kept, runs on
-    bfloat16 matrix products (`_attend_products`). Otherwise a chunk of many queries runs torch's
+    softmax. On a CPU that computes bfloat16 natively a bfloat16 chunk of two queries or more,
+    when no mass is kept, runs on bfloat16 matrix products (`_attend_products`). Otherwise a chunk of many queries runs torch's
     fused flash kernel only (`_attend_fused`: nothing of size [H_q, c, L] written out), and so
     does a generated token when no mass is kept, in float32 whatever the model's dtype (one query
     sees the whole window: no causal part); other few-query steps write the window's
@@ -56,7 +56,7 @@ def attend(
     """
     c = q_local.shape[1]
     cpu = q_local.device.type == "cpu"
-    if cpu and not with_mass and c >= PRODUCTS_FROM and _all_bf16(q_local, k_local, v_local, q_mem, k_mem, v_mem):
+    if cpu and PRODUCTS_ON_CPU is not False and not with_mass and c >= PRODUCTS_FROM and _all_bf16(q_local, k_local, v_local, q_mem, k_mem, v_mem):
         return _attend_products(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling), None
     if cpu and _FLASH_CPU is not None:
         if c >= FUSED_FROM[k_local.dtype == torch.float32]:
@@ -94,6 +94,11 @@ FUSED_FROM = (64, 256)
 # its logits are as close to float32's as the plain model's own bfloat16 (eager or sdpa) and the
 # kernel's path: docs/benchmark-log.md, ingest speed.
 PRODUCTS_FROM = 2  # (faster from 2 queries on: 0.45 against 0.62 ms; one query: float32, below)
+# Whether the CPU takes the products at all: only where it computes bfloat16 natively (AVX-512
+# BF16, AMX). Elsewhere bfloat16 products are emulated: on an AVX2 EPYC, SmolLM2's 512 queries
+# over 2,688 keys took 2.5-2.6 s against the kernel's 0.15-0.21 s. None: not decided (the engine
+# decides from the CPU's flags, emllm.models.native_bf16); a direct caller gets the products.
+PRODUCTS_ON_CPU: bool | None = None
 # Bytes of bfloat16 scores one block of `_attend_products` writes (a block of query positions,
 # all heads; at most 128 positions): scores and probabilities stay in the processor's caches.
 PRODUCT_BLOCK_BYTES = 32 << 20
