@@ -3,8 +3,8 @@ contiguous passages of the stream, to be read again as one ordinary context (`ap
 
 At the question every layer selects the events it attends to (spec §4). An event that more layers
 selected is likelier to hold what is asked: a token's *votes* are the layers whose selection held
-its event (tokens in the initial tokens or the local window are attended by every layer: all of
-them). The stream is cut into passages of up to `size` tokens, each ending after a sentence where
+its event (tokens in no event have none, unless the caller counts a span, such as the local
+window, as every layer's). The stream is cut into passages of up to `size` tokens, each ending after a sentence where
 its second half has one (`chunk_spans`: the retrieval baseline's chunks, so a needle is rarely cut).
 A passage scores its most-voted token, then its mean votes; passages are taken best first while
 they fit in the room, and read in stream order.
