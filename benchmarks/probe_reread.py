@@ -7,8 +7,10 @@ with every layer's selection recorded (`app.reread.SelectionRecorder`). From tha
 - `reread`: `emllm ask --reread`'s answer (core/app/reread.py): the stream's passages of ~128
   tokens ranked by the layers' votes, taken up to emllm's attention span (n_init + n_mem +
   n_local), read in order by the plain model: the retrieval baseline's layout with emllm's choice
-  of chunks (the local window's tokens, in no event, have no votes);
-- `reread-window`: the same with the window's passages first (every layer attends to them);
+  of chunks. The tokens in no event yet (remainder, window) are scored as events would be;
+- `reread-votes`: the same with the votes of emllm's own selections only (the tail has none:
+  `ask --reread` before 2026-11-28, late);
+- `reread-window`: the window's passages first (every layer attends to them);
 - `rag`: the retrieval baseline at emllm's span (`quality.py --methods rag --rag-budget 2176`):
   the same chunks, chosen by MiniLM.
 
@@ -38,6 +40,9 @@ from emllm.evals.rag import run_rag
 from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt
 
 
+METHODS = ("emllm", "reread", "reread-votes", "reread-window", "rag")
+
+
 def needles_in(spans: list[tuple[int, int]], needles: list[tuple[int, int]]) -> list[bool]:
     return [any(s < ne and ns < e for s, e in spans) for ns, ne in needles]
 
@@ -52,7 +57,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=None, help="auto, float32, bfloat16 (default: the profile's)")
     ap.add_argument("--out", required=True, help="JSON lines, appended")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     a = ap.parse_args()
+    methods = a.methods.split(",")
+    if not set(methods) <= set(METHODS):
+        ap.error(f"--methods: unknown {sorted(set(methods) - set(METHODS))}")
     torch.set_num_threads(a.threads)
     src = models.resolve("smollm2")
     model, tok = models.load(src, dtype=a.dtype)
@@ -70,30 +79,38 @@ def main() -> None:
             t0 = time.perf_counter()
             eng = Engine(model, prof)
             eng.feed(p.document)
-            rec = SelectionRecorder(eng)
+            own_votes = SelectionRecorder(eng, tail=False)
+            rec = SelectionRecorder(eng)  # (chained: both see every retrieval)
             eng.begin_question()
             eng.feed(q)
             rec.detach()
+            own_votes.detach()
             room = span - prof.n_init - len(q)
-            contexts = {m: reread_context(eng, rec.last, tok, len(p.document), room, window=w)
-                        for m, w in (("reread", False), ("reread-window", True))}
+            variants = {"reread": (rec, False), "reread-votes": (own_votes, False), "reread-window": (own_votes, True)}
+            contexts = {m: reread_context(eng, r.votes(), tok, len(p.document), room, window=w)
+                        for m, (r, w) in variants.items() if m in methods}
             rows = []
-            t1 = time.perf_counter()
-            own = tok.decode(eng.generate(n_new, stops), skip_special_tokens=True)
-            rows.append({"method": "emllm", "answer": own, "seconds": round(time.perf_counter() - t0, 1)})
+            if "emllm" in methods:
+                own = tok.decode(eng.generate(n_new, stops), skip_special_tokens=True)
+                rows.append({"method": "emllm", "answer": own, "seconds": round(time.perf_counter() - t0, 1)})
+            answered: dict[tuple[int, ...], str] = {}  # a context read already: the same answer (greedy)
             for m, rr in contexts.items():
                 t1 = time.perf_counter()
-                r_eng = reader(model, prof, len(rr.ids) + len(q) + n_new)
-                r_eng.feed(rr.ids)
-                r_eng.begin_question()
-                r_eng.feed(q)
-                ans = tok.decode(r_eng.generate(n_new, stops), skip_special_tokens=True)
-                rows.append({"method": m, "answer": ans, "context": len(rr.ids) + len(q), "passages": len(rr.passages),
-                             "needle_in": needles_in(rr.passages, p.needles), "seconds": round(time.perf_counter() - t1, 1)})
-            t1 = time.perf_counter()
-            ans, rc = run_rag(model, tok, p, budget=span)
-            rows.append({"method": "rag", "answer": ans, "context": len(rc.ids), "passages": len(rc.spans),
-                         "needle_in": needles_in(rc.spans, p.needles), "seconds": round(time.perf_counter() - t1, 1)})
+                key = tuple(rr.ids)
+                if key not in answered:
+                    r_eng = reader(model, prof, len(rr.ids) + len(q) + n_new)
+                    r_eng.feed(rr.ids)
+                    r_eng.begin_question()
+                    r_eng.feed(q)
+                    answered[key] = tok.decode(r_eng.generate(n_new, stops), skip_special_tokens=True)
+                rows.append({"method": m, "answer": answered[key], "context": len(rr.ids) + len(q),
+                             "passages": len(rr.passages), "needle_in": needles_in(rr.passages, p.needles),
+                             "seconds": round(time.perf_counter() - t1, 1)})
+            if "rag" in methods:
+                t1 = time.perf_counter()
+                ans, rc = run_rag(model, tok, p, budget=span)
+                rows.append({"method": "rag", "answer": ans, "context": len(rc.ids), "passages": len(rc.spans),
+                             "needle_in": needles_in(rc.spans, p.needles), "seconds": round(time.perf_counter() - t1, 1)})
             for r in rows:
                 r = {"task": name, "length": a.length, "sample": i, "depth": depth, "method": r["method"],
                      "answers": p.answers, "answer": r["answer"].strip(), "score": p.score(r["answer"]),

@@ -11,7 +11,7 @@ import torch
 
 from emllm.app.ask import Session
 from emllm.app.reread import SelectionRecorder, passage_spans, reread_context, sentence_ends
-from emllm.memory.passages import choose_passages, chunk_spans, event_votes, passage_order, token_votes
+from emllm.memory.passages import choose_passages, chunk_spans, event_spans, event_votes, passage_order, token_votes
 from emllm.store import Store
 
 from .helpers import QUESTION, TOL, ingest_store, load_tiny, store_files, vanilla_logits, words
@@ -105,7 +105,7 @@ def test_a_reread_answer_is_the_plain_models_on_its_context(tiny, tmp_path, word
         stream = s.engine.ids.view()[: s.engine.n_tokens - len(q)].tolist()
         n_init = pr.n_init
         span = pr.n_init + pr.n_mem + pr.n_local
-        rr = reread_context(s.engine, rec.last, tok, len(stream), span - n_init - len(q))
+        rr = reread_context(s.engine, rec.votes(), tok, len(stream), span - n_init - len(q))
         assert rr.passages == s.passages and len(rec.last) == len(s.engine.windows)
         ctx = rr.ids
         assert ctx[:n_init] == stream[:n_init]
@@ -121,7 +121,7 @@ def test_a_reread_answer_is_the_plain_models_on_its_context(tiny, tmp_path, word
             local = len(stream) - pr.n_local
             room = span - n_init - len(q)
             inside = [p for p in passage_spans(tok, torch.tensor(stream), n_init, room) if p[0] >= local]
-            first = reread_context(s.engine, rec.last, tok, len(stream), room, window=True)
+            first = reread_context(s.engine, rec.votes(), tok, len(stream), room, window=True)
             assert inside and set(inside) <= set(first.passages) and not set(inside) <= set(rr.passages)
         ids = torch.tensor(ctx + q)
         ref = vanilla_logits(model, ids)[-1]
@@ -160,3 +160,102 @@ def test_ask_reread_from_the_command_line(tiny, tmp_path):
     assert doc["answer"] == want and doc["reread"]["passages"] == [list(p) for p in passages]
     assert doc["reread"]["tokens"] == sum(e - a for a, e in passages) > 0
     assert store_files(path) == before
+
+
+def _lse_brute(raw: list[list[float]], t: float = 0.5) -> list[float]:
+    """Each event's soft maximum over tokens of its z-score among all events, one number at a time."""
+    import math
+    zs = []
+    for row in raw:
+        m = sum(row) / len(row)
+        sd = math.sqrt(sum((x - m) ** 2 for x in row) / len(row))
+        zs.append([(x - m) / sd if sd > 0 else 0.0 for x in row])
+    return [t * math.log(sum(math.exp(z[e] / t) for z in zs)) for e in range(len(raw[0]))]
+
+
+def test_the_tail_is_selected_as_if_its_pieces_were_events():
+    """tail_selection against a brute force: mean keys of unit length per KV head for the pieces,
+    every event and piece scored by each token's query, z-scores over all of them, the soft
+    maximum, best first while the budget holds (stopping at the first that does not fit)."""
+    from emllm.app.reread import tail_selection
+    from emllm.memory.events import EventMemory
+    from emllm.memory.selection import unit_keys
+    g = torch.Generator().manual_seed(3)
+    h_kv, d, t_q = 2, 8, 5
+    for trial in range(6):
+        mem = EventMemory(h_kv, h_kv, d, torch.float32, torch.device("cpu"))
+        ev_len = torch.randint(1, 6, (7 + trial,), generator=g)
+        n = int(ev_len.sum())
+        ev_keys = torch.randn(h_kv, n, d, generator=g)
+        starts = torch.cumsum(ev_len, 0) - ev_len
+        reprs = torch.stack([unit_keys(ev_keys[:, s : s + l].mean(1)) for s, l in zip(starts.tolist(), ev_len.tolist())])
+        mem.append(ev_keys, torch.zeros_like(ev_keys), ev_len, reprs)
+        tail = torch.randint(1, 6, (4,), generator=g)
+        tail_keys = torch.randn(h_kv, int(tail.sum()), d, generator=g)
+        query = torch.randn(t_q, h_kv, d, generator=g)
+        budget = int(torch.randint(3, 25, (1,), generator=g))
+
+        class W:
+            events = mem
+
+        got = tail_selection(W(), query, tail_keys, tail, budget, "lse", True).tolist()
+        offs = (torch.cumsum(tail, 0) - tail).tolist()
+        pieces = [unit_keys(tail_keys[:, s : s + l].mean(1)) for s, l in zip(offs, tail.tolist())]
+        keys = [r.double() for r in reprs] + [r.double() for r in pieces]  # each [H, D]
+        raw = [[float((q.double() * k).sum()) for k in keys] for q in query]
+        score = _lse_brute(raw)
+        lengths = ev_len.tolist() + tail.tolist()
+        want, used = [], 0
+        for i in sorted(range(len(keys)), key=lambda i: (-score[i], i)):
+            if used + lengths[i] > budget:
+                break
+            want.append(i)
+            used += lengths[i]
+        assert got == sorted(want) and any(i >= len(ev_len) for i in range(len(keys)))
+
+
+def test_the_tail_is_cut_and_keyed_as_its_events_are_later(tiny):
+    """The tail's pieces at the question (tokens in no event yet) are the events the stream later
+    closes there, the last, still open, excepted: the same spans, and the mean keys scored for them
+    the representative keys those events get."""
+    import emllm.app.reread as rr_mod
+    from emllm.config import load_profile_file
+    from emllm.engine.stream import Engine
+    from emllm.memory.selection import mean_keys, unit_keys
+    folder, prof_path, _, _ = tiny
+    model, tok = load_tiny(folder)
+    prof = load_profile_file(prof_path)
+    eng = Engine(model, prof)
+    stream = tok(words(5, 120), add_special_tokens=False)["input_ids"]
+    eng.feed(stream)
+    seen = {}
+    real = rr_mod.tail_selection
+
+    def spy(window, query, tail_keys, tail, *a):
+        seen[window.layer_idx] = (tail_keys.clone(), tail.clone())
+        return real(window, query, tail_keys, tail, *a)
+
+    rr_mod.tail_selection = spy
+    try:
+        rec = SelectionRecorder(eng)
+        eng.begin_question()
+        eng.feed(tok(QUESTION, add_special_tokens=False)["input_ids"])
+        rec.detach()
+    finally:
+        rr_mod.tail_selection = real
+    votes = rec.votes()
+    n_ev = len(votes.spans) - len(seen[0][1])
+    tail_spans = votes.spans[n_ev:]
+    assert len(seen) == len(eng.windows) and len(tail_spans) >= 3
+    assert int(tail_spans[0, 0]) == int(votes.spans[n_ev - 1, 1]) and int(tail_spans[-1, 1]) == len(stream)
+    assert all(int(ids.max()) >= n_ev for ids in votes.selections.values())  # the window takes part
+    eng.feed(tok(words(6, 200), add_special_tokens=False)["input_ids"])  # the tail leaves the window
+    later = {tuple(s) for s in event_spans(eng.windows[0].events.event_lengths(), prof.n_init).tolist()}
+    closed = [i for i, s in enumerate(tail_spans[:-1].tolist()) if tuple(s) in later]
+    assert len(closed) == len(tail_spans) - 1
+    starts = event_spans(eng.windows[0].events.event_lengths(), prof.n_init)[:, 0].tolist()
+    for layer, (keys, tail) in seen.items():
+        mine = unit_keys(mean_keys(keys, tail, eng.windows[layer].events.repr_heads))
+        theirs = eng.windows[layer].events.repr_keys()
+        for i in closed:
+            assert torch.equal(mine[i], theirs[starts.index(int(tail_spans[i, 0]))])

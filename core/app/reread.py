@@ -6,11 +6,11 @@ wrong one of several similar needles more often than when it reads the same text
 (docs/benchmarks.md, recall: "why the misreads"). A re-read answer keeps emllm's retrieval and
 changes the reading:
 
-1. the question is read against the memory as usual, and every layer's selection is recorded;
+1. the question is read against the memory as usual, and every layer's selection is recorded,
+   with the tokens in no event yet (the remainder and the local window, which every layer attends
+   to) scored as if they were events (`SelectionRecorder`);
 2. the stream is cut into passages (`memory.passages`), ranked by the layers' votes, and the best
-   taken while they fit in emllm's attention span (n_init + n_mem + n_local tokens). The local
-   window's tokens are in no event and have no votes: they are read again only where room is left,
-   so a question about the last n_local tokens before it is better asked without re-reading;
+   taken while they fit in emllm's attention span (n_init + n_mem + n_local tokens);
 3. a fresh engine whose window holds all of it reads the initial tokens, those passages in stream
    order, and the question (the plain model, exactly), and answers.
 
@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from emllm.engine.stream import Engine
-from emllm.memory.passages import chunk_spans, choose_passages, event_votes, passage_order, token_votes
-from emllm.memory.selection import Selection
+from emllm.math.segmentation import surprise_starts
+from emllm.memory.passages import chunk_spans, choose_passages, event_spans, event_votes, passage_order, token_votes
+from emllm.memory.selection import TOKEN_SCORINGS, Selection, mean_keys, select_events, token_scores, unit_keys
 
 PASSAGE_TOKENS = 128  # the retrieval baseline's chunk: long enough to hold a needle's sentence whole
 PASSAGES_AT_LEAST = 8  # a small span (a test's profile) gets shorter passages, so that several fit
@@ -52,19 +53,94 @@ def passage_spans(tok: Any, stream: Tensor, start: int, room: int) -> list[tuple
     return chunk_spans(len(stream), size, start=start, sentence_ends=sentence_ends(tok, stream))
 
 
-class SelectionRecorder:
-    """Keeps each layer's last selection while attached (chained to any callback already set)."""
+def tail_lengths(flags: Tensor, min_block: int, max_block: int) -> Tensor:
+    """[P] lengths of the pieces the stream's tail (tokens in no event yet; `flags` [n] their
+    boundary candidates) would be cut into as events, the last piece still open (may be short)."""
+    n = int(flags.numel())
+    if n == 0:
+        return torch.zeros(0, dtype=torch.long)
+    starts = surprise_starts(flags.cpu(), min_block, max_block)
+    return torch.diff(starts, append=torch.tensor([n]))
 
-    def __init__(self, engine: Engine) -> None:
+
+def tail_selection(window: Any, query: Tensor, tail_keys: Tensor, tail: Tensor, budget: int, scoring: str,
+                   normalise: bool) -> Tensor:
+    """The layer's selection had the tail's pieces (`tail` [P] lengths of consecutive tokens,
+    `tail_keys` [H_kv, sum, D] their pre-RoPE keys) been events: their mean keys (the profile's
+    representative) scored with the events' by the retrieval's `query` ([T, H_r, D] a question's
+    tokens, combined by `scoring`; [H_r, D] one query), the best taken within `budget` tokens.
+    Returns ids [k] into the events, then the pieces (E + i: piece i)."""
+    events = window.events
+    reprs = mean_keys(tail_keys, tail.to(tail_keys.device), events.repr_heads)  # [P, H_r, D]
+    if normalise:
+        reprs = unit_keys(reprs)
+    flat = reprs.reshape(len(tail), -1)
+    q = query if query.dim() == 3 else query[None]  # [T, H_r, D]
+    raw = torch.cat((events.token_scores(q), token_scores(flat.shape[0], flat.shape[1], lambda a, b: flat[a:b], q)), 1)
+    scores = TOKEN_SCORINGS[scoring](raw) if query.dim() == 3 else raw[0]  # [E + P]
+    lengths = torch.cat((events.event_lengths().cpu(), tail.cpu()))
+    return select_events(scores, lengths, budget).ids.cpu()
+
+
+@dataclass(frozen=True)
+class Votes:
+    """What every layer selected when the question was read: ids into `spans`."""
+    spans: Tensor  # [E + P, 2] stream positions [start, end): the events, then the tail's pieces (P = 0 without)
+    selections: dict[int, Tensor]  # layer -> ids [k]
+
+
+class SelectionRecorder:
+    """Keeps each layer's last selection while attached (chained to any callback already set).
+
+    tail=True (the default) also scores the tokens in no event yet, the remainder and the local
+    window, as events: cut where the stream's surprise would cut them, each piece represented and
+    scored as an event is (`tail_selection`). Every layer attends to those tokens, so emllm's own
+    selection says nothing of them; without this a needle among the last n_local tokens before
+    the question had no votes and was read again only where room was left (docs/benchmarks.md,
+    re-read answers). It costs one more scoring of the events per layer."""
+
+    def __init__(self, engine: Engine, tail: bool = True) -> None:
         self.engine = engine
-        self.last: dict[int, Tensor] = {}  # layer -> event ids [k]
+        self.tail = tail
+        self.last: dict[int, Tensor] = {}  # layer -> event ids [k] (then tail pieces, E + i)
+        self._spans = torch.zeros(0, 2, dtype=torch.long)
+        self._tail = torch.zeros(0, dtype=torch.long)  # lengths of the tail's pieces at the last retrieval
+        self._at = -1  # the engine's n_tokens when the tail was cut
         self._before: Callable | None = engine.on_retrieval
         engine.on_retrieval = self._record
 
+    def _cut(self) -> None:
+        """Once per forward (retrievals happen before the step closes events): the events' spans
+        and the pieces of the tail [rem_start, n_tokens)."""
+        eng, pr = self.engine, self.engine.profile
+        if self._at == eng.n_tokens:
+            return
+        self._at = eng.n_tokens
+        events = event_spans(eng.windows[0].events.event_lengths(), pr.n_init)
+        flags = eng.flags.view()[eng.rem_start : eng.n_tokens] if self.tail else eng.flags.view()[:0]
+        self._tail = tail_lengths(flags, pr.min_block, pr.max_block)
+        ends = torch.cumsum(self._tail, 0) + eng.rem_start
+        self._spans = torch.cat((events, torch.stack((ends - self._tail, ends), 1)))
+
     def _record(self, layer: int, sel: Selection, query: Tensor) -> None:
-        self.last[layer] = sel.ids.cpu()
+        self._cut()
+        ids = sel.ids.cpu()
+        if len(self._tail):
+            eng, pr = self.engine, self.engine.profile
+            w = eng.windows[layer]
+            # A layer retrieves only once it has events, so the window no longer holds initial tokens:
+            # the tail is the remainder, then the window (during the step: its last n_local tokens,
+            # then the step's chunk)
+            keys = torch.cat((w.rem_k, w.local_k[:, : pr.n_local]), 1)  # [H_kv, n, D]
+            if keys.shape[1] != int(self._tail.sum()):
+                raise RuntimeError(f"layer {layer}: {keys.shape[1]} tokens after the events, expected {int(self._tail.sum())}")
+            ids = tail_selection(w, query, keys, self._tail, eng.similarity_budget, pr.question_scoring, pr.repr_normalise)
+        self.last[layer] = ids
         if self._before is not None:
             self._before(layer, sel, query)
+
+    def votes(self) -> Votes:
+        return Votes(self._spans, dict(self.last))
 
     def detach(self) -> None:
         self.engine.on_retrieval = self._before
@@ -76,25 +152,20 @@ class Reread:
     passages: list[tuple[int, int]]  # stream spans [start, end) taken, in stream order
 
 
-def reread_context(engine: Engine, selections: dict[int, Tensor], tok: Any, n_stream: int, room: int,
-                   window: bool = False) -> Reread:
+def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: int, window: bool = False) -> Reread:
     """The initial tokens, then the passages of the stream's first `n_stream` tokens that the
-    layers' `selections` vote for, best first while they fit in `room` more tokens.
+    layers' `votes` favour, best first while they fit in `room` more tokens.
 
-    The local window's tokens are in no event, so they have no votes: its passages are read only
-    where room is left. window=True counts them as every layer's instead (each layer attends to
-    them), so its passages come first; measured, that answered fewer RULER-style questions (the
-    window takes half the room: docs/benchmarks.md, re-read answers)."""
+    window=True counts the local window's tokens as every layer's (each layer attends to them),
+    so its passages come first; measured, that answered fewer RULER-style questions than the
+    votes alone (the window takes half the room: docs/benchmarks.md, re-read answers)."""
     pr = engine.profile
     stream = engine.ids.view()[:n_stream]  # [n] the stream's tokens (the question after them is not re-read)
-    lengths = engine.windows[0].events.event_lengths().cpu()
-    ends = torch.cumsum(lengths, 0) + pr.n_init
-    spans_e = torch.stack((ends - lengths, ends), 1)  # [E, 2]
-    votes = event_votes(list(selections.values()), len(lengths))
+    counts = event_votes(list(votes.selections.values()), len(votes.spans))
     n_init = min(pr.n_init, n_stream)
     # the local window, as the question's step saw it, is read by every layer
     local = (max(n_init, n_stream - pr.n_local), n_stream)
-    tv = token_votes(spans_e, votes, n_stream, attended=[local] if window else [], layers=len(engine.windows))
+    tv = token_votes(votes.spans, counts, n_stream, attended=[local] if window else [], layers=len(engine.windows))
     spans = passage_spans(tok, stream, n_init, room)
     kept = choose_passages(passage_order(tv, spans), spans, room)
     taken = [spans[i] for i in kept]
@@ -129,7 +200,7 @@ def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
     pr = engine.profile
     n_stream = engine.n_tokens - len(question)
     span = pr.n_init + pr.n_mem + pr.n_local
-    rr = reread_context(engine, rec.last, tok, n_stream, max(0, span - min(pr.n_init, n_stream) - len(question)), window)
+    rr = reread_context(engine, rec.votes(), tok, n_stream, max(0, span - min(pr.n_init, n_stream) - len(question)), window)
     eng = reader(engine.model, pr, len(rr.ids) + len(question) + max_new_tokens)
     if rr.ids:
         eng.feed(rr.ids)
@@ -138,4 +209,5 @@ def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
     return eng, rr
 
 
-__all__ = ["PASSAGE_TOKENS", "Reread", "SelectionRecorder", "passage_spans", "reader", "reread", "reread_context", "sentence_ends"]
+__all__ = ["PASSAGE_TOKENS", "Reread", "SelectionRecorder", "Votes", "passage_spans", "reader", "reread", "reread_context",
+           "sentence_ends", "tail_lengths", "tail_selection"]

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from emllm.engine.stream import Engine
 from emllm.memory.buffers import token_index
+from emllm.memory.passages import event_spans
 from emllm.memory.selection import Selection
 
 
@@ -55,9 +56,7 @@ class Trace:
 
     def event_spans(self) -> Tensor:
         """[E, 2] stream positions [start, end) of every event (events follow the initial tokens)."""
-        lengths = self.engine.windows[0].events.event_lengths().cpu()
-        ends = torch.cumsum(lengths, 0) + self.engine.profile.n_init
-        return torch.stack((ends - lengths, ends), 1)
+        return event_spans(self.engine.windows[0].events.event_lengths(), self.engine.profile.n_init)
 
     def counts(self) -> Tensor:
         """[layers, E]: how many steps each layer retrieved each event."""

@@ -139,6 +139,12 @@ class Engine:
         return self.n_tokens - self.windows[0].local_k.shape[1]
 
     @property
+    def similarity_budget(self) -> int:
+        """Tokens each layer retrieves by score at a step: n_mem, less the contiguity buffer's share."""
+        pr = self.profile
+        return pr.n_mem - (int(pr.n_mem * pr.contiguity_ratio) if pr.contiguity else 0)
+
+    @property
     def n_events(self) -> int:
         return len(self.windows[0].events)
 
@@ -174,7 +180,7 @@ class Engine:
         # (not for rope types whose angles depend on the sequence's length: their window is rotated whole)
         slack = TOKEN_SLACK if c == 1 and not self.rotary.length_dependent else 0
         cos, sin = self.rotary.table(max(window, pr.n_local + slack), self.device, self.dtype)
-        cont = int(pr.n_mem * pr.contiguity_ratio) if pr.contiguity else 0
+        cont = pr.n_mem - self.similarity_budget
         centering = pr.question_centering if self.answering and pr.question_centering else pr.query_centering
         step = StepInfo(cos, sin, pr.n_local, pr.n_init, pr.n_mem - cont, cont, pr.neighbours, centering,
                         bool(pr.query_centering or pr.question_centering), self.on_retrieval,

@@ -20,7 +20,7 @@ from emllm.engine.rotated import RotatedWindow
 from emllm.memory.buffers import SlidingRows, token_index
 from emllm.memory.events import EventMemory
 from emllm.memory.selection import (
-    TOKEN_SCORINGS, Selection, fold_query, mean_keys, representative_keys, select_events, update_contiguity,
+    TOKEN_SCORINGS, Selection, fold_query, mean_keys, representative_keys, select_events, unit_keys, update_contiguity,
 )
 from emllm.math.rope import apply_rotary
 
@@ -295,7 +295,7 @@ class LayerWindow:
         else:
             reprs = representative_keys(keys, mass, lengths, repr_topk)
         if normalise:
-            reprs = reprs / reprs.float().norm(dim=-1, keepdim=True).clamp_min(1e-12).to(reprs.dtype)
+            reprs = unit_keys(reprs)
         self.events.append(keys, values, lengths, reprs)
         self.rem_k, self.rem_v = self.rem_k[:, n:].contiguous(), self.rem_v[:, n:].contiguous()
         self.rem_mass = self.rem_mass[:, n:].contiguous()

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from emllm.memory.passages import event_spans
 from emllm.memory.selection import TOKEN_SCORINGS, Selection, event_scores
 
 
@@ -69,9 +70,7 @@ def needle_recall(engine: Any, probe: RecallProbe, needles: Sequence[tuple[int, 
     windows = engine.windows
     n_layers = len(windows)
     n_init = engine.profile.n_init
-    lengths = windows[0].events.event_lengths().cpu()
-    ends = torch.cumsum(lengths, 0) + n_init
-    starts = ends - lengths
+    starts, ends = event_spans(windows[0].events.event_lengths(), n_init).unbind(1)
     ranks_of: dict[int, Tensor] = {}  # layer -> rank of every event (1 = best)
 
     def ranks(layer: int) -> Tensor:
@@ -89,7 +88,7 @@ def needle_recall(engine: Any, probe: RecallProbe, needles: Sequence[tuple[int, 
         return ranks_of[layer]
 
     # events closed after the retrieval (by the question's own step) were in the window then
-    n_then = min((n for _, _, n in probe.last.values()), default=lengths.numel())
+    n_then = min((n for _, _, n in probe.last.values()), default=len(starts))
     out = []
     for j, (s, e) in enumerate(needles):
         ev = torch.nonzero((starts < e) & (ends > s)).squeeze(1)

@@ -45,6 +45,13 @@ def chunk_spans(n: int, size: int, start: int = 0, sentence_ends: Sequence[bool]
     return spans
 
 
+def event_spans(lengths: Tensor, first: int) -> Tensor:
+    """[E, 2] stream positions [start, end) of consecutive events of `lengths` [E], the first
+    starting at `first` (the memory's events follow the n_init initial tokens)."""
+    ends = torch.cumsum(lengths.long().cpu(), 0) + first
+    return torch.stack((ends - lengths.long().cpu(), ends), 1)
+
+
 def event_votes(selections: Sequence[Tensor], n_events: int) -> Tensor:
     """[E] how many of the selections (one per layer: event ids) hold each event."""
     if not selections:
@@ -98,4 +105,4 @@ def choose_passages(order: Sequence[int], spans: Sequence[tuple[int, int]], room
     return sorted(kept)
 
 
-__all__ = ["chunk_spans", "event_votes", "token_votes", "passage_order", "choose_passages"]
+__all__ = ["chunk_spans", "event_spans", "event_votes", "token_votes", "passage_order", "choose_passages"]

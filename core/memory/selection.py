@@ -232,6 +232,11 @@ def _event_rows(lengths: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return (starts[:, None] + col[None, :]).clamp_max(n - 1), valid
 
 
+def unit_keys(reprs: Tensor) -> Tensor:
+    """reprs [..., D] scaled to unit length along D, in their dtype (profile repr_normalise)."""
+    return reprs / reprs.float().norm(dim=-1, keepdim=True).clamp_min(1e-12).to(reprs.dtype)
+
+
 def representative_keys(keys: Tensor, mass: Tensor, lengths: Tensor, topk: int) -> Tensor:
     """Per event and query head, the mean pre-RoPE key of the `topk` tokens that drew most attention.
 
