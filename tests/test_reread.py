@@ -259,3 +259,27 @@ def test_the_tail_is_cut_and_keyed_as_its_events_are_later(tiny):
         theirs = eng.windows[layer].events.repr_keys()
         for i in closed:
             assert torch.equal(mine[i], theirs[starts.index(int(tail_spans[i, 0]))])
+
+
+def test_listeners_nest_and_detach_in_any_order(tiny):
+    """A trace attached inside a recall probe and a recorder: each hears every retrieval while
+    attached, and detaching one leaves the others listening."""
+    from emllm.app.trace import Trace
+    from emllm.config import load_profile_file
+    from emllm.engine.stream import Engine
+    from emllm.evals.recall import RecallProbe
+    folder, prof_path, _, _ = tiny
+    model, tok = load_tiny(folder)
+    eng = Engine(model, load_profile_file(prof_path))
+    eng.feed(tok(words(5, 120), add_special_tokens=False)["input_ids"])
+    probe, rec, trace = RecallProbe(eng), SelectionRecorder(eng, tail=False), Trace.attach(eng)
+    eng.feed(tok(QUESTION, add_special_tokens=False)["input_ids"])
+    trace.detach()
+    first = dict(rec.last)
+    assert trace.steps == 1 and len(trace.records) == len(eng.windows) == len(first) == len(probe.last)
+    assert all(torch.equal(first[r.layer], r.ids) and torch.equal(probe.last[r.layer][0].ids, r.ids) for r in trace.records)
+    eng.feed(tok(" and then", add_special_tokens=False)["input_ids"])
+    assert trace.steps == 1 and not all(torch.equal(first[i], rec.last[i]) for i in first)  # the others still hear
+    rec.detach()
+    probe.detach()
+    assert eng.on_retrieval is None

@@ -78,7 +78,7 @@ def retrieval_doc(trace, st, tok, query: str, layer: int | None = None, top: int
     by_layers = (counts > 0).sum(0)
     order = torch.sort(by_layers, descending=True, stable=True).indices.tolist()[:top]
     out = {
-        "query": query, "layers": n_layers, "bins": BINS, "steps": trace._step + 1, "span": n,
+        "query": query, "layers": n_layers, "bins": BINS, "steps": trace.steps, "span": n,
         # attended at every step, never retrieved: the first n_init tokens and the local window
         "initial_tokens": min(n, st.manifest["profile"]["n_init"]),
         "window_start": n if window_start is None else max(0, min(n, window_start)),

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from emllm.engine.stream import Engine
+from emllm.engine.stream import Engine, RetrievalListener
 from emllm.math.segmentation import surprise_starts
 from emllm.memory.passages import chunk_spans, choose_passages, event_spans, event_votes, passage_order, token_votes
 from emllm.memory.selection import TOKEN_SCORINGS, Selection, mean_keys, select_events, token_scores, unit_keys
@@ -89,7 +89,7 @@ class Votes:
     selections: dict[int, Tensor]  # layer -> ids [k]
 
 
-class SelectionRecorder:
+class SelectionRecorder(RetrievalListener):
     """Keeps each layer's last selection while attached (chained to any callback already set).
 
     tail=True (the default) also scores the tokens in no event yet, the remainder and the local
@@ -100,14 +100,12 @@ class SelectionRecorder:
     re-read answers). It costs one more scoring of the events per layer."""
 
     def __init__(self, engine: Engine, tail: bool = True) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.tail = tail
         self.last: dict[int, Tensor] = {}  # layer -> event ids [k] (then tail pieces, E + i)
         self._spans = torch.zeros(0, 2, dtype=torch.long)
         self._tail = torch.zeros(0, dtype=torch.long)  # lengths of the tail's pieces at the last retrieval
         self._at = -1  # the engine's n_tokens when the tail was cut
-        self._before: Callable | None = engine.on_retrieval
-        engine.on_retrieval = self._record
 
     def _cut(self) -> None:
         """Once per forward (retrievals happen before the step closes events): the events' spans
@@ -122,7 +120,7 @@ class SelectionRecorder:
         ends = torch.cumsum(self._tail, 0) + eng.rem_start
         self._spans = torch.cat((events, torch.stack((ends - self._tail, ends), 1)))
 
-    def _record(self, layer: int, sel: Selection, query: Tensor) -> None:
+    def heard(self, layer: int, sel: Selection, query: Tensor) -> None:
         self._cut()
         ids = sel.ids.cpu()
         if len(self._tail):
@@ -136,14 +134,9 @@ class SelectionRecorder:
                 raise RuntimeError(f"layer {layer}: {keys.shape[1]} tokens after the events, expected {int(self._tail.sum())}")
             ids = tail_selection(w, query, keys, self._tail, eng.similarity_budget, pr.question_scoring, pr.repr_normalise)
         self.last[layer] = ids
-        if self._before is not None:
-            self._before(layer, sel, query)
 
     def votes(self) -> Votes:
         return Votes(self._spans, dict(self.last))
-
-    def detach(self) -> None:
-        self.engine.on_retrieval = self._before
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ Cheap when nobody listens: the engine calls its callback only when one is set.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from emllm.engine.stream import Engine
+from emllm.engine.stream import Engine, RetrievalListener
 from emllm.memory.buffers import token_index
 from emllm.memory.passages import event_spans
 from emllm.memory.selection import Selection
@@ -33,22 +33,22 @@ class Record:
     scoring: str = "dot"
 
 
-@dataclass
-class Trace:
-    engine: Engine
-    records: list[Record] = field(default_factory=list)
-    _step: int = -1
+class Trace(RetrievalListener):
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self.records: list[Record] = []
+        self._step = -1
 
     @classmethod
     def attach(cls, engine: Engine) -> "Trace":
-        t = cls(engine)
-        engine.on_retrieval = t._record
-        return t
+        return cls(engine)
 
-    def detach(self) -> None:
-        self.engine.on_retrieval = None
+    @property
+    def steps(self) -> int:
+        """Steps recorded (a chunk's forward, or a generated token's)."""
+        return self._step + 1
 
-    def _record(self, layer: int, sel: Selection, query: Tensor | None = None) -> None:
+    def heard(self, layer: int, sel: Selection, query: Tensor | None = None) -> None:
         if layer == 0 or self._step < 0:
             self._step += 1
         scoring = "z" if query is not None and query.dim() == 3 else "dot"  # ([T, H_r, D]: a question's tokens)

@@ -73,6 +73,28 @@ class ChunkReport:
     events: int
 
 
+class RetrievalListener:
+    """Sees every layer's retrieval while attached (`Engine.on_retrieval`), then passes it on to
+    the callback that was set before, so that listeners nest (a trace inside a recall probe).
+    Subclasses define `heard`; `detach` restores the callback before it."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self._before: Callable[[int, Selection, Tensor], None] | None = engine.on_retrieval
+        engine.on_retrieval = self._call
+
+    def heard(self, layer: int, sel: Selection, query: Tensor) -> None:
+        raise NotImplementedError
+
+    def _call(self, layer: int, sel: Selection, query: Tensor) -> None:
+        self.heard(layer, sel, query)
+        if self._before is not None:
+            self._before(layer, sel, query)
+
+    def detach(self) -> None:
+        self.engine.on_retrieval = self._before
+
+
 class Engine:
     def __init__(
         self, model: PreTrainedModel, profile: Profile, memory: Callable[[int], EventMemory] | None = None

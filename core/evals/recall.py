@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from emllm.engine.stream import RetrievalListener
 from emllm.memory.passages import event_spans
 from emllm.memory.selection import TOKEN_SCORINGS, Selection, event_scores
 
@@ -44,24 +45,17 @@ class NeedleRecall:
         return {**asdict(self), "share": round(self.share, 4)}
 
 
-class RecallProbe:
+class RecallProbe(RetrievalListener):
     """Records, per layer, the last selection and query the engine retrieved with (from attach to
     detach): feed the question between the two."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.last: dict[int, tuple[Selection, Tensor, int]] = {}  # layer -> (selection, query, events then)
-        self._before = engine.on_retrieval
-        engine.on_retrieval = self._record
 
-    def _record(self, layer: int, sel: Selection, query: Tensor) -> None:
+    def heard(self, layer: int, sel: Selection, query: Tensor) -> None:
         n = len(self.engine.windows[layer].events)  # (the step may close events after retrieving)
         self.last[layer] = (Selection(sel.ids.cpu(), sel.scores.cpu()), query.detach().float().cpu(), n)
-        if self._before is not None:
-            self._before(layer, sel, query)
-
-    def detach(self) -> None:
-        self.engine.on_retrieval = self._before
 
 
 def needle_recall(engine: Any, probe: RecallProbe, needles: Sequence[tuple[int, int]]) -> list[NeedleRecall]:
