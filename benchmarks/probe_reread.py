@@ -33,7 +33,7 @@ import torch
 
 from benchmarks import git_commit
 from emllm import models
-from emllm.app.reread import SelectionRecorder, reader, reread_context
+from emllm.app.reread import SelectionRecorder, read_again, reread_context
 from emllm.engine.stream import Engine
 from emllm.evals.passkey import _stop_ids
 from emllm.evals.rag import run_rag
@@ -98,10 +98,7 @@ def main() -> None:
                 t1 = time.perf_counter()
                 key = tuple(rr.ids)
                 if key not in answered:
-                    r_eng = reader(model, prof, len(rr.ids) + len(q) + n_new)
-                    r_eng.feed(rr.ids)
-                    r_eng.begin_question()
-                    r_eng.feed(q)
+                    r_eng = read_again(model, prof, rr.ids, q, n_new)
                     answered[key] = tok.decode(r_eng.generate(n_new, stops), skip_special_tokens=True)
                 rows.append({"method": m, "answer": answered[key], "context": len(rr.ids) + len(q),
                              "passages": len(rr.passages), "needle_in": needles_in(rr.passages, p.needles),

@@ -194,13 +194,20 @@ def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
     n_stream = engine.n_tokens - len(question)
     span = pr.n_init + pr.n_mem + pr.n_local
     rr = reread_context(engine, rec.votes(), tok, n_stream, max(0, span - min(pr.n_init, n_stream) - len(question)), window)
-    eng = reader(engine.model, pr, len(rr.ids) + len(question) + max_new_tokens)
-    if rr.ids:
-        eng.feed(rr.ids)
+    return read_again(engine.model, pr, rr.ids, question, max_new_tokens), rr
+
+
+def read_again(model: Any, profile: Any, context: list[int], question: list[int], max_new_tokens: int) -> Engine:
+    """A `reader` that has read `context` and then `question`, ready to answer in up to
+    `max_new_tokens` tokens."""
+    eng = reader(model, profile, len(context) + len(question) + max_new_tokens)
+    # (no surprise: the reader closes no events, and its head then computes only the last token's logits)
+    if context:
+        eng.feed(context, surprise=False)
     eng.begin_question()
-    eng.feed(question)
-    return eng, rr
+    eng.feed(question, surprise=False)
+    return eng
 
 
-__all__ = ["PASSAGE_TOKENS", "Reread", "SelectionRecorder", "Votes", "passage_spans", "reader", "reread", "reread_context",
-           "sentence_ends", "tail_lengths", "tail_selection"]
+__all__ = ["PASSAGE_TOKENS", "Reread", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
+           "reread_context", "sentence_ends", "tail_lengths", "tail_selection"]

@@ -194,7 +194,9 @@ class Engine:
 
     @torch.no_grad()
     def step(self, chunk: Tensor, with_surprise: bool = True) -> Tensor:
-        """One forward over `chunk` [c] (at most chunk_size tokens); returns its logits [c, V]."""
+        """One forward over `chunk` [c] (at most chunk_size tokens); returns its logits [c, V]
+        (with_surprise=False: the last token's only, [1, V]; nothing needs the others, and the
+        model's head then computes one row instead of c)."""
         pr = self.profile
         c = chunk.numel()
         window = min(self.n_tokens, pr.n_local) + c
@@ -215,9 +217,10 @@ class Engine:
             input_ids=x,
             position_ids=torch.zeros_like(x),  # identity rotation: the attention gets keys before RoPE
             use_cache=False,
+            logits_to_keep=0 if with_surprise else 1,  # (0: all)
             emllm=Hooks(self.windows, step),  # reaches the attention function of every layer
         )
-        logits = out.logits[0]  # [c, V]
+        logits = out.logits[0]  # [c, V] ([1, V] without surprise)
         if with_surprise:
             s = token_surprise(logits, x[0], self.last_logits).cpu()
             if self.n_tokens == 0:
