@@ -29,7 +29,7 @@ def ask(
     stop: list[str] = StopOpt,
     remember: bool = typer.Option(False, "--remember", help="Append this exchange (question and answer) to the store, as `emllm chat` does."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
-    reread: bool = typer.Option(False, "--reread", help="Answer by reading again, in order, the passages the memory chose: the question is read against the memory as usual, the stream's passages (~128 tokens) that the most layers retrieved are taken up to emllm's attention span, and the model reads them with the question as one ordinary context. The local window (the last tokens before the question, 1,024 for SmolLM2) is read again only where room is left. Costs one more forward over that span (~2k tokens for SmolLM2). What it changes in answers: docs/benchmarks.md (re-read answers). The store is not changed."),
+    reread: bool = typer.Option(False, "--reread", help="Answer by reading again, in order, the passages the memory chose: the question is read against the memory as usual, the stream's passages (~128 tokens) that the most layers retrieved are taken up to emllm's attention span, and the model reads them with the question as one ordinary context. The last tokens before the question (the local window, 1,024 for SmolLM2, which every layer attends to) compete as if they were in memory. Costs one more forward over that span (~2k tokens for SmolLM2). What it changes in answers: docs/benchmarks.md (re-read answers). The store is not changed."),
 ) -> None:
     """Answer from a stored document. The store is not changed: every question sees the same memory.
 
