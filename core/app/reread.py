@@ -130,9 +130,11 @@ class SelectionRecorder(RetrievalListener):
             # the tail is the remainder, then the window (during the step: its last n_local tokens,
             # then the step's chunk)
             keys = torch.cat((w.rem_k, w.local_k[:, : pr.n_local]), 1)  # [H_kv, n, D]
-            if keys.shape[1] != int(self._tail.sum()):
-                raise RuntimeError(f"layer {layer}: {keys.shape[1]} tokens after the events, expected {int(self._tail.sum())}")
-            ids = tail_selection(w, query, keys, self._tail, eng.similarity_budget, pr.question_scoring, pr.repr_normalise)
+            n = int(self._tail.sum())
+            if keys.shape[1] != n:
+                raise RuntimeError(f"layer {layer}: {keys.shape[1]} tokens after the events, expected {n}")
+            ids = tail_selection(w, query, keys, self._tail, eng.similarity_budget, pr.question_scoring,
+                                 pr.repr_normalise)
         self.last[layer] = ids
 
     def votes(self) -> Votes:
