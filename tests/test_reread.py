@@ -117,7 +117,7 @@ def test_a_reread_answer_is_the_plain_models_on_its_context(tiny, tmp_path, word
             assert ctx == stream  # all of it fits: all of it is read
         else:
             assert rr.passages and len(ctx) < len(stream) and event_votes(list(rec.last.values()), s.engine.n_events).max() > 0
-        if not fits:  # window=True: every passage inside the window is taken; by default they have no votes
+        if not fits:  # window=True: every passage inside the window is taken; by default they compete with memory
             local = len(stream) - pr.n_local
             room = span - n_init - len(q)
             inside = [p for p in passage_spans(tok, torch.tensor(stream), n_init, room) if p[0] >= local]
