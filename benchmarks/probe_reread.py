@@ -33,7 +33,7 @@ import torch
 
 from benchmarks import git_commit
 from emllm import models
-from emllm.app.reread import SelectionRecorder, read_again, reread_context
+from emllm.app.reread import SelectionRecorder, read_again, reread_context, reread_room
 from emllm.engine.stream import Engine
 from emllm.evals.passkey import _stop_ids
 from emllm.evals.rag import run_rag
@@ -85,7 +85,7 @@ def main() -> None:
             eng.feed(q)
             rec.detach()
             own_votes.detach()
-            room = span - prof.n_init - len(q)
+            room = reread_room(prof, len(p.document), len(q))
             variants = {"reread": (rec, False), "reread-votes": (own_votes, False), "reread-window": (own_votes, True)}
             contexts = {m: reread_context(eng, r.votes(), tok, len(p.document), room, window=w)
                         for m, (r, w) in variants.items() if m in methods}

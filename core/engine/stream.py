@@ -204,9 +204,9 @@ class Engine:
         # (not for rope types whose angles depend on the sequence's length: their window is rotated whole)
         slack = TOKEN_SLACK if c == 1 and not self.rotary.length_dependent else 0
         cos, sin = self.rotary.table(max(window, pr.n_local + slack), self.device, self.dtype)
-        cont = pr.n_mem - self.similarity_budget
+        budget = self.similarity_budget
         centering = pr.question_centering if self.answering and pr.question_centering else pr.query_centering
-        step = StepInfo(cos, sin, pr.n_local, pr.n_init, pr.n_mem - cont, cont, pr.neighbours, centering,
+        step = StepInfo(cos, sin, pr.n_local, pr.n_init, budget, pr.n_mem - budget, pr.neighbours, centering,
                         bool(pr.query_centering or pr.question_centering), self.on_retrieval,
                         pr.representative == "attention", slack,
                         pr.question_scoring if self.answering and pr.question_scoring != "mean" and c > 1 else None)

@@ -48,8 +48,9 @@ def chunk_spans(n: int, size: int, start: int = 0, sentence_ends: Sequence[bool]
 def event_spans(lengths: Tensor, first: int) -> Tensor:
     """[E, 2] stream positions [start, end) of consecutive events of `lengths` [E], the first
     starting at `first` (the memory's events follow the n_init initial tokens)."""
-    ends = torch.cumsum(lengths.long().cpu(), 0) + first
-    return torch.stack((ends - lengths.long().cpu(), ends), 1)
+    lengths = lengths.long().cpu()
+    ends = torch.cumsum(lengths, 0) + first
+    return torch.stack((ends - lengths, ends), 1)
 
 
 def event_votes(selections: Sequence[Tensor], n_events: int) -> Tensor:
