@@ -11,11 +11,17 @@ with every layer's selection recorded (`app.reread.SelectionRecorder`). From tha
 - `reread-votes`: the same with the votes of emllm's own selections only (the tail has none:
   `ask --reread` before 2026-11-28, late);
 - `reread-window`: the window's passages first (every layer attends to them);
+- `reread-rrf`: `reread` with the passages ranked by the reciprocal rank fusion of the layers'
+  selections (`memory.passages.event_rrf`) instead of their counts;
 - `rag`: the retrieval baseline at emllm's span (`quality.py --methods rag --rag-budget 2176`):
   the same chunks, chosen by MiniLM.
 
     python -m benchmarks.probe_reread niah_multikey --samples 0:2,2:3,5:10 --out results.jsonl
     python -m benchmarks.probe_reread niah_multikey --haystack code --samples 0:2,2:3,5:10 --out ...
+
+--save-votes DIR writes each prompt's votes (safetensors, `app.reread.Votes`) and reads them back
+when they are there, so that the re-read methods (reread, reread-rrf) can be compared again by
+reading alone, without emllm's read of the document (~85 s of a prompt's ~125 s at 8k).
 
 --samples lists quality.py's (--first-sample, --samples) runs whose prompts to ask: a prompt's
 depth depends on its run (quality.py spreads a run's depths evenly). Results: docs/benchmarks.md,
@@ -28,19 +34,21 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
 import torch
 
 from benchmarks import git_commit
 from emllm import models
-from emllm.app.reread import SelectionRecorder, read_again, reread_context, reread_room
+from emllm.app.reread import SelectionRecorder, Votes, context_from_votes, read_again, reread_room
 from emllm.engine.stream import Engine
 from emllm.evals.passkey import _stop_ids
 from emllm.evals.rag import run_rag
 from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt
 
 
-METHODS = ("emllm", "reread", "reread-votes", "reread-window", "rag")
+METHODS = ("emllm", "reread", "reread-rrf", "reread-votes", "reread-window", "rag")
+NEED_THE_READ = {"emllm", "reread-votes", "reread-window"}  # not from saved votes
 
 
 def needles_in(spans: list[tuple[int, int]], needles: list[tuple[int, int]]) -> list[bool]:
@@ -58,10 +66,14 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="auto, float32, bfloat16 (default: the profile's)")
     ap.add_argument("--out", required=True, help="JSON lines, appended")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    ap.add_argument("--save-votes", type=Path, metavar="DIR",
+                    help="keep each prompt's votes here; where they are already, read them instead of the document")
     a = ap.parse_args()
     methods = a.methods.split(",")
     if not set(methods) <= set(METHODS):
         ap.error(f"--methods: unknown {sorted(set(methods) - set(METHODS))}")
+    if a.save_votes:
+        a.save_votes.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(a.threads)
     src = models.resolve("smollm2")
     model, tok = models.load(src, dtype=a.dtype)
@@ -77,18 +89,30 @@ def main() -> None:
             p = build_prompt(a.task, tok, a.length, depth, random.Random(f"{a.seed}/{a.task}/{a.length}/{i}"), a.haystack)
             q, n_new = p.question, p.max_new_tokens
             t0 = time.perf_counter()
-            eng = Engine(model, prof)
-            eng.feed(p.document)
-            own_votes = SelectionRecorder(eng, tail=False)
-            rec = SelectionRecorder(eng)  # (chained: both see every retrieval)
-            eng.begin_question()
-            eng.feed(q)
-            rec.detach()
-            own_votes.detach()
+            saved = a.save_votes / f"{a.task}-{a.haystack or 'ruler'}-{a.length}-s{a.seed}-{i}.safetensors" \
+                if a.save_votes else None
             room = reread_room(prof, len(p.document), len(q))
-            variants = {"reread": (rec, False), "reread-votes": (own_votes, False), "reread-window": (own_votes, True)}
-            contexts = {m: reread_context(eng, r.votes(), tok, len(p.document), room, window=w)
-                        for m, (r, w) in variants.items() if m in methods}
+            eng = None
+            if saved is not None and saved.exists() and not NEED_THE_READ & set(methods):
+                votes = {"reread": Votes.load(saved)}
+            else:
+                eng = Engine(model, prof)
+                eng.feed(p.document)
+                own_votes = SelectionRecorder(eng, tail=False)
+                rec = SelectionRecorder(eng)  # (chained: both see every retrieval)
+                eng.begin_question()
+                eng.feed(q)
+                rec.detach()
+                own_votes.detach()
+                votes = {"reread": rec.votes(), "own": own_votes.votes()}
+                if saved is not None:
+                    votes["reread"].save(saved)
+            variants = {"reread": ("reread", False, "votes"), "reread-rrf": ("reread", False, "rrf"),
+                        "reread-votes": ("own", False, "votes"), "reread-window": ("own", True, "votes")}
+            stream = torch.tensor(p.document)
+            contexts = {m: context_from_votes(stream, votes[v], tok, prof.n_init, prof.n_local, room,
+                                              model.config.num_hidden_layers, window=w, ranking=rk)
+                        for m, (v, w, rk) in variants.items() if m in methods}
             rows = []
             if "emllm" in methods:
                 own = tok.decode(eng.generate(n_new, stops), skip_special_tokens=True)
@@ -112,7 +136,7 @@ def main() -> None:
                 r = {"task": name, "length": a.length, "sample": i, "depth": depth, "method": r["method"],
                      "answers": p.answers, "answer": r["answer"].strip(), "score": p.score(r["answer"]),
                      "targets": list(p.targets), **{k: v for k, v in r.items() if k not in ("method", "answer")},
-                     "dtype": str(eng.dtype).removeprefix("torch."), "commit": commit}
+                     "dtype": str(model.dtype).removeprefix("torch."), "commit": commit}
                 print(json.dumps(r), flush=True)
                 with open(a.out, "a") as f:
                     f.write(json.dumps(r) + "\n")

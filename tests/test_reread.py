@@ -77,6 +77,70 @@ def test_votes_and_the_order_of_passages_against_brute_force():
     assert event_votes([], 3).tolist() == [0, 0, 0] and passage_order(torch.zeros(4), []) == []
 
 
+def test_reciprocal_rank_fusion_against_brute_force():
+    """event_rrf: per layer, each selected event's rank by score (0 first, ties: the earlier id),
+    1 / (60 + rank) summed over the layers, whatever order the ids come in."""
+    from emllm.memory.passages import event_rrf
+    rng = random.Random(2)
+    for _ in range(50):
+        n_ev, layers = rng.randint(1, 30), rng.randint(0, 6)
+        sels, scores, want = [], [], [0.0] * n_ev
+        for _ in range(layers):
+            ids = rng.sample(range(n_ev), rng.randint(0, n_ev))
+            sc = [float(rng.choice((0.5, 1.0, rng.random()))) for _ in ids]  # ties too
+            by_rank = sorted(zip(ids, sc), key=lambda p: (-p[1], p[0]))
+            for r, (e, _) in enumerate(by_rank):
+                want[e] += 1.0 / (60 + r)
+            sels.append(torch.tensor(ids, dtype=torch.long))
+            scores.append(torch.tensor(sc))
+        got = event_rrf(sels, scores, n_ev)
+        assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-15)
+
+
+def test_votes_are_saved_and_loaded_as_they_were(tiny, tmp_path):
+    """Votes recorded at a question, written to safetensors and read back: the same spans, ids and
+    scores, and the same passages under either ranking; a file that is not votes is refused."""
+    from safetensors.torch import save_file
+
+    from emllm.app.reread import RANKINGS, Votes, context_from_votes
+    from emllm.config import load_profile_file
+    from emllm.engine.stream import Engine
+    folder, prof_path, _, _ = tiny
+    model, tok = load_tiny(folder)
+    prof = load_profile_file(prof_path)
+    eng = Engine(model, prof)
+    stream = tok(words(7, 300), add_special_tokens=False)["input_ids"]
+    eng.feed(stream)
+    rec = SelectionRecorder(eng)
+    eng.begin_question()
+    eng.feed(tok(QUESTION, add_special_tokens=False)["input_ids"])
+    rec.detach()
+    votes = rec.votes()
+    assert len(votes.scores) == len(votes.selections) == len(eng.windows)
+    assert all(len(votes.scores[k]) == len(votes.selections[k]) for k in votes.selections)
+    votes.save(tmp_path / "v.safetensors")
+    back = Votes.load(tmp_path / "v.safetensors")
+    assert torch.equal(back.spans, votes.spans) and back.selections.keys() == votes.selections.keys()
+    assert all(torch.equal(back.selections[k], votes.selections[k]) and torch.equal(back.scores[k], votes.scores[k])
+               for k in votes.selections)
+    room = 3 * len(stream) // 4
+    contexts = {}
+    for ranking in RANKINGS:
+        a = reread_context(eng, votes, tok, len(stream), room, ranking=ranking)
+        b = context_from_votes(torch.tensor(stream), back, tok, prof.n_init, prof.n_local, room, len(eng.windows),
+                               ranking=ranking)
+        assert a == b and a.passages and len(a.ids) < len(stream)
+        contexts[ranking] = a.passages
+    no_scores = Votes(votes.spans, votes.selections)
+    with pytest.raises(ValueError, match="scores"):
+        reread_context(eng, no_scores, tok, len(stream), room, ranking="rrf")
+    with pytest.raises(ValueError, match="ranking"):
+        reread_context(eng, votes, tok, len(stream), room, ranking="best")
+    save_file({"spans": votes.spans}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="not a votes file"):
+        Votes.load(tmp_path / "other.safetensors")
+
+
 def test_sentence_ends_per_token(smollm2):
     _, tok, _ = smollm2
     ids = tok("One. Two! Three?\nFour five", add_special_tokens=False)["input_ids"]
@@ -198,7 +262,7 @@ def test_the_tail_is_selected_as_if_its_pieces_were_events():
         class W:
             events = mem
 
-        got = tail_selection(W(), query, tail_keys, tail, budget, "lse", True).tolist()
+        got = tail_selection(W(), query, tail_keys, tail, budget, "lse", True).ids.tolist()
         offs = (torch.cumsum(tail, 0) - tail).tolist()
         pieces = [unit_keys(tail_keys[:, s : s + l].mean(1)) for s, l in zip(offs, tail.tolist())]
         keys = [r.double() for r in reprs] + [r.double() for r in pieces]  # each [H, D]

@@ -19,7 +19,8 @@ It costs one more forward over about the span's tokens. The store is not changed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,7 +28,8 @@ from torch import Tensor
 
 from emllm.engine.stream import Engine, RetrievalListener
 from emllm.math.segmentation import surprise_starts
-from emllm.memory.passages import chunk_spans, choose_passages, event_spans, event_votes, passage_order, token_votes
+from emllm.memory.passages import (RRF_K, chunk_spans, choose_passages, event_rrf, event_spans, event_votes, passage_order,
+                                  token_votes)
 from emllm.memory.selection import TOKEN_SCORINGS, Selection, mean_keys, select_events, token_scores, unit_keys
 
 PASSAGE_TOKENS = 128  # the retrieval baseline's chunk: long enough to hold a needle's sentence whole
@@ -64,12 +66,12 @@ def tail_lengths(flags: Tensor, min_block: int, max_block: int) -> Tensor:
 
 
 def tail_selection(window: Any, query: Tensor, tail_keys: Tensor, tail: Tensor, budget: int, scoring: str,
-                   normalise: bool) -> Tensor:
+                   normalise: bool) -> Selection:
     """The layer's selection had the tail's pieces (`tail` [P] lengths of consecutive tokens,
     `tail_keys` [H_kv, sum, D] their pre-RoPE keys) been events: their mean keys (the profile's
     representative) scored with the events' by the retrieval's `query` ([T, H_r, D] a question's
     tokens, combined by `scoring`; [H_r, D] one query), the best taken within `budget` tokens.
-    Returns ids [k] into the events, then the pieces (E + i: piece i)."""
+    Returns ids [k] into the events, then the pieces (E + i: piece i), and their scores."""
     events = window.events
     reprs = mean_keys(tail_keys, tail.to(tail_keys.device), events.repr_heads)  # [P, H_r, D]
     if normalise:
@@ -79,14 +81,36 @@ def tail_selection(window: Any, query: Tensor, tail_keys: Tensor, tail: Tensor, 
     raw = torch.cat((events.token_scores(q), token_scores(flat.shape[0], flat.shape[1], lambda a, b: flat[a:b], q)), 1)
     scores = TOKEN_SCORINGS[scoring](raw) if query.dim() == 3 else raw[0]  # [E + P]
     lengths = torch.cat((events.event_lengths().cpu(), tail.cpu()))
-    return select_events(scores, lengths, budget).ids.cpu()
+    sel = select_events(scores, lengths, budget)
+    return Selection(sel.ids.cpu(), sel.scores.cpu())
 
 
 @dataclass(frozen=True)
 class Votes:
-    """What every layer selected when the question was read: ids into `spans`."""
+    """What every layer selected when the question was read: ids into `spans`, and their scores."""
     spans: Tensor  # [E + P, 2] stream positions [start, end): the events, then the tail's pieces (P = 0 without)
     selections: dict[int, Tensor]  # layer -> ids [k]
+    scores: dict[int, Tensor] = field(default_factory=dict)  # layer -> [k] the selection's scores (as `selections`)
+
+    def save(self, path: str | Path) -> None:
+        """A safetensors file (no pickle), to compare passage rankings later by reading alone."""
+        from safetensors.torch import save_file
+
+        t = {"spans": self.spans.long().contiguous()}
+        t.update({f"ids.{layer}": ids.long().contiguous() for layer, ids in self.selections.items()})
+        t.update({f"scores.{layer}": sc.float().contiguous() for layer, sc in self.scores.items()})
+        save_file(t, str(path), metadata={"format": "emllm-votes", "version": "1"})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Votes":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            if (f.metadata() or {}).get("format") != "emllm-votes":
+                raise ValueError(f"{path}: not a votes file")
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        of = lambda kind: {int(k.split(".", 1)[1]): v for k, v in t.items() if k.startswith(kind + ".")}
+        return cls(t["spans"], dict(sorted(of("ids").items())), dict(sorted(of("scores").items())))
 
 
 class SelectionRecorder(RetrievalListener):
@@ -103,6 +127,7 @@ class SelectionRecorder(RetrievalListener):
         super().__init__(engine)
         self.tail = tail
         self.last: dict[int, Tensor] = {}  # layer -> event ids [k] (then tail pieces, E + i)
+        self.scores: dict[int, Tensor] = {}  # layer -> [k] their scores
         self._spans = torch.zeros(0, 2, dtype=torch.long)
         self._tail = torch.zeros(0, dtype=torch.long)  # lengths of the tail's pieces at the last retrieval
         self._at = -1  # the engine's n_tokens when the tail was cut
@@ -122,7 +147,6 @@ class SelectionRecorder(RetrievalListener):
 
     def heard(self, layer: int, sel: Selection, query: Tensor) -> None:
         self._cut()
-        ids = sel.ids.cpu()
         if len(self._tail):
             eng, pr = self.engine, self.engine.profile
             w = eng.windows[layer]
@@ -133,12 +157,13 @@ class SelectionRecorder(RetrievalListener):
             n = int(self._tail.sum())
             if keys.shape[1] != n:
                 raise RuntimeError(f"layer {layer}: {keys.shape[1]} tokens after the events, expected {n}")
-            ids = tail_selection(w, query, keys, self._tail, eng.similarity_budget, pr.question_scoring,
+            sel = tail_selection(w, query, keys, self._tail, eng.similarity_budget, pr.question_scoring,
                                  pr.repr_normalise)
-        self.last[layer] = ids
+        self.last[layer] = sel.ids.cpu()
+        self.scores[layer] = sel.scores.detach().float().cpu()
 
     def votes(self) -> Votes:
-        return Votes(self._spans, dict(self.last))
+        return Votes(self._spans, dict(self.last), dict(self.scores))
 
 
 @dataclass(frozen=True)
@@ -147,20 +172,42 @@ class Reread:
     passages: list[tuple[int, int]]  # stream spans [start, end) taken, in stream order
 
 
-def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: int, window: bool = False) -> Reread:
-    """The initial tokens, then the passages of the stream's first `n_stream` tokens that the
-    layers' `votes` favour, best first while they fit in `room` more tokens.
+RANKINGS = ("votes", "rrf")  # how the passages are ranked: `event_votes` or `event_rrf` per event
 
-    window=True counts the local window's tokens as every layer's (each layer attends to them),
-    so its passages come first; measured, that answered fewer RULER-style questions than the
-    votes alone (the window takes half the room: docs/benchmarks.md, re-read answers)."""
+
+def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: int, window: bool = False,
+                   ranking: str = "votes") -> Reread:
+    """The initial tokens, then the passages of the stream's first `n_stream` tokens that the
+    layers' `votes` favour, best first while they fit in `room` more tokens (`context_from_votes`)."""
     pr = engine.profile
-    stream = engine.ids.view()[:n_stream]  # [n] the stream's tokens (the question after them is not re-read)
-    counts = event_votes(list(votes.selections.values()), len(votes.spans))
-    n_init = min(pr.n_init, n_stream)
+    return context_from_votes(engine.ids.view()[:n_stream], votes, tok, pr.n_init, pr.n_local, room,
+                              len(engine.windows), window, ranking)
+
+
+def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_local: int, room: int, layers: int,
+                       window: bool = False, ranking: str = "votes") -> Reread:
+    """`reread_context` from what it needs (`stream` [n] the tokens before the question; votes
+    recorded or loaded): the first `n_init` tokens, then the passages ranked by `ranking` (a token
+    scores its event's votes, or their reciprocal rank fusion), best first while they fit in `room`.
+
+    window=True counts the local window's (last `n_local`) tokens as every layer's (each layer
+    attends to them), so its passages come first; measured, that answered fewer RULER-style
+    questions than the votes alone (the window takes half the room: docs/benchmarks.md, re-read
+    answers)."""
+    if ranking not in RANKINGS:
+        raise ValueError(f"ranking must be one of {', '.join(RANKINGS)}, not {ranking!r}")
+    n_stream = len(stream)
+    sels = list(votes.selections.values())
+    if ranking == "votes":
+        weights, top = event_votes(sels, len(votes.spans)), float(layers)
+    else:
+        if len(votes.scores) != len(votes.selections):
+            raise ValueError("ranking 'rrf' needs the selections' scores")
+        weights, top = event_rrf(sels, list(votes.scores.values()), len(votes.spans)), layers / RRF_K
+    n_init = min(n_init, n_stream)
     # the local window, as the question's step saw it, is read by every layer
-    local = (max(n_init, n_stream - pr.n_local), n_stream)
-    tv = token_votes(votes.spans, counts, n_stream, attended=[local] if window else [], layers=len(engine.windows))
+    local = (max(n_init, n_stream - n_local), n_stream)
+    tv = token_votes(votes.spans, weights, n_stream, attended=[local] if window else [], layers=top)
     spans = passage_spans(tok, stream, n_init, room)
     kept = choose_passages(passage_order(tv, spans), spans, room)
     taken = [spans[i] for i in kept]
@@ -217,5 +264,5 @@ def read_again(model: Any, profile: Any, context: list[int], question: list[int]
     return eng
 
 
-__all__ = ["PASSAGE_TOKENS", "Reread", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
-           "reread_context", "reread_room", "sentence_ends", "tail_lengths", "tail_selection"]
+__all__ = ["PASSAGE_TOKENS", "RANKINGS", "Reread", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
+           "context_from_votes", "reread_context", "reread_room", "sentence_ends", "tail_lengths", "tail_selection"]

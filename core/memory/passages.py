@@ -61,10 +61,28 @@ def event_votes(selections: Sequence[Tensor], n_events: int) -> Tensor:
     return torch.bincount(ids, minlength=n_events)[:n_events]
 
 
-def token_votes(event_spans: Tensor, votes: Tensor, n: int, attended: Sequence[tuple[int, int]] = (), layers: int = 0) -> Tensor:
+RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al., SIGIR 2009): a rank's weight 1 / (60 + rank)
+
+
+def event_rrf(selections: Sequence[Tensor], scores: Sequence[Tensor], n_events: int, k: int = RRF_K) -> Tensor:
+    """[E] float64 reciprocal rank fusion of the layers' selections: the sum, over the layers whose
+    selection holds an event, of 1 / (k + its rank there by score, 0 first; ties: the earlier id).
+    Where most layers select an event, votes tie; this orders them by how high the layers rank it."""
+    out = torch.zeros(n_events, dtype=torch.float64)
+    for ids, sc in zip(selections, scores):
+        ids, sc = ids.flatten().long().cpu(), sc.flatten().double().cpu()
+        by_id = torch.argsort(ids)
+        ids, sc = ids[by_id], sc[by_id]
+        rank = torch.empty_like(ids)
+        rank[torch.sort(-sc, stable=True).indices] = torch.arange(len(ids))
+        out.index_add_(0, ids, 1.0 / (k + rank.double()))
+    return out
+
+
+def token_votes(event_spans: Tensor, votes: Tensor, n: int, attended: Sequence[tuple[int, int]] = (), layers: float = 0) -> Tensor:
     """[n] float votes per stream token: its event's (`event_spans` [E, 2] stream positions
-    [start, end), events disjoint; `votes` [E]), and `layers` for the spans in `attended` (the
-    initial tokens, the window: every layer reads them)."""
+    [start, end), events disjoint; `votes` [E], counts or any weight), and `layers` for the spans in
+    `attended` (the initial tokens, the window: every layer reads them)."""
     diff = torch.zeros(n + 1, dtype=torch.float64)
     if len(votes):
         s, e = event_spans[:, 0].long().clamp(0, n), event_spans[:, 1].long().clamp(0, n)
@@ -106,4 +124,4 @@ def choose_passages(order: Sequence[int], spans: Sequence[tuple[int, int]], room
     return sorted(kept)
 
 
-__all__ = ["chunk_spans", "event_spans", "event_votes", "token_votes", "passage_order", "choose_passages"]
+__all__ = ["RRF_K", "chunk_spans", "event_spans", "event_rrf", "event_votes", "token_votes", "passage_order", "choose_passages"]
