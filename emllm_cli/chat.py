@@ -16,6 +16,7 @@ from .stores import complete_store_names, existing_store, list_stores, store_pat
 HELP = """commands:
   /help        this list
   /retrieval   what each layer retrieved for the last question
+  /reread      answer by re-reading what the memory chose, or not (toggles; see --reread)
   /undo        forget the last exchange (it is cut from the store)
   /quit        leave (also Ctrl-D)
 a line ending with \\ continues on the next; a line of \"\"\" starts and ends a block"""
@@ -72,6 +73,7 @@ def chat(
     repetition_penalty: float = RepetitionPenaltyOpt,
     seed: int = SeedOpt,
     stop: list[str] = StopOpt,
+    reread: bool = typer.Option(False, "--reread", help="Answer as `emllm ask --reread` does: the question is read against the memory, and the model answers from the passages the most layers chose (the recent turns among them), read in order as one ordinary context. Costs one more forward over emllm's attention span per answer. /reread switches it during the conversation."),
 ) -> None:
     """Talk with a store: each exchange is answered from its memory and appended to it, so later
     questions (today or days later) recall it, however long the conversation grows.
@@ -82,6 +84,7 @@ def chat(
       emllm chat --store book                  # about a document, remembered
       emllm chat --store diary -m smollm2      # a new store: a conversation from nothing
       emllm chat --store book --no-remember    # the store stays as it is
+      emllm chat --store book --reread         # answers read again from the passages retrieved
     """
     from emllm import models
     from emllm.app import stream
@@ -114,7 +117,7 @@ def chat(
     sampling = sampling_of(mdl, temperature, top_p, top_k, repetition_penalty, seed)
     render.err.print(f"[dim]talking with {render.shown(path.name)}"
                      f"{'' if remember else ' (not remembered)'}; /help for commands, Ctrl-D to leave[/dim]")
-    with Conversation(path, mdl, tok, remember=remember) as talk:
+    with Conversation(path, mdl, tok, remember=remember, reread=reread) as talk:
         while True:
             msg = read_message()
             if msg is None:
@@ -134,6 +137,10 @@ def chat(
                     render.err.print("[dim]the last exchange is forgotten[/dim]")
                 except Exception as e:  # noqa: BLE001 - said, and the conversation goes on
                     render.err.print(f"[yellow]{render.shown(e)}[/yellow]")
+                continue
+            if cmd == "/reread":
+                talk.reread = not talk.reread
+                render.err.print(f"[dim]re-read answers {'on' if talk.reread else 'off'}[/dim]")
                 continue
             if cmd == "/retrieval":
                 if talk.last_retrieval is None:

@@ -49,17 +49,41 @@ def test_a_remembered_exchange_is_in_the_stream_and_undo_takes_it_back(tiny, tmp
         assert _stream(tmp_path / "s") == before
 
 
+def test_a_reread_exchange_answers_as_ask_reread_and_is_remembered(tiny, tmp_path):
+    """In a conversation with reread on, an answer is `ask --reread`'s on the store as it was (the
+    passages it read again are kept), and the exchange is appended as any other; turned off, the
+    next answer is emllm's own again."""
+    from emllm.app.ask import Session
+    folder, prof, _, _ = tiny
+    ingest_store(tmp_path / "s", folder, prof, [("doc", words(5, 300)), ("key", "The pass key is 71432. " + words(6, 300))])
+    model, tok = load_tiny(folder)
+    q = "what is the pass key?"
+    with Store.open(tmp_path / "s") as st:
+        want = "".join(Session(st, model, tok, reread=True).answer_text(q, 6)).strip()
+        own = "".join(Session(st, model, tok).answer_text(q, 6)).strip()
+    before = _stream(tmp_path / "s")
+    with Conversation(tmp_path / "s", model, tok, reread=True) as talk:
+        assert talk.say_all(q, max_new_tokens=6) == want
+        assert talk.last_passages and all(0 <= a < b <= len(before) for a, b in talk.last_passages)
+        after = _stream(tmp_path / "s")
+        assert after[: len(before)] == before and q in tok.decode(after[len(before):])
+        talk.undo()
+        talk.reread = False
+        assert talk.say_all(q, max_new_tokens=6) == own and talk.last_passages == []
+
+
 def test_chat_from_an_empty_store_and_ask_remember(tiny, tmp_path):
     folder, prof, _, _ = tiny
     from emllm.home import models_dir
 
     env = {**os.environ, "EMLLM_HOME": str(tmp_path), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([EMLLM, "chat", "--store", "talk", "-m", str(folder), "--profile", str(prof), "-n", "4"],
-                       input="hello there\n/undo\nmy name is Ada\n/retrieval\n/nope\n/quit\n", capture_output=True,
+                       input="hello there\n/undo\n/reread\nmy name is Ada\n/reread\n/retrieval\n/nope\n/quit\n", capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "new store" in r.stderr and "the last exchange is forgotten" in r.stderr and "unknown command /nope" in r.stderr
     assert "retrieval for 'my name is Ada'" in r.stderr
+    assert r.stderr.index("re-read answers on") < r.stderr.index("re-read answers off")
     model, tok = load_tiny(folder)
     stream = _stream(tmp_path / "stores" / "talk")
     text = tok.decode(stream)

@@ -28,9 +28,11 @@ class Conversation:
     """Exchanges with the store at `path` (its model already loaded and checked by the caller)."""
 
     def __init__(self, path: Path, model: Any, tok: Any, remember: bool = True, kv_cache_mb: int | None = None,
-                 commit_every: int = 4) -> None:
+                 commit_every: int = 4, reread: bool = False) -> None:
         self.path, self.model, self.tok = Path(path), model, tok
         self.remember, self.kv_cache_mb, self.commit_every = remember, kv_cache_mb, commit_every
+        self.reread = reread  # answer as `ask --reread` does (`app.reread`); may change between exchanges
+        self.last_passages: list[tuple[int, int]] = []  # with reread: the stream spans the last answer read again
         self.exchanges = 0  # remembered in this conversation
         self.last_retrieval: dict | None = None
         self._marks: list[Path] = []  # one per remembered exchange: what `undo` cuts back to
@@ -42,13 +44,14 @@ class Conversation:
         (committed) if this conversation remembers. A question interrupted (Ctrl-C) is forgotten.
         trace: record what each layer retrieved (`last_retrieval`, as `report.retrieval_doc`)."""
         with Store.open(self.path) as st:
-            session = Session(st, self.model, self.tok, self.kv_cache_mb)
+            session = Session(st, self.model, self.tok, self.kv_cache_mb, reread=self.reread)
             q_ids = session.question_ids(question)
             lead = session.lead
             tr = Trace.attach(session.engine) if trace else None
             for piece in session.answer_text(question, max_new_tokens, sampling, stop):
                 yield piece
             answer = session.answered
+            self.last_passages = list(session.passages)
             if tr is not None:
                 tr.detach()
                 self.last_retrieval = retrieval_doc(tr, st, self.tok, question, window_start=session.engine.window_start)
