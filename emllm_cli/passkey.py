@@ -49,6 +49,7 @@ def passkey(
     trials: int = typer.Option(2, "--trials", "-t", min=1, help="Trials per cell (a new key each)."),
     seed: int = typer.Option(0, "--seed", help="Keys and prompts depend only on the seed and the cell."),
     baseline: bool = typer.Option(False, "--baseline", help="Also run the plain model, truncated from the left to its context."),
+    reread: bool = typer.Option(False, "--reread", help="Also answer as `emllm ask --reread` does, from emllm's same read of each prompt (one more forward over emllm's attention span per trial); its rows say whether the passages read again held the needle."),
     model: str = ModelOpt,
     profile: str = ProfileOpt,
     dtype: str = DtypeOpt,
@@ -65,6 +66,7 @@ def passkey(
 
     \b
       emllm passkey --lengths 16k,32k --trials 2 --baseline
+      emllm passkey --lengths 16k --reread
       emllm passkey -l 4k -d 0.5 -t 1 --json
       emllm passkey -l 1m -d 0.5 -t 1 --memory-dir /var/tmp --resume
     """
@@ -81,7 +83,7 @@ def passkey(
     src = models.resolve(model, profile, log=log)
     with render.status(f"loading {render.shown(src.name)}"):
         mdl, tok = models.load(src, dtype=dtype)
-    methods = ["emllm"] + (["baseline"] if baseline else [])
+    methods = ["emllm"] + (["reread"] if reread else []) + (["baseline"] if baseline else [])
     n_trials = len(ls) * len(ds) * trials * len(methods)
     if memory_dir and not resume and (memory_dir / TrunkStores.KEPT).exists():
         log(f"{memory_dir / TrunkStores.KEPT} holds the progress of a run with --resume: add --resume to carry it on")
@@ -94,7 +96,7 @@ def passkey(
     journal = engines.folder / "passkey-results.jsonl" if resume else None
     grid = {"model": src.name, "profile": asdict(src.profile), "dtype": str(mdl.dtype).removeprefix("torch."),
             "kv_format": kv_format or "auto", "seed": seed, "lengths": ls, "depths": ds,
-            "trials": trials, "baseline": baseline}
+            "trials": trials, "baseline": baseline, **({"reread": True} if reread else {})}
     interrupted, finished = False, False
     try:
         done = _kept_answers(journal, grid) if journal else []
@@ -106,7 +108,8 @@ def passkey(
         # Progress counts tokens, so the ETA weighs a 32k trial 8 times a 4k one (the plain model
         # reads at most its context).
         ctx = getattr(mdl.config, "max_position_embeddings", None) or max(ls)
-        cost = lambda method, n: n if method == "emllm" else min(n, ctx)  # noqa: E731
+        span = src.profile.n_init + src.profile.n_mem + src.profile.n_local  # what a re-read reads again, at most
+        cost = lambda method, n: n if method == "emllm" else min(n, ctx if method == "baseline" else span)  # noqa: E731
         total = sum(cost(m, n) for m in methods for n in ls) * len(ds) * trials
         # In a terminal the grid fills in as trials finish (one live view: table + progress);
         # piped, progress goes to stderr and the table or JSON comes once at the end.
@@ -129,7 +132,7 @@ def passkey(
         try:
             with live:
                 run_grid(mdl, tok, engines or (lambda: Engine(mdl, src.profile)), ls, ds, trials, seed, baseline,
-                         on_result, skip=skip)
+                         on_result, skip=skip, reread=reread)
         except KeyboardInterrupt:
             interrupted = True  # keep what finished: print it below
         doc = {
@@ -167,7 +170,7 @@ def _kept_answers(journal: Path, grid: dict) -> list[dict]:
         differ = ", ".join(k for k in sorted(set(ours) | set(other)) if other.get(k) != ours.get(k))
         raise UserError(f"{journal.parent} holds the progress of another passkey grid (other {differ}): run that "
                         "grid again with --resume to finish it, remove that folder, or use another --memory-dir")
-    methods = ["emllm"] + (["baseline"] if grid["baseline"] else [])
+    methods = ["emllm"] + (["reread"] if grid.get("reread") else []) + (["baseline"] if grid["baseline"] else [])
     cells = {(n, d, t, m) for n in grid["lengths"] for d in grid["depths"] for t in range(grid["trials"]) for m in methods}
     answers: dict[tuple, dict] = {}
     for r in results_log.results_of(journal, grid):

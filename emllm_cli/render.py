@@ -136,7 +136,7 @@ def passkey_table(results: list[dict], lengths: list[int], depths: list[float], 
     for d in depths:
         t.add_column(f"depth {d:g}", justify="center")
     t.add_column("all", justify="center")
-    t.add_column("needle held by", justify="right")  # layers whose retrieval held it at the question
+    t.add_column("needle", justify="right")  # layers whose retrieval held it at the question; a re-read's text
     for n in lengths:
         for m in methods:
             row = [r for r in results if r["length"] == n and r["method"] == m]
@@ -145,7 +145,11 @@ def passkey_table(results: list[dict], lengths: list[int], depths: list[float], 
                 c = [r for r in row if r["depth"] == d]
                 cells.append(_cell(sum(r["correct"] for r in c), len(c)))
             held = [r["needle_layers"] for r in row if r.get("needle_layers") is not None]
-            share = f"{100 * sum(held) / len(held):.0f}% of layers" if held else ""
+            read = [r["needle_read"] for r in row if r.get("needle_read") is not None]
+            if read:  # a re-read: was the needle among what it read again?
+                share = f"read again {sum(read)}/{len(read)}"
+            else:
+                share = f"held by {100 * sum(held) / len(held):.0f}% of layers" if held else ""
             t.add_row(fmt_tokens(n), m, *cells, _cell(sum(r["correct"] for r in row), len(row)), share)
     return t
 

@@ -64,21 +64,24 @@ def test_bad_profile_value(tmp_path):
 
 
 def test_passkey_json(tmp_path, smollm2):  # smollm2: the converted model exists before the subprocess
-    r = run("passkey", "-l", "1k", "-d", "0,1", "-t", "1", "--baseline", "--json", home=tmp_path)
+    r = run("passkey", "-l", "1k", "-d", "0,1", "-t", "1", "--baseline", "--reread", "--json", home=tmp_path)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["lengths"] == [1024] and doc["depths"] == [0.0, 1.0]
-    assert len(doc["results"]) == 4
-    assert {x["method"] for x in doc["results"]} == {"emllm", "baseline"}
+    assert len(doc["results"]) == 6 and set(doc["accuracy"]) == {"emllm", "reread", "baseline"}
+    assert {x["method"] for x in doc["results"]} == {"emllm", "reread", "baseline"}
     for x in doc["results"]:
         assert set(x) >= {"length", "depth", "trial", "key", "answer", "correct", "method", "seconds", "tokens"}
         assert len(x["key"]) == 5 and abs(x["tokens"] - 1024) <= 8
     # 1k fits the window: emllm is the plain model here, so both must agree.
     by = {(x["depth"], x["method"]): x["answer"] for x in doc["results"]}
     assert by[(0.0, "emllm")] == by[(0.0, "baseline")]
+    # within emllm's span a re-read reads the whole prompt: the plain model's answer, the needle read
+    assert all(by[(d, "reread")] == by[(d, "baseline")] for d in (0.0, 1.0))
+    assert all(x["needle_read"] and x["reread_tokens"] > 1000 for x in doc["results"] if x["method"] == "reread")
     # 1k is all window: the needle was attended by every layer, nothing to retrieve
     for x in doc["results"]:
-        if x["method"] == "emllm":
+        if x["method"] in ("emllm", "reread"):
             assert x["needle_where"] in ("init", "window") and x["needle_layers"] == 1.0 and x["needle_ranks"] == []
         else:
             assert x["needle_where"] is None

@@ -69,3 +69,34 @@ def test_results_log_reads_back_its_grid_only(tmp_path):
     assert results_log.last_grid(log) == results_log.normal(g0) == {"model": "m", "seed": 0, "sizes": [1, 2]}
     lines = log.read_text().splitlines()
     assert lines[-3] == '{"length": 8, "dep' and '"grid": {"model": "m", "seed": 0, "sizes": [1, 2]}' in lines[-2]
+
+
+def test_a_grid_with_reread_answers_as_reread_does_from_the_same_read(tiny):
+    """run_grid(reread=True): a "reread" row per trial, answered as `app.reread.reread` answers on a
+    fresh read of the prompt, saying whether the tokens read again held the whole needle; the
+    emllm rows are those of a grid without it (recording the votes changes nothing)."""
+    from emllm.app.reread import reread
+    from emllm.config import load_profile_file
+    from emllm.evals.passkey import _stop_ids, run_grid
+
+    from .helpers import load_tiny
+    folder, prof_path, _, _ = tiny
+    model, tok = load_tiny(folder)
+    prof = load_profile_file(prof_path)
+    span = prof.n_init + prof.n_mem + prof.n_local
+    args = (model, tok, lambda: Engine(model, prof), [300], [0.1, 0.5, 0.9], 1, 0)
+    rows = run_grid(*args, reread=True)
+    plain = run_grid(*args)
+    assert [r.method for r in rows] == ["emllm", "reread"] * 3 and [r.method for r in plain] == ["emllm"] * 3
+    assert [(r.depth, r.answer) for r in rows if r.method == "emllm"] == [(r.depth, r.answer) for r in plain]
+    for r in rows[1::2]:
+        p = build_prompt(tok, 300, r.depth, random.Random(f"0/300/{r.depth}/0"))
+        assert r.key == p.key
+        eng = Engine(model, prof)
+        eng.feed(p.document)
+        reader, rr = reread(eng, p.question, tok, 10)
+        want = tok.decode(reader.generate(10, stop_ids=set(_stop_ids(tok, model))), skip_special_tokens=True)
+        assert r.answer == want.strip() and r.correct == score(want, p.key)
+        covered = set(range(prof.n_init)) | {t for s, e in rr.passages for t in range(s, e)}
+        assert r.needle_read == (set(range(p.needle_at, p.needle_at + p.needle_len)) <= covered)
+        assert r.reread_tokens == len(rr.ids) <= span - len(p.question) and r.needle_layers is not None

@@ -47,7 +47,7 @@ class TrialResult:
     key: str
     answer: str
     correct: bool
-    method: str  # "emllm" or "baseline"
+    method: str  # "emllm", "reread" (`ask --reread` from emllm's same read) or "baseline"
     seconds: float
     tokens: int
     # Of the document, read by a trunk shared with other trials (emllm.evals.scratch.TrunkStores): in the
@@ -60,6 +60,9 @@ class TrialResult:
     needle_where: str | None = None
     needle_layers: float | None = None
     needle_ranks: list[int] | None = None
+    # reread only: whether the tokens read again (initial tokens and passages) held the whole needle, and how many
+    needle_read: bool | None = None
+    reread_tokens: int | None = None
 
 
 MAX_LENGTH = 1 << 30  # tokens: a haystack past this would not fit in memory to build, nor in a day to read
@@ -108,7 +111,13 @@ def score(answer: str, key: str) -> bool:
 
 
 def run_emllm(engine_factory: Callable[[], "object"], tok, prompt: Prompt, max_new_tokens: int = 10,
-              progress: Callable | None = None, last: bool = False, recall: list | None = None) -> str:
+              progress: Callable | None = None, last: bool = False, recall: list | None = None,
+              reread: list | None = None) -> str:
+    """emllm's answer. `recall`: a list to extend with the needle's `evals.recall.NeedleRecall`;
+    `reread`: a list to extend with `ask --reread`'s answer from the same read of the question, as
+    (answer, tokens read again, whether they held the whole needle, seconds of the re-read)."""
+    from emllm.app.reread import SelectionRecorder, read_again, reread_context, reread_room
+
     # A factory that shares prefixes (emllm.evals.scratch.TrunkStores) hands over an engine that has read
     # the document's whole chunks, the haystack before the needle (the same for every key and
     # depth) from its trunk; `last`: no later prompt will need that trunk.
@@ -117,12 +126,27 @@ def run_emllm(engine_factory: Callable[[], "object"], tok, prompt: Prompt, max_n
     if k < len(prompt.document):
         eng.feed(prompt.document[k:], progress=progress)
     probe = RecallProbe(eng) if recall is not None else None
+    rec = SelectionRecorder(eng) if reread is not None else None
     eng.begin_question()
     eng.feed(prompt.question)
-    if probe is not None:  # (recall: a list to extend with the needle's evals.recall.NeedleRecall)
+    if rec is not None:
+        rec.detach()
+    if probe is not None:
         probe.detach()
         recall.extend(needle_recall(eng, probe, prompt.needles))
-    out = eng.generate(max_new_tokens, stop_ids=set(_stop_ids(tok, eng.model)))
+    stops = set(_stop_ids(tok, eng.model))
+    out = eng.generate(max_new_tokens, stop_ids=stops)
+    if reread is not None:
+        t0, n = time.perf_counter(), len(prompt.document)
+        rr = reread_context(eng, rec.votes(), tok, n, reread_room(eng.profile, n, len(prompt.question)))
+        reader = read_again(eng.model, eng.profile, rr.ids, prompt.question, max_new_tokens)
+        text = tok.decode(reader.generate(max_new_tokens, stop_ids=stops), skip_special_tokens=True)
+        read = torch.zeros(n, dtype=torch.bool)  # the initial tokens, then the passages
+        read[: len(rr.ids) - sum(e - s for s, e in rr.passages)] = True
+        for s, e in rr.passages:
+            read[s:e] = True
+        whole = bool(read[prompt.needle_at : prompt.needle_at + prompt.needle_len].all())
+        reread.append((text, len(rr.ids), whole, time.perf_counter() - t0))
     return tok.decode(out, skip_special_tokens=True)
 
 
@@ -148,37 +172,59 @@ def run_grid(
     model, tok, engine_factory, lengths: list[int], depths: list[float], trials: int, seed: int,
     baseline: bool = False, on_result: Callable[[TrialResult], None] | None = None,
     progress: Callable | None = None, first_trial: int = 0, skip: Collection[tuple[int, float, int, str]] = (),
+    reread: bool = False,
 ) -> list[TrialResult]:
     """Every (length, depth, trial) cell; the key and prompt depend only on (seed, length, depth, trial),
     so a grid can be extended later with `first_trial` without repeating a prompt, or resumed
     with `skip`: the (length, depth, trial, method) cells answered already.
 
+    `reread`: also `ask --reread`'s answer, from emllm's read of the same prompt (its seconds: that
+    read and the re-read).
+
     With a factory that shares prefixes, cells run in the order of their needle's position (all
     haystacks begin with the same filler), so the filler before the needles is read once."""
     results = []
-    methods = ["emllm"] + (["baseline"] if baseline else [])
+    methods = ["emllm"] + (["reread"] if reread else []) + (["baseline"] if baseline else [])
     cells = [(length, depth, t, build_prompt(tok, length, depth, random.Random(f"{seed}/{length}/{depth}/{t}")))
              for length in lengths for depth in depths for t in range(first_trial, first_trial + trials)]
     if hasattr(engine_factory, "engine_for"):
         cells.sort(key=lambda c: c[3].needle_at)
-    todo = [(c, m) for c in cells for m in methods if (c[0], c[1], c[2], m) not in skip]
-    last_emllm = max((i for i, (_, m) in enumerate(todo) if m == "emllm"), default=-1)
+    todo = [(c, [m for m in methods if (c[0], c[1], c[2], m) not in skip]) for c in cells]
+    todo = [(c, ms) for c, ms in todo if ms]
+    reads = lambda ms: [m for m in ms if m != "baseline"]  # noqa: E731 - emllm's read answers both
+    last_read = max((i for i, (_, ms) in enumerate(todo) if reads(ms)), default=-1)
     counts = lambda: (getattr(engine_factory, "shared_tokens", 0), getattr(engine_factory, "resumed_tokens", 0))  # noqa: E731
-    for i, ((length, depth, t, prompt), method) in enumerate(todo):
-        t0, (shared, resumed) = time.perf_counter(), counts()
-        found: list = []
-        if method == "emllm":
-            answer = run_emllm(engine_factory, tok, prompt, progress=progress, last=i == last_emllm, recall=found)
-        else:
-            answer = run_baseline(model, tok, prompt)
-        r = TrialResult(length, depth, t, prompt.key, answer.strip(), score(answer, prompt.key), method,
-                        round(time.perf_counter() - t0, 2), len(prompt.document) + len(prompt.question),
-                        counts()[0] - shared, counts()[1] - resumed,
-                        **({"needle_where": found[0].where, "needle_layers": round(found[0].share, 4),
-                            "needle_ranks": found[0].ranks} if found else {}))
+
+    def emit(r: TrialResult) -> None:
         results.append(r)
         if on_result:
             on_result(r)
+
+    for i, ((length, depth, t, prompt), ms) in enumerate(todo):
+        tokens = len(prompt.document) + len(prompt.question)
+        if reads(ms):
+            t0, (shared, resumed) = time.perf_counter(), counts()
+            found: list = []
+            again: list | None = [] if "reread" in ms else None
+            answer = run_emllm(engine_factory, tok, prompt, progress=progress, last=i == last_read, recall=found,
+                               reread=again)
+            secs = time.perf_counter() - t0
+            trunk = dict(trunk_tokens=counts()[0] - shared, resumed_tokens=counts()[1] - resumed)
+            held = ({"needle_where": found[0].where, "needle_layers": round(found[0].share, 4),
+                     "needle_ranks": found[0].ranks} if found else {})
+            if "emllm" in ms:
+                spent = secs - (again[0][3] if again else 0.0)
+                emit(TrialResult(length, depth, t, prompt.key, answer.strip(), score(answer, prompt.key), "emllm",
+                                 round(spent, 2), tokens, **trunk, **held))
+            if again:
+                text, n_read, whole, _ = again[0]
+                emit(TrialResult(length, depth, t, prompt.key, text.strip(), score(text, prompt.key), "reread",
+                                 round(secs, 2), tokens, **trunk, **held, needle_read=whole, reread_tokens=n_read))
+        if "baseline" in ms:
+            t0 = time.perf_counter()
+            answer = run_baseline(model, tok, prompt)
+            emit(TrialResult(length, depth, t, prompt.key, answer.strip(), score(answer, prompt.key), "baseline",
+                             round(time.perf_counter() - t0, 2), tokens))
     return results
 
 
