@@ -106,7 +106,7 @@ class Votes:
         from safetensors import safe_open
 
         with safe_open(str(path), "pt") as f:
-            if (f.metadata() or {}).get("format") != "emllm-votes":
+            if (f.metadata() or {}).get("format") != "emllm-votes" or "spans" not in f.keys():
                 raise ValueError(f"{path}: not a votes file")
             t = {k: f.get_tensor(k) for k in f.keys()}
         of = lambda kind: {int(k.split(".", 1)[1]): v for k, v in t.items() if k.startswith(kind + ".")}
