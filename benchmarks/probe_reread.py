@@ -13,6 +13,7 @@ with every layer's selection recorded (`app.reread.SelectionRecorder`). From tha
 - `reread-window`: the window's passages first (every layer attends to them);
 - `reread-rrf`: `reread` with the passages ranked by the reciprocal rank fusion of the layers'
   selections (`memory.passages.event_rrf`) instead of their counts;
+- `reread-last`: `reread` with its best-ranked passage read last, next to the question;
 - `rag`: the retrieval baseline at emllm's span (`quality.py --methods rag --rag-budget 2176`):
   the same chunks, chosen by MiniLM.
 
@@ -47,7 +48,7 @@ from emllm.evals.rag import run_rag
 from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt
 
 
-METHODS = ("emllm", "reread", "reread-rrf", "reread-votes", "reread-window", "rag")
+METHODS = ("emllm", "reread", "reread-rrf", "reread-last", "reread-votes", "reread-window", "rag")
 NEED_THE_READ = {"emllm", "reread-votes", "reread-window"}  # not from saved votes
 
 
@@ -108,10 +109,12 @@ def main() -> None:
                 if saved is not None:
                     votes["reread"].save(saved)
             variants = {"reread": ("reread", False, "votes"), "reread-rrf": ("reread", False, "rrf"),
+                        "reread-last": ("reread", False, "votes"),
                         "reread-votes": ("own", False, "votes"), "reread-window": ("own", True, "votes")}
             stream = torch.tensor(p.document)
             contexts = {m: context_from_votes(stream, votes[v], tok, prof.n_init, prof.n_local, room,
-                                              model.config.num_hidden_layers, window=w, ranking=rk)
+                                              model.config.num_hidden_layers, window=w, ranking=rk,
+                                              best_last=m == "reread-last")
                         for m, (v, w, rk) in variants.items() if m in methods}
             rows = []
             if "emllm" in methods:

@@ -169,7 +169,7 @@ class SelectionRecorder(RetrievalListener):
 @dataclass(frozen=True)
 class Reread:
     ids: list[int]  # the context to read: initial tokens, passages in stream order (the question follows)
-    passages: list[tuple[int, int]]  # stream spans [start, end) taken, in stream order
+    passages: list[tuple[int, int]]  # stream spans [start, end) taken, in the order read (stream order by default)
 
 
 RANKINGS = ("votes", "rrf")  # how the passages are ranked: `event_votes` or `event_rrf` per event
@@ -185,7 +185,7 @@ def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: 
 
 
 def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_local: int, room: int, layers: int,
-                       window: bool = False, ranking: str = "votes") -> Reread:
+                       window: bool = False, ranking: str = "votes", best_last: bool = False) -> Reread:
     """`reread_context` from what it needs (`stream` [n] the tokens before the question; votes
     recorded or loaded): the first `n_init` tokens, then the passages ranked by `ranking` (a token
     scores its event's votes, or their reciprocal rank fusion), best first while they fit in `room`.
@@ -193,7 +193,10 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
     window=True counts the local window's (last `n_local`) tokens as every layer's (each layer
     attends to them), so its passages come first; measured, that answered fewer RULER-style
     questions than the votes alone (the window takes half the room: docs/benchmarks.md, re-read
-    answers)."""
+    answers).
+
+    best_last=True reads the best-ranked passage last, next to the question, and the others in
+    stream order (a probe: docs/benchmarks.md, the passkey with --reread)."""
     if ranking not in RANKINGS:
         raise ValueError(f"ranking must be one of {', '.join(RANKINGS)}, not {ranking!r}")
     n_stream = len(stream)
@@ -209,7 +212,10 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
     local = (max(n_init, n_stream - n_local), n_stream)
     tv = token_votes(votes.spans, weights, n_stream, attended=[local] if window else [], layers=top)
     spans = passage_spans(tok, stream, n_init, room)
-    kept = choose_passages(passage_order(tv, spans), spans, room)
+    order = passage_order(tv, spans)
+    kept = choose_passages(order, spans, room)
+    if best_last and kept and order[0] in kept:
+        kept = [i for i in kept if i != order[0]] + [order[0]]
     taken = [spans[i] for i in kept]
     ids = stream[:n_init].tolist()
     for s, e in taken:
