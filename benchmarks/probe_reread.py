@@ -108,14 +108,14 @@ def main() -> None:
                 votes = {"reread": rec.votes(), "own": own_votes.votes()}
                 if saved is not None:
                     votes["reread"].save(saved)
-            variants = {"reread": ("reread", False, "votes"), "reread-rrf": ("reread", False, "rrf"),
-                        "reread-last": ("reread", False, "votes"),
-                        "reread-votes": ("own", False, "votes"), "reread-window": ("own", True, "votes")}
+            # method -> (whose votes, window first, ranking, best passage last)
+            variants = {"reread": ("reread", False, "votes", False), "reread-rrf": ("reread", False, "rrf", False),
+                        "reread-last": ("reread", False, "votes", True),
+                        "reread-votes": ("own", False, "votes", False), "reread-window": ("own", True, "votes", False)}
             stream = torch.tensor(p.document)
             contexts = {m: context_from_votes(stream, votes[v], tok, prof.n_init, prof.n_local, room,
-                                              model.config.num_hidden_layers, window=w, ranking=rk,
-                                              best_last=m == "reread-last")
-                        for m, (v, w, rk) in variants.items() if m in methods}
+                                              model.config.num_hidden_layers, window=w, ranking=rk, best_last=last)
+                        for m, (v, w, rk, last) in variants.items() if m in methods}
             rows = []
             if "emllm" in methods:
                 own = tok.decode(eng.generate(n_new, stops), skip_special_tokens=True)

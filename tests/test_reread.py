@@ -97,20 +97,26 @@ def test_reciprocal_rank_fusion_against_brute_force():
         assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-15)
 
 
-def test_votes_are_saved_and_loaded_as_they_were(tiny, tmp_path):
-    """Votes recorded at a question, written to safetensors and read back: the same spans, ids and
-    scores, and the same passages under either ranking; a file that is not votes is refused."""
-    from safetensors.torch import save_file
-
-    from emllm.app.reread import RANKINGS, Votes, context_from_votes
+def _read_into_engine(tiny, seed: int, n_words: int):
+    """An engine of the tiny model and profile that has read `n_words` words: (engine, tok, profile, stream)."""
     from emllm.config import load_profile_file
     from emllm.engine.stream import Engine
     folder, prof_path, _, _ = tiny
     model, tok = load_tiny(folder)
     prof = load_profile_file(prof_path)
     eng = Engine(model, prof)
-    stream = tok(words(7, 300), add_special_tokens=False)["input_ids"]
+    stream = tok(words(seed, n_words), add_special_tokens=False)["input_ids"]
     eng.feed(stream)
+    return eng, tok, prof, stream
+
+
+def test_votes_are_saved_and_loaded_as_they_were(tiny, tmp_path):
+    """Votes recorded at a question, written to safetensors and read back: the same spans, ids and
+    scores, and the same passages under either ranking; a file that is not votes is refused."""
+    from safetensors.torch import save_file
+
+    from emllm.app.reread import RANKINGS, Votes, context_from_votes
+    eng, tok, prof, stream = _read_into_engine(tiny, 7, 300)
     rec = SelectionRecorder(eng)
     eng.begin_question()
     eng.feed(tok(QUESTION, add_special_tokens=False)["input_ids"])
@@ -293,15 +299,8 @@ def test_the_tail_is_cut_and_keyed_as_its_events_are_later(tiny):
     closes there, the last, still open, excepted: the same spans, and the mean keys scored for them
     the representative keys those events get."""
     import emllm.app.reread as rr_mod
-    from emllm.config import load_profile_file
-    from emllm.engine.stream import Engine
     from emllm.memory.selection import mean_keys, unit_keys
-    folder, prof_path, _, _ = tiny
-    model, tok = load_tiny(folder)
-    prof = load_profile_file(prof_path)
-    eng = Engine(model, prof)
-    stream = tok(words(5, 120), add_special_tokens=False)["input_ids"]
-    eng.feed(stream)
+    eng, tok, prof, stream = _read_into_engine(tiny, 5, 120)
     seen = {}
     real = rr_mod.tail_selection
 
@@ -339,13 +338,8 @@ def test_listeners_nest_and_detach_in_any_order(tiny):
     """A trace attached inside a recall probe and a recorder: each hears every retrieval while
     attached, and detaching one leaves the others listening."""
     from emllm.app.trace import Trace
-    from emllm.config import load_profile_file
-    from emllm.engine.stream import Engine
     from emllm.evals.recall import RecallProbe
-    folder, prof_path, _, _ = tiny
-    model, tok = load_tiny(folder)
-    eng = Engine(model, load_profile_file(prof_path))
-    eng.feed(tok(words(5, 120), add_special_tokens=False)["input_ids"])
+    eng, tok, _, _ = _read_into_engine(tiny, 5, 120)
     probe, rec, trace = RecallProbe(eng), SelectionRecorder(eng, tail=False), Trace.attach(eng)
     eng.feed(tok(QUESTION, add_special_tokens=False)["input_ids"])
     trace.detach()
