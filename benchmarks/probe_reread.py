@@ -14,6 +14,7 @@ with every layer's selection recorded (`app.reread.SelectionRecorder`). From tha
 - `reread-rrf`: `reread` with the passages ranked by the reciprocal rank fusion of the layers'
   selections (`memory.passages.event_rrf`) instead of their counts;
 - `reread-last`: `reread` with its best-ranked passage read last, next to the question;
+- `reread-rank`: `reread` with its passages read by rank, the worst first, the best last;
 - `rag`: the retrieval baseline at emllm's span (`quality.py --methods rag --rag-budget 2176`):
   the same chunks, chosen by MiniLM.
 
@@ -48,7 +49,7 @@ from emllm.evals.rag import run_rag
 from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt
 
 
-METHODS = ("emllm", "reread", "reread-rrf", "reread-last", "reread-votes", "reread-window", "rag")
+METHODS = ("emllm", "reread", "reread-rrf", "reread-last", "reread-rank", "reread-votes", "reread-window", "rag")
 NEED_THE_READ = {"emllm", "reread-votes", "reread-window"}  # not from saved votes
 
 
@@ -108,14 +109,15 @@ def main() -> None:
                 votes = {"reread": rec.votes(), "own": own_votes.votes()}
                 if saved is not None:
                     votes["reread"].save(saved)
-            # method -> (whose votes, window first, ranking, best passage last)
-            variants = {"reread": ("reread", False, "votes", False), "reread-rrf": ("reread", False, "rrf", False),
-                        "reread-last": ("reread", False, "votes", True),
-                        "reread-votes": ("own", False, "votes", False), "reread-window": ("own", True, "votes", False)}
+            # method -> (whose votes, window first, ranking, layout)
+            variants = {"reread": ("reread", False, "votes", "stream"), "reread-rrf": ("reread", False, "rrf", "stream"),
+                        "reread-last": ("reread", False, "votes", "best-last"),
+                        "reread-rank": ("reread", False, "votes", "rank"),
+                        "reread-votes": ("own", False, "votes", "stream"), "reread-window": ("own", True, "votes", "stream")}
             stream = torch.tensor(p.document)
             contexts = {m: context_from_votes(stream, votes[v], tok, prof.n_init, prof.n_local, room,
-                                              model.config.num_hidden_layers, window=w, ranking=rk, best_last=last)
-                        for m, (v, w, rk, last) in variants.items() if m in methods}
+                                              model.config.num_hidden_layers, window=w, ranking=rk, layout=lay)
+                        for m, (v, w, rk, lay) in variants.items() if m in methods}
             rows = []
             if "emllm" in methods:
                 own = tok.decode(eng.generate(n_new, stops), skip_special_tokens=True)

@@ -137,21 +137,27 @@ def test_votes_are_saved_and_loaded_as_they_were(tiny, tmp_path):
                                ranking=ranking)
         assert a == b and a.passages and len(a.ids) < len(stream)
         contexts[ranking] = a.passages
-        last = context_from_votes(torch.tensor(stream), back, tok, prof.n_init, prof.n_local, room, len(eng.windows),
-                                  ranking=ranking, best_last=True)
+        last, by_rank = (context_from_votes(torch.tensor(stream), back, tok, prof.n_init, prof.n_local, room,
+                                            len(eng.windows), ranking=ranking, layout=lay) for lay in ("best-last", "rank"))
         # the same passages, the best-ranked (first in passage_order) moved last, the rest in stream order
         from emllm.memory.passages import event_rrf, passage_order
         w = (event_votes(list(votes.selections.values()), len(votes.spans)) if ranking == "votes" else
              event_rrf(list(votes.selections.values()), list(votes.scores.values()), len(votes.spans)))
         spans = passage_spans(tok, torch.tensor(stream), prof.n_init, room)
-        best = spans[passage_order(token_votes(votes.spans, w, len(stream)), spans)[0]]
+        ranked = [spans[i] for i in passage_order(token_votes(votes.spans, w, len(stream)), spans)]
+        best = ranked[0]
         assert last.passages == [p for p in a.passages if p != best] + [best] and best in a.passages
-        assert last.ids == stream[: prof.n_init] + [t for s, e in last.passages for t in stream[s:e]]
+        assert by_rank.passages == [p for p in reversed(ranked) if p in a.passages] and by_rank.passages[-1] == best
+        assert len(a.passages) > 2 and by_rank.passages != sorted(by_rank.passages)  # not stream order by chance
+        for c in (last, by_rank):
+            assert c.ids == stream[: prof.n_init] + [t for s, e in c.passages for t in stream[s:e]]
     no_scores = Votes(votes.spans, votes.selections)
     with pytest.raises(ValueError, match="scores"):
         reread_context(eng, no_scores, tok, len(stream), room, ranking="rrf")
     with pytest.raises(ValueError, match="ranking"):
         reread_context(eng, votes, tok, len(stream), room, ranking="best")
+    with pytest.raises(ValueError, match="layout"):
+        reread_context(eng, votes, tok, len(stream), room, layout="reversed")
     save_file({"spans": votes.spans}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match="not a votes file"):
         Votes.load(tmp_path / "other.safetensors")

@@ -168,24 +168,26 @@ class SelectionRecorder(RetrievalListener):
 
 @dataclass(frozen=True)
 class Reread:
-    ids: list[int]  # the context to read: initial tokens, passages in stream order (the question follows)
+    ids: list[int]  # the context to read: initial tokens, then the passages (the question follows)
     passages: list[tuple[int, int]]  # stream spans [start, end) taken, in the order read (stream order by default)
 
 
 RANKINGS = ("votes", "rrf")  # how the passages are ranked: `event_votes` or `event_rrf` per event
+LAYOUTS = ("stream", "best-last", "rank")  # the order passages are read in (context_from_votes)
+LAYOUT = "stream"  # `reread`'s
 
 
 def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: int, window: bool = False,
-                   ranking: str = "votes") -> Reread:
+                   ranking: str = "votes", layout: str = LAYOUT) -> Reread:
     """The initial tokens, then the passages of the stream's first `n_stream` tokens that the
     layers' `votes` favour, best first while they fit in `room` more tokens (`context_from_votes`)."""
     pr = engine.profile
     return context_from_votes(engine.ids.view()[:n_stream], votes, tok, pr.n_init, pr.n_local, room,
-                              len(engine.windows), window, ranking)
+                              len(engine.windows), window, ranking, layout)
 
 
 def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_local: int, room: int, layers: int,
-                       window: bool = False, ranking: str = "votes", best_last: bool = False) -> Reread:
+                       window: bool = False, ranking: str = "votes", layout: str = "stream") -> Reread:
     """`reread_context` from what it needs (`stream` [n] the tokens before the question; votes
     recorded or loaded): the first `n_init` tokens, then the passages ranked by `ranking` (a token
     scores its event's votes, or their reciprocal rank fusion), best first while they fit in `room`.
@@ -195,10 +197,13 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
     questions than the votes alone (the window takes half the room: docs/benchmarks.md, re-read
     answers).
 
-    best_last=True reads the best-ranked passage last, next to the question, and the others in
-    stream order (a probe: docs/benchmarks.md, the passkey with --reread)."""
+    `layout` orders the passages read: "stream" as in the stream; "best-last" the best-ranked
+    passage last, next to the question, the others in stream order; "rank" all by their rank, the
+    worst first and the best last (probes: docs/benchmarks.md, re-read answers)."""
     if ranking not in RANKINGS:
         raise ValueError(f"ranking must be one of {', '.join(RANKINGS)}, not {ranking!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     n_stream = len(stream)
     sels = list(votes.selections.values())
     if ranking == "votes":
@@ -214,8 +219,11 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
     spans = passage_spans(tok, stream, n_init, room)
     order = passage_order(tv, spans)
     kept = choose_passages(order, spans, room)
-    if best_last and kept and order[0] in kept:
+    if layout == "best-last" and kept and order[0] in kept:
         kept = [i for i in kept if i != order[0]] + [order[0]]
+    elif layout == "rank":
+        rank = {i: r for r, i in enumerate(order)}
+        kept = sorted(kept, key=lambda i: -rank[i])
     taken = [spans[i] for i in kept]
     ids = stream[:n_init].tolist()
     for s, e in taken:
@@ -230,7 +238,8 @@ def reader(model: Any, profile: Any, tokens: int) -> Engine:
 
 
 def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
-           read_question: Callable[[list[int]], Any] | None = None, window: bool = False) -> tuple[Engine, Reread]:
+           read_question: Callable[[list[int]], Any] | None = None, window: bool = False,
+           layout: str = LAYOUT) -> tuple[Engine, Reread]:
     """Read `question` against the engine's memory (`read_question`, by default as a question of
     its own: begin_question, feed), recording each layer's selection; then return a reader engine
     that has read the initial tokens, the passages voted for and the question, ready to answer,
@@ -247,7 +256,7 @@ def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
         rec.detach()
     n_stream = engine.n_tokens - len(question)
     room = reread_room(engine.profile, n_stream, len(question))
-    rr = reread_context(engine, rec.votes(), tok, n_stream, room, window)
+    rr = reread_context(engine, rec.votes(), tok, n_stream, room, window, layout=layout)
     return read_again(engine.model, engine.profile, rr.ids, question, max_new_tokens), rr
 
 
@@ -270,5 +279,5 @@ def read_again(model: Any, profile: Any, context: list[int], question: list[int]
     return eng
 
 
-__all__ = ["PASSAGE_TOKENS", "RANKINGS", "Reread", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
+__all__ = ["LAYOUT", "LAYOUTS", "PASSAGE_TOKENS", "RANKINGS", "Reread", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
            "context_from_votes", "reread_context", "reread_room", "sentence_ends", "tail_lengths", "tail_selection"]
