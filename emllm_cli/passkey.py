@@ -73,7 +73,7 @@ def passkey(
     from emllm import models
     from emllm.evals import results_log
     from emllm.engine.stream import Engine
-    from emllm.evals.passkey import run_grid
+    from emllm.evals.passkey import read_plan, run_grid
     from emllm.evals.scratch import TrunkStores
 
     ls, ds = lengths, depths  # parsed by the option callbacks (bad values: usage error, exit 2)
@@ -106,16 +106,24 @@ def passkey(
             _write(results_log.start_run, journal, grid)
         skip = {(r["length"], r["depth"], r["trial"], r["method"]) for r in done}
         # Progress counts tokens, so the ETA weighs a 32k trial 8 times a 4k one (the plain model
-        # reads at most its context).
+        # reads at most its context; with --memory-dir the filler before the needles is read once).
         ctx = getattr(mdl.config, "max_position_embeddings", None) or max(ls)
         span = src.profile.n_init + src.profile.n_mem + src.profile.n_local  # what a re-read reads again, at most
-        cost = lambda method, n: n if method == "emllm" else min(n, ctx if method == "baseline" else span)  # noqa: E731
-        total = sum(cost(m, n) for m in methods for n in ls) * len(ds) * trials
+        plan = read_plan(ls, ds, trials, shared=engines is not None)
+
+        def cost(r: dict) -> int:
+            n = r["length"]
+            if r["method"] == "emllm":
+                return plan.get((n, r["depth"], r["trial"]), n)
+            return min(n, ctx if r["method"] == "baseline" else span)
+
+        total = sum(cost({"method": m, "length": n, "depth": d, "trial": t})
+                    for m in methods for n in ls for d in ds for t in range(trials))
         # In a terminal the grid fills in as trials finish (one live view: table + progress);
         # piped, progress goes to stderr and the table or JSON comes once at the end.
         interactive = render.out.is_terminal and not as_json
         bar = render.progress(console=render.out if interactive else render.err)
-        task = bar.add_task("passkey", total=total, rate="", completed=sum(cost(r["method"], r["length"]) for r in done))
+        task = bar.add_task("passkey", total=total, rate="", completed=sum(cost(r) for r in done))
         live = Live(Group(render.passkey_table(done, ls, ds, methods), bar), console=render.out,
                     refresh_per_second=4) if interactive else bar
         t0 = time.perf_counter()
@@ -125,7 +133,7 @@ def passkey(
             if journal:
                 _write(results_log.append, journal, done[-1])
             ok = sum(x["correct"] for x in done)
-            bar.update(task, advance=cost(r.method, r.length), rate=f"tokens · {len(done)}/{n_trials} trials, {ok} correct")
+            bar.update(task, advance=cost(done[-1]), rate=f"tokens · {len(done)}/{n_trials} trials, {ok} correct")
             if interactive:
                 live.update(Group(render.passkey_table(done, ls, ds, methods), bar))
 

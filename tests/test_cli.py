@@ -177,10 +177,15 @@ def test_passkey_memory_dir_reads_the_shared_filler_once(tmp_path, smollm2):
     continuing the filler the first read (tests/test_store.py: same logits as reading it all); the
     folder is left empty."""
     mem = tmp_path / "mem"
-    r = run("passkey", "-l", "1536", "-d", "1,0.5", "-t", "1", "--memory-dir", str(mem), "--json", home=tmp_path)
+    r = run("passkey", "-l", "1536", "-d", "1,0.5", "-t", "1", "--memory-dir", str(mem), "--json", home=tmp_path,
+            env={"EMLLM_PROGRESS": "0"})
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)["results"]
     assert [x["depth"] for x in res] == [0.5, 1.0] and all(x["correct"] for x in res), res
+    # progress counts the shared filler once (read_plan): 1536 tokens for the whole filler, and after it
+    # half a document for depth 0.5 and none for depth 1; it ends at its total
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("passkey: ")]
+    assert lines and lines[-1].startswith("passkey: 2,304/2,304 (100%)"), r.stderr
     # chunks of 512: the first trial's trunk is its filler's whole chunks, the second shares them and more
     assert 0 < res[0]["trunk_tokens"] < res[1]["trunk_tokens"] and res[1]["trunk_tokens"] % 512 == 0
     assert list(mem.iterdir()) == []

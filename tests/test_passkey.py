@@ -7,7 +7,7 @@ import random
 import pytest
 
 from emllm.engine.stream import Engine
-from emllm.evals.passkey import build_prompt, parse_length, run_emllm, score
+from emllm.evals.passkey import build_prompt, parse_length, read_plan, run_emllm, score
 
 
 def test_parse_length():
@@ -100,3 +100,14 @@ def test_a_grid_with_reread_answers_as_reread_does_from_the_same_read(tiny):
         covered = set(range(prof.n_init)) | {t for s, e in rr.passages for t in range(s, e)}
         assert r.needle_read == (set(range(p.needle_at, p.needle_at + p.needle_len)) <= covered)
         assert r.reread_tokens == len(rr.ids) <= span - len(p.question) and r.needle_layers is not None
+
+
+def test_the_read_plan_counts_the_shared_filler_once():
+    """Trials in the order of their needle (at depth x length): each reads what follows its needle and
+    what the shared filler grows by for it; without sharing, its whole document."""
+    plan = read_plan([100, 200], [0.5, 1.0], 1, shared=True)
+    # needles at 50 (100, 0.5), 100 (100, 1 and 200, 0.5), 200 (200, 1)
+    assert plan == {(100, 0.5, 0): 100, (100, 1.0, 0): 50, (200, 0.5, 0): 100, (200, 1.0, 0): 100}
+    assert sum(plan.values()) == 200 + (50 + 0 + 100 + 0)  # the longest filler once, and every document's rest
+    assert read_plan([100, 200], [0.5, 1.0], 2, shared=False) == {
+        (n, d, t): n for n in (100, 200) for d in (0.5, 1.0) for t in (0, 1)}

@@ -168,6 +168,19 @@ def _stop_ids(tok, model) -> list[int]:
     return stop_token_ids(tok, model)
 
 
+def read_plan(lengths: list[int], depths: list[float], trials: int, shared: bool) -> dict[tuple[int, float, int], int]:
+    """(length, depth, trial) -> about how many tokens emllm reads for that trial: its whole
+    document; or, with a factory that shares the filler before the needles (`shared`), what
+    follows its needle and what the shared filler grows by for it (the trials run in the order of
+    their needles). For progress and its ETA: the needle is taken at depth x length."""
+    cells = sorted(((n * d, n, d, t) for n in lengths for d in depths for t in range(trials)), key=lambda c: c[0])
+    plan, trunk = {}, 0.0
+    for at, n, d, t in cells:
+        plan[(n, d, t)] = n if not shared else round(n - at + max(0.0, at - trunk))
+        trunk = max(trunk, at)
+    return plan
+
+
 def run_grid(
     model, tok, engine_factory, lengths: list[int], depths: list[float], trials: int, seed: int,
     baseline: bool = False, on_result: Callable[[TrialResult], None] | None = None,
@@ -228,4 +241,4 @@ def run_grid(
     return results
 
 
-__all__ = ["build_prompt", "run_grid", "parse_length", "score", "TrialResult", "asdict"]
+__all__ = ["build_prompt", "read_plan", "run_grid", "parse_length", "score", "TrialResult", "asdict"]
