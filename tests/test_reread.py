@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from emllm.app.ask import Session
-from emllm.app.reread import SelectionRecorder, passage_spans, reread_context, sentence_ends
+from emllm.app.reread import LAYOUT, SelectionRecorder, passage_spans, reread_context, sentence_ends
 from emllm.memory.passages import choose_passages, chunk_spans, event_spans, event_votes, passage_order, token_votes
 from emllm.store import Store
 
@@ -115,7 +115,7 @@ def test_votes_are_saved_and_loaded_as_they_were(tiny, tmp_path):
     scores, and the same passages under either ranking; a file that is not votes is refused."""
     from safetensors.torch import save_file
 
-    from emllm.app.reread import RANKINGS, Votes, context_from_votes
+    from emllm.app.reread import LAYOUTS, RANKINGS, Votes, context_from_votes
     eng, tok, prof, stream = _read_into_engine(tiny, 7, 300)
     rec = SelectionRecorder(eng)
     eng.begin_question()
@@ -151,6 +151,10 @@ def test_votes_are_saved_and_loaded_as_they_were(tiny, tmp_path):
         assert len(a.passages) > 2 and by_rank.passages != sorted(by_rank.passages)  # not stream order by chance
         for c in (last, by_rank):
             assert c.ids == stream[: prof.n_init] + [t for s, e in c.passages for t in stream[s:e]]
+    # where every passage fits, each layout reads the stream in its order
+    whole = [context_from_votes(torch.tensor(stream), votes, tok, prof.n_init, prof.n_local, len(stream), len(eng.windows),
+                                layout=lay) for lay in LAYOUTS]
+    assert all(c.ids == stream for c in whole)
     no_scores = Votes(votes.spans, votes.selections)
     with pytest.raises(ValueError, match="scores"):
         reread_context(eng, no_scores, tok, len(stream), room, ranking="rrf")
@@ -195,7 +199,10 @@ def test_a_reread_answer_is_the_plain_models_on_its_context(tiny, tmp_path, word
         assert rr.passages == s.passages and len(rec.last) == len(s.engine.windows)
         ctx = rr.ids
         assert ctx[:n_init] == stream[:n_init]
-        assert all(a < b <= c for (a, b), (c, _) in zip(rr.passages, rr.passages[1:]))  # stream order, disjoint
+        ordered = sorted(rr.passages)
+        assert all(a < b <= c for (a, b), (c, _) in zip(ordered, ordered[1:]))  # disjoint
+        if fits or LAYOUT == "stream":  # (other layouts: test_votes_are_saved_and_loaded_as_they_were)
+            assert rr.passages == ordered
         assert ctx[n_init:] == [t for a, b in rr.passages for t in stream[a:b]]
         assert len(ctx) - n_init <= span - n_init - len(q)
         assert (len(stream) <= span - len(q)) == fits

@@ -199,7 +199,8 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
 
     `layout` orders the passages read: "stream" as in the stream; "best-last" the best-ranked
     passage last, next to the question, the others in stream order; "rank" all by their rank, the
-    worst first and the best last (probes: docs/benchmarks.md, re-read answers)."""
+    worst first and the best last (probes: docs/benchmarks.md, re-read answers). Where every
+    passage fits, the stream is read in its order whatever the layout."""
     if ranking not in RANKINGS:
         raise ValueError(f"ranking must be one of {', '.join(RANKINGS)}, not {ranking!r}")
     if layout not in LAYOUTS:
@@ -219,7 +220,9 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
     spans = passage_spans(tok, stream, n_init, room)
     order = passage_order(tv, spans)
     kept = choose_passages(order, spans, room)
-    if layout == "best-last" and kept and order[0] in kept:
+    if len(kept) == len(spans):
+        pass  # all of the stream is read again: in its order, as the plain model reads it
+    elif layout == "best-last" and kept and order[0] in kept:
         kept = [i for i in kept if i != order[0]] + [order[0]]
     elif layout == "rank":
         rank = {i: r for r, i in enumerate(order)}
