@@ -132,10 +132,13 @@ def test_votes_are_saved_and_loaded_as_they_were(tiny, tmp_path):
     room = 3 * len(stream) // 4
     contexts = {}
     for ranking in RANKINGS:
-        a = reread_context(eng, votes, tok, len(stream), room, ranking=ranking)
+        a = reread_context(eng, votes, tok, len(stream), room, ranking=ranking, layout="stream")
         b = context_from_votes(torch.tensor(stream), back, tok, prof.n_init, prof.n_local, room, len(eng.windows),
-                               ranking=ranking)
-        assert a == b and a.passages and len(a.ids) < len(stream)
+                               ranking=ranking, layout="stream")
+        assert a == b and a.passages and len(a.ids) < len(stream) and a.passages == sorted(a.passages)
+        assert reread_context(eng, votes, tok, len(stream), room, ranking=ranking) == context_from_votes(
+            torch.tensor(stream), back, tok, prof.n_init, prof.n_local, room, len(eng.windows), ranking=ranking,
+            layout=LAYOUT)
         contexts[ranking] = a.passages
         last, by_rank = (context_from_votes(torch.tensor(stream), back, tok, prof.n_init, prof.n_local, room,
                                             len(eng.windows), ranking=ranking, layout=lay) for lay in ("best-last", "rank"))

@@ -11,8 +11,9 @@ changes the reading:
    to) scored as if they were events (`SelectionRecorder`);
 2. the stream is cut into passages (`memory.passages`), ranked by the layers' votes, and the best
    taken while they fit in emllm's attention span (n_init + n_mem + n_local tokens);
-3. a fresh engine whose window holds all of it reads the initial tokens, those passages in stream
-   order, and the question (the plain model, exactly), and answers.
+3. a fresh engine whose window holds all of it reads the initial tokens, those passages by rank,
+   the best last, next to the question (`LAYOUT`; stream order read the passkey's filler wrongly
+   and fewer code questions right), and the question (the plain model, exactly), and answers.
 
 It costs one more forward over about the span's tokens. The store is not changed.
 """
@@ -169,12 +170,12 @@ class SelectionRecorder(RetrievalListener):
 @dataclass(frozen=True)
 class Reread:
     ids: list[int]  # the context to read: initial tokens, then the passages (the question follows)
-    passages: list[tuple[int, int]]  # stream spans [start, end) taken, in the order read (stream order by default)
+    passages: list[tuple[int, int]]  # stream spans [start, end) taken, in the order read
 
 
 RANKINGS = ("votes", "rrf")  # how the passages are ranked: `event_votes` or `event_rrf` per event
 LAYOUTS = ("stream", "best-last", "rank")  # the order passages are read in (context_from_votes)
-LAYOUT = "stream"  # `reread`'s
+LAYOUT = "rank"  # `reread`'s: measured against the others in docs/benchmarks.md (re-read answers)
 
 
 def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: int, window: bool = False,
@@ -187,7 +188,7 @@ def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: 
 
 
 def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_local: int, room: int, layers: int,
-                       window: bool = False, ranking: str = "votes", layout: str = "stream") -> Reread:
+                       window: bool = False, ranking: str = "votes", layout: str = LAYOUT) -> Reread:
     """`reread_context` from what it needs (`stream` [n] the tokens before the question; votes
     recorded or loaded): the first `n_init` tokens, then the passages ranked by `ranking` (a token
     scores its event's votes, or their reciprocal rank fusion), best first while they fit in `room`.
