@@ -16,7 +16,8 @@ with every layer's selection recorded (`app.reread.SelectionRecorder`). From tha
 - `reread-last`: `reread` with its best-ranked passage read last, next to the question;
 - `reread-rank`: `reread` with its passages read by rank, the worst first, the best last;
 - `rag`: the retrieval baseline at emllm's span (`quality.py --methods rag --rag-budget 2176`):
-  the same chunks, chosen by MiniLM.
+  the same chunks, chosen by MiniLM, read in document order;
+- `rag-rank`: the baseline with its chunks read by MiniLM's rank, the best last (as `reread-rank`).
 
     python -m benchmarks.probe_reread niah_multikey --samples 0:2,2:3,5:10 --out results.jsonl
     python -m benchmarks.probe_reread niah_multikey --haystack code --samples 0:2,2:3,5:10 --out ...
@@ -49,7 +50,7 @@ from emllm.evals.rag import run_rag
 from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt
 
 
-METHODS = ("emllm", "reread", "reread-rrf", "reread-last", "reread-rank", "reread-votes", "reread-window", "rag")
+METHODS = ("emllm", "reread", "reread-rrf", "reread-last", "reread-rank", "reread-votes", "reread-window", "rag", "rag-rank")
 NEED_THE_READ = {"emllm", "reread-votes", "reread-window"}  # not from saved votes
 
 
@@ -132,10 +133,12 @@ def main() -> None:
                 rows.append({"method": m, "answer": answered[key], "context": len(rr.ids) + len(q),
                              "passages": len(rr.passages), "needle_in": needles_in(rr.passages, p.needles),
                              "seconds": round(time.perf_counter() - t1, 1)})
-            if "rag" in methods:
+            for m, lay in (("rag", "stream"), ("rag-rank", "rank")):
+                if m not in methods:
+                    continue
                 t1 = time.perf_counter()
-                ans, rc = run_rag(model, tok, p, budget=span)
-                rows.append({"method": "rag", "answer": ans, "context": len(rc.ids), "passages": len(rc.spans),
+                ans, rc = run_rag(model, tok, p, budget=span, layout=lay)
+                rows.append({"method": m, "answer": ans, "context": len(rc.ids), "passages": len(rc.spans),
                              "needle_in": needles_in(rc.spans, p.needles), "seconds": round(time.perf_counter() - t1, 1)})
             for r in rows:
                 r = {"task": name, "length": a.length, "sample": i, "depth": depth, "method": r["method"],

@@ -180,6 +180,36 @@ def test_rag_retrieves_the_needle(tok):
     assert rc.spans == sorted(rc.spans) and best >= 0
 
 
+def test_rag_layouts(tok):
+    """The baseline's chunks read by rank (the best last) or best-last: the same chunks as in
+    document order, ordered by MiniLM's scores; every chunk read when all fit: document order."""
+    try:
+        from emllm.evals.rag import load_embedder, retrieve
+
+        emb = load_embedder()
+    except Exception as e:  # pragma: no cover - the package is part of the dev install
+        pytest.skip(f"embedder not available: {e}")
+    p = build_prompt("niah_single_numbers", tok, 3000, 0.4, random.Random(5))
+    ctx = {lay: build_context(tok, emb, p.document, p.question, p.query, p.head, budget=700, layout=lay)
+           for lay in ("stream", "best-last", "rank")}
+    st, bl, rk = ctx["stream"], ctx["best-last"], ctx["rank"]
+    assert 2 < len(st.spans) < st.n_chunks  # some chunks left out
+    assert sorted(rk.spans) == sorted(bl.spans) == st.spans and rk.ranked == st.ranked
+    spans = chunk_spans(len(p.document), 128, start=p.head, sentence_ends=sentence_ends(tok, p.document))
+    texts = [tok.decode(p.document[s:e], skip_special_tokens=True) for s, e in spans]
+    order, scores = retrieve(emb, texts, p.query, len(texts))
+    score = dict(zip(order, scores))
+    read = [score[spans.index(sp)] for sp in rk.spans]
+    assert read == sorted(read)  # the worst first, the best last
+    assert bl.spans[-1] == spans[order[0]] and bl.spans[:-1] == sorted(bl.spans[:-1])
+    body = [t for sp in rk.spans for t in p.document[slice(*sp)]]
+    assert rk.ids == p.document[:p.head] + body + p.question
+    whole = build_context(tok, emb, p.document, p.question, p.query, p.head, budget=10_000, layout="rank")
+    assert len(whole.spans) == whole.n_chunks and whole.spans == sorted(whole.spans)
+    with pytest.raises(ValueError, match="layout"):
+        build_context(tok, emb, p.document, p.question, p.query, p.head, budget=700, layout="best-first")
+
+
 @pytest.mark.parametrize("haystack", ["prose", "code", "chat"])
 @pytest.mark.parametrize("task", ["niah_single_words", "niah_multikey", "vt"])
 def test_real_text_haystacks(tok, task, haystack):

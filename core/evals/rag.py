@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from emllm.app.reread import sentence_ends
+from emllm.app.reread import LAYOUTS, sentence_ends
 from emllm.memory.passages import chunk_spans
 from emllm.models import input_device
 
@@ -95,17 +95,22 @@ def retrieve(embedder: Embedder, chunks: Sequence[str], query: str, k: int) -> t
 
 @dataclass
 class RagContext:
-    ids: list[int]  # head + retrieved chunks in document order + question
-    spans: list[tuple[int, int]]  # the retrieved chunks' spans in the document, in document order
+    ids: list[int]  # head + retrieved chunks in the layout's order + question
+    spans: list[tuple[int, int]]  # the retrieved chunks' spans in the document, in the order read
     ranked: list[int]  # chunk indices by score, best first (those kept)
     n_chunks: int
 
 
 def build_context(tok, embedder: Embedder, document: list[int], question: list[int], query: str, head: int,
-                  budget: int, chunk_tokens: int = 128, k: int | None = None) -> RagContext:
+                  budget: int, chunk_tokens: int = 128, k: int | None = None, layout: str = "stream") -> RagContext:
     """Keep the document's first `head` tokens (the instructions), then the best chunks of the rest
     while they fit in `budget` tokens together with the question (all of them up to `k` when
-    given), in document order, then the question."""
+    given), then the question. Where some chunks are left out, `layout` orders those read as
+    `emllm ask --reread` may order its passages (`app.reread.LAYOUTS`): "stream" in document order
+    (the baseline as first measured), "best-last" the best chunk last and the rest in document
+    order, "rank" by rank, the worst first and the best last."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     spans = chunk_spans(len(document), chunk_tokens, start=min(head, len(document)),
                         sentence_ends=sentence_ends(tok, document))
     texts = [tok.decode(document[s:e], skip_special_tokens=True) for s, e in spans]
@@ -120,6 +125,12 @@ def build_context(tok, embedder: Embedder, document: list[int], question: list[i
         kept.append(i)
         used += e - s
     chosen = sorted(kept)
+    if len(kept) == len(spans):
+        pass  # every chunk is read: in the document's order, as `context_from_votes` does
+    elif layout == "rank":
+        chosen = kept[::-1]
+    elif layout == "best-last" and kept:
+        chosen = [i for i in chosen if i != kept[0]] + [kept[0]]
     ids = list(document[:head])
     for i in chosen:
         s, e = spans[i]
@@ -130,7 +141,7 @@ def build_context(tok, embedder: Embedder, document: list[int], question: list[i
 
 @torch.no_grad()
 def run_rag(model, tok, prompt, max_new_tokens: int | None = None, chunk_tokens: int = 128, k: int | None = None,
-            budget: int | None = None, embedder: Embedder | None = None) -> tuple[str, RagContext]:
+            budget: int | None = None, embedder: Embedder | None = None, layout: str = "stream") -> tuple[str, RagContext]:
     """Answer `prompt` (a `emllm.evals.ruler.Prompt` or anything with document/question/query/head) with
     the plain model (sdpa) on the retrieved chunks. `budget`: prompt tokens (default: the model's
     context minus the answer)."""
@@ -142,7 +153,7 @@ def run_rag(model, tok, prompt, max_new_tokens: int | None = None, chunk_tokens:
     ctx = int(getattr(model.config, "max_position_embeddings", 4096))
     budget = min(budget or ctx, ctx) - n_new
     rc = build_context(tok, emb, prompt.document, prompt.question, prompt.query, getattr(prompt, "head", 0),
-                       budget, chunk_tokens, k)
+                       budget, chunk_tokens, k, layout)
     model.set_attn_implementation("sdpa")
     x = torch.tensor([rc.ids[-budget:]], device=dev)
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new, do_sample=False,
