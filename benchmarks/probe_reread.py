@@ -15,6 +15,8 @@ with every layer's selection recorded (`app.reread.SelectionRecorder`). From tha
   selections (`memory.passages.event_rrf`) instead of their counts;
 - `reread-last`: `reread` with its best-ranked passage read last, next to the question;
 - `reread-rank`: `reread` with its passages read by rank, the worst first, the best last;
+- `reread-rank-rrf`: `reread-rank` with passages of equal votes ranked by the fusion of the
+  layers' ranks (`memory.passages.event_votes_rrf`), not by the stream's order;
 - `rag`: the retrieval baseline at emllm's span (`quality.py --methods rag --rag-budget 2176`):
   the same chunks, chosen by MiniLM, read in document order;
 - `rag-rank`: the baseline with its chunks read by MiniLM's rank, the best last (as `reread-rank`).
@@ -50,7 +52,7 @@ from emllm.evals.rag import run_rag
 from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt
 
 
-METHODS = ("emllm", "reread", "reread-rrf", "reread-last", "reread-rank", "reread-votes", "reread-window", "rag", "rag-rank")
+METHODS = ("emllm", "reread", "reread-rrf", "reread-last", "reread-rank", "reread-rank-rrf", "reread-votes", "reread-window", "rag", "rag-rank")
 NEED_THE_READ = {"emllm", "reread-votes", "reread-window"}  # not from saved votes
 
 
@@ -114,6 +116,7 @@ def main() -> None:
             variants = {"reread": ("reread", False, "votes", "stream"), "reread-rrf": ("reread", False, "rrf", "stream"),
                         "reread-last": ("reread", False, "votes", "best-last"),
                         "reread-rank": ("reread", False, "votes", "rank"),
+                        "reread-rank-rrf": ("reread", False, "votes-rrf", "rank"),
                         "reread-votes": ("own", False, "votes", "stream"), "reread-window": ("own", True, "votes", "stream")}
             stream = torch.tensor(p.document)
             contexts = {m: context_from_votes(stream, votes[v], tok, prof.n_init, prof.n_local, room,

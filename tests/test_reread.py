@@ -97,6 +97,26 @@ def test_reciprocal_rank_fusion_against_brute_force():
         assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-15)
 
 
+def test_votes_with_ties_broken_by_rank_fusion():
+    """event_votes_rrf orders events as (votes, then reciprocal rank fusion) does, lexicographically,
+    whatever the number of layers (up to 120: the fusion stays below one vote)."""
+    from emllm.memory.passages import event_rrf, event_votes_rrf
+    rng = random.Random(3)
+    for _ in range(40):
+        n_ev, layers = rng.randint(2, 12), rng.choice((1, 3, 30, 120))
+        sels, scores = [], []
+        for _ in range(layers):
+            ids = rng.sample(range(n_ev), rng.randint(1, n_ev))
+            sels.append(torch.tensor(ids, dtype=torch.long))
+            scores.append(torch.tensor([rng.random() for _ in ids]))
+        votes, rrf = event_votes(sels, n_ev).tolist(), event_rrf(sels, scores, n_ev).tolist()
+        got = event_votes_rrf(sels, scores, n_ev).tolist()
+        for i in range(n_ev):
+            for j in range(n_ev):
+                assert ((votes[i], rrf[i]) > (votes[j], rrf[j])) == (got[i] > got[j])
+        assert [int(g) for g in got] == votes  # the fusion never adds a vote
+
+
 def _read_into_engine(tiny, seed: int, n_words: int):
     """An engine of the tiny model and profile that has read `n_words` words: (engine, tok, profile, stream)."""
     from emllm.config import load_profile_file
@@ -143,9 +163,10 @@ def test_votes_are_saved_and_loaded_as_they_were(tiny, tmp_path):
         last, by_rank = (context_from_votes(torch.tensor(stream), back, tok, prof.n_init, prof.n_local, room,
                                             len(eng.windows), ranking=ranking, layout=lay) for lay in ("best-last", "rank"))
         # the same passages, the best-ranked (first in passage_order) moved last, the rest in stream order
-        from emllm.memory.passages import event_rrf, passage_order
-        w = (event_votes(list(votes.selections.values()), len(votes.spans)) if ranking == "votes" else
-             event_rrf(list(votes.selections.values()), list(votes.scores.values()), len(votes.spans)))
+        from emllm.memory.passages import event_rrf, event_votes_rrf, passage_order
+        sv, sc = list(votes.selections.values()), list(votes.scores.values())
+        w = {"votes": event_votes(sv, len(votes.spans)), "rrf": event_rrf(sv, sc, len(votes.spans)),
+             "votes-rrf": event_votes_rrf(sv, sc, len(votes.spans))}[ranking]
         spans = passage_spans(tok, torch.tensor(stream), prof.n_init, room)
         ranked = [spans[i] for i in passage_order(token_votes(votes.spans, w, len(stream)), spans)]
         best = ranked[0]
@@ -159,8 +180,9 @@ def test_votes_are_saved_and_loaded_as_they_were(tiny, tmp_path):
                                 layout=lay) for lay in LAYOUTS]
     assert all(c.ids == stream for c in whole)
     no_scores = Votes(votes.spans, votes.selections)
-    with pytest.raises(ValueError, match="scores"):
-        reread_context(eng, no_scores, tok, len(stream), room, ranking="rrf")
+    for ranking in ("rrf", "votes-rrf"):
+        with pytest.raises(ValueError, match="scores"):
+            reread_context(eng, no_scores, tok, len(stream), room, ranking=ranking)
     with pytest.raises(ValueError, match="ranking"):
         reread_context(eng, votes, tok, len(stream), room, ranking="best")
     with pytest.raises(ValueError, match="layout"):

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from emllm.engine.stream import Engine, RetrievalListener
 from emllm.math.segmentation import surprise_starts
-from emllm.memory.passages import (RRF_K, chunk_spans, choose_passages, event_rrf, event_spans, event_votes, passage_order,
+from emllm.memory.passages import (RRF_K, chunk_spans, choose_passages, event_rrf, event_spans, event_votes, event_votes_rrf, passage_order,
                                   token_votes)
 from emllm.memory.selection import TOKEN_SCORINGS, Selection, mean_keys, select_events, token_scores, unit_keys
 
@@ -173,7 +173,7 @@ class Reread:
     passages: list[tuple[int, int]]  # stream spans [start, end) taken, in the order read
 
 
-RANKINGS = ("votes", "rrf")  # how the passages are ranked: `event_votes` or `event_rrf` per event
+RANKINGS = ("votes", "rrf", "votes-rrf")  # how passages are ranked: `event_votes`, `event_rrf`, `event_votes_rrf`
 LAYOUTS = ("stream", "best-last", "rank")  # the order passages are read in (context_from_votes)
 LAYOUT = "rank"  # `reread`'s: measured against the others in docs/benchmarks.md (re-read answers)
 
@@ -212,8 +212,12 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
         weights, top = event_votes(sels, len(votes.spans)), float(layers)
     else:
         if len(votes.scores) != len(votes.selections):
-            raise ValueError("ranking 'rrf' needs the selections' scores")
-        weights, top = event_rrf(sels, list(votes.scores.values()), len(votes.spans)), layers / RRF_K
+            raise ValueError(f"ranking {ranking!r} needs the selections' scores")
+        scores = list(votes.scores.values())
+        if ranking == "rrf":
+            weights, top = event_rrf(sels, scores, len(votes.spans)), layers / RRF_K
+        else:
+            weights, top = event_votes_rrf(sels, scores, len(votes.spans)), layers + 1.0
     n_init = min(n_init, n_stream)
     # the local window, as the question's step saw it, is read by every layer
     local = (max(n_init, n_stream - n_local), n_stream)

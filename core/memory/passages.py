@@ -79,6 +79,15 @@ def event_rrf(selections: Sequence[Tensor], scores: Sequence[Tensor], n_events: 
     return out
 
 
+def event_votes_rrf(selections: Sequence[Tensor], scores: Sequence[Tensor], n_events: int, k: int = RRF_K) -> Tensor:
+    """[E] float64 `event_votes`, their ties broken by `event_rrf`: the fusion is scaled below one
+    vote (at most L / k over L layers, times k / (L + 1)), so it orders only events of equal votes.
+    Where every layer selects several events (the needles of a multi-key question), their votes
+    tie and the stream's order would decide which is read last."""
+    rrf = event_rrf(selections, scores, n_events, k)
+    return event_votes(selections, n_events).double() + rrf * (k / (len(selections) + 1))
+
+
 def token_votes(event_spans: Tensor, votes: Tensor, n: int, attended: Sequence[tuple[int, int]] = (), layers: float = 0) -> Tensor:
     """[n] float votes per stream token: its event's (`event_spans` [E, 2] stream positions
     [start, end), events disjoint; `votes` [E], counts or any weight), and `layers` for the spans in
@@ -124,4 +133,4 @@ def choose_passages(order: Sequence[int], spans: Sequence[tuple[int, int]], room
     return sorted(kept)
 
 
-__all__ = ["RRF_K", "chunk_spans", "event_spans", "event_rrf", "event_votes", "token_votes", "passage_order", "choose_passages"]
+__all__ = ["RRF_K", "chunk_spans", "event_spans", "event_rrf", "event_votes", "event_votes_rrf", "token_votes", "passage_order", "choose_passages"]
