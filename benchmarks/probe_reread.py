@@ -17,6 +17,12 @@ with every layer's selection recorded (`app.reread.SelectionRecorder`). From tha
 - `reread-rank`: `reread` with its passages read by rank, the worst first, the best last;
 - `reread-rank-rrf`: `reread-rank` with passages of equal votes ranked by the fusion of the
   layers' ranks (`memory.passages.event_votes_rrf`), not by the stream's order;
+- `reread-maxsim`: `reread-rank-rrf` with each layer's selection ranked by its tokens' keys, not
+  their events' mean keys: an event scores, per question token, its best token's attention logit
+  (the question's queries as the memory's retrieval scores them, against each token's stored key),
+  combined over the question's tokens as the retrieval combines them. Look-alike needles (the
+  multi-key task) tie in votes, and the events' mean keys hardly tell them apart
+  (docs/benchmarks.md, re-read answers);
 - `rag`: the retrieval baseline at emllm's span (`quality.py --methods rag --rag-budget 2176`):
   the same chunks, chosen by MiniLM, read in document order;
 - `rag-rank`: the baseline with its chunks read by MiniLM's rank, the best last (as `reread-rank`).
@@ -50,14 +56,61 @@ from emllm.engine.stream import Engine
 from emllm.evals.passkey import _stop_ids
 from emllm.evals.rag import run_rag
 from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt
+from emllm.memory.buffers import token_index
+from emllm.memory.selection import TOKEN_SCORINGS, Selection
 
 
-METHODS = ("emllm", "reread", "reread-rrf", "reread-last", "reread-rank", "reread-rank-rrf", "reread-votes", "reread-window", "rag", "rag-rank")
-NEED_THE_READ = {"emllm", "reread-votes", "reread-window"}  # not from saved votes
+METHODS = ("emllm", "reread", "reread-rrf", "reread-last", "reread-rank", "reread-rank-rrf", "reread-votes", "reread-window", "reread-maxsim", "rag", "rag-rank")
+NEED_THE_READ = {"emllm", "reread-votes", "reread-window", "reread-maxsim"}  # not from saved votes
+
+
+class TokenRescorer(SelectionRecorder):
+    """A SelectionRecorder whose scores are each selected event's (and tail piece's) best token
+    for each of the question's tokens: [T, n] logits q . k over the selection's tokens, the
+    maximum per item, then `TOKEN_SCORINGS[question_scoring]` over its [T, k] (z-scores among the
+    items this layer selected). The ids are the recorder's; only their ranking changes."""
+
+    def heard(self, layer: int, sel: Selection, query: torch.Tensor) -> None:
+        super().heard(layer, sel, query)
+        eng = self.engine
+        w, ids = eng.windows[layer], self.last[layer]
+        n_ev = len(w.events)
+        ev = torch.sort(ids[ids < n_ev]).values
+        pieces = torch.sort(ids[ids >= n_ev]).values - n_ev
+        keys, lengths = [], []
+        if len(ev):
+            k, _ = w.events.gather(ev)  # [H_kv, n, D], the events in id order
+            keys.append(k)
+            lengths.append(w.events.event_lengths().cpu()[ev])
+        if len(pieces):
+            tail = torch.cat((w.rem_k, w.local_k[:, : eng.profile.n_local]), 1)
+            at = torch.cumsum(self._tail, 0) - self._tail
+            keys.append(tail[:, token_index(at[pieces], self._tail[pieces])])
+            lengths.append(self._tail[pieces])
+        kk, ln = torch.cat(keys, 1).float(), torch.cat(lengths)  # [H_kv, n, D], [k]
+        q = (query if query.dim() == 3 else query[None]).float()  # [T, H_r, D]
+        if q.shape[1] != kk.shape[0]:
+            raise SystemExit("reread-maxsim needs a representative key per KV head (store version 7 on)")
+        logits = torch.einsum("thd,hnd->tn", q, kk)  # [T, n]
+        item = torch.repeat_interleave(torch.arange(len(ln)), ln)  # [n] the item of each token
+        best = torch.full((q.shape[0], len(ln)), float("-inf")).scatter_reduce(
+            1, item.expand(q.shape[0], -1), logits, "amax")  # [T, k]
+        order = torch.cat((ev, pieces + n_ev))  # the items' ids in `best`'s column order
+        by_id = torch.argsort(order)
+        self.last[layer] = order[by_id]
+        self.scores[layer] = TOKEN_SCORINGS[eng.profile.question_scoring](best)[by_id].float()
 
 
 def needles_in(spans: list[tuple[int, int]], needles: list[tuple[int, int]]) -> list[bool]:
     return [any(s < ne and ns < e for s, e in spans) for ns, ne in needles]
+
+
+def read_at(spans: list[tuple[int, int]], needle: tuple[int, int] | None) -> int | None:
+    """Where the passage holding `needle` is read, counted from the question: 1 = the last read."""
+    if needle is None:
+        return None
+    at = [len(spans) - i for i, (s, e) in enumerate(spans) if s < needle[1] and needle[0] < e]
+    return at[-1] if at else None
 
 
 def main() -> None:
@@ -93,6 +146,7 @@ def main() -> None:
             depth = round((i - first + 0.5) / count, 4)  # as quality.py places them
             p = build_prompt(a.task, tok, a.length, depth, random.Random(f"{a.seed}/{a.task}/{a.length}/{i}"), a.haystack)
             q, n_new = p.question, p.max_new_tokens
+            asked = p.needles[p.targets[0]] if p.targets else None
             t0 = time.perf_counter()
             saved = a.save_votes / f"{a.task}-{a.haystack or 'ruler'}-{a.length}-s{a.seed}-{i}.safetensors" \
                 if a.save_votes else None
@@ -104,12 +158,16 @@ def main() -> None:
                 eng = Engine(model, prof)
                 eng.feed(p.document)
                 own_votes = SelectionRecorder(eng, tail=False)
-                rec = SelectionRecorder(eng)  # (chained: both see every retrieval)
+                rec = SelectionRecorder(eng)  # (chained: all see every retrieval)
+                maxsim = TokenRescorer(eng) if "reread-maxsim" in methods else None
                 eng.begin_question()
                 eng.feed(q)
-                rec.detach()
-                own_votes.detach()
+                for r in (maxsim, rec, own_votes):
+                    if r is not None:
+                        r.detach()
                 votes = {"reread": rec.votes(), "own": own_votes.votes()}
+                if maxsim is not None:
+                    votes["maxsim"] = maxsim.votes()
                 if saved is not None:
                     votes["reread"].save(saved)
             # method -> (whose votes, window first, ranking, layout)
@@ -117,6 +175,7 @@ def main() -> None:
                         "reread-last": ("reread", False, "votes", "best-last"),
                         "reread-rank": ("reread", False, "votes", "rank"),
                         "reread-rank-rrf": ("reread", False, "votes-rrf", "rank"),
+                        "reread-maxsim": ("maxsim", False, "votes-rrf", "rank"),
                         "reread-votes": ("own", False, "votes", "stream"), "reread-window": ("own", True, "votes", "stream")}
             stream = torch.tensor(p.document)
             contexts = {m: context_from_votes(stream, votes[v], tok, prof.n_init, prof.n_local, room,
@@ -135,6 +194,7 @@ def main() -> None:
                     answered[key] = tok.decode(r_eng.generate(n_new, stops), skip_special_tokens=True)
                 rows.append({"method": m, "answer": answered[key], "context": len(rr.ids) + len(q),
                              "passages": len(rr.passages), "needle_in": needles_in(rr.passages, p.needles),
+                             "asked_at": read_at(rr.passages, asked),
                              "seconds": round(time.perf_counter() - t1, 1)})
             for m, lay in (("rag", "stream"), ("rag-rank", "rank")):
                 if m not in methods:
@@ -142,7 +202,8 @@ def main() -> None:
                 t1 = time.perf_counter()
                 ans, rc = run_rag(model, tok, p, budget=span, layout=lay)
                 rows.append({"method": m, "answer": ans, "context": len(rc.ids), "passages": len(rc.spans),
-                             "needle_in": needles_in(rc.spans, p.needles), "seconds": round(time.perf_counter() - t1, 1)})
+                             "needle_in": needles_in(rc.spans, p.needles),
+                             "asked_at": read_at(rc.spans, asked), "seconds": round(time.perf_counter() - t1, 1)})
             for r in rows:
                 r = {"task": name, "length": a.length, "sample": i, "depth": depth, "method": r["method"],
                      "answers": p.answers, "answer": r["answer"].strip(), "score": p.score(r["answer"]),
