@@ -29,8 +29,8 @@ from torch import Tensor
 
 from emllm.engine.stream import Engine, RetrievalListener
 from emllm.math.segmentation import surprise_starts
-from emllm.memory.passages import (RRF_K, chunk_spans, choose_passages, event_rrf, event_spans, event_votes, event_votes_rrf, passage_order,
-                                  token_votes)
+from emllm.memory.passages import (RRF_K, chunk_spans, choose_passages, event_rrf, event_spans, event_votes,
+                                  event_votes_rrf, passage_order, token_votes)
 from emllm.memory.selection import TOKEN_SCORINGS, Selection, mean_keys, select_events, token_scores, unit_keys
 
 PASSAGE_TOKENS = 128  # the retrieval baseline's chunk: long enough to hold a needle's sentence whole
