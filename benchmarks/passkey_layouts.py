@@ -56,7 +56,7 @@ def main() -> None:
             room = reread_room(prof, len(p.document), len(p.question))
             for layout in LAYOUTS:
                 rr = context_from_votes(torch.tensor(p.document), rec.votes(), tok, prof.n_init, prof.n_local, room,
-                                        len(eng.windows), layout=layout)
+                                        len(eng.windows), layout=layout, question=p.question)
                 reader = read_again(model, prof, rr.ids, p.question, 10)
                 row[layout] = tok.decode(reader.generate(10, stops), skip_special_tokens=True).strip()
             row["correct"] = {m: score(row[m], p.key) for m in ("emllm", *LAYOUTS)}

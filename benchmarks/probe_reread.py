@@ -17,6 +17,8 @@ with every layer's selection recorded (`app.reread.SelectionRecorder`). From tha
 - `reread-rank`: `reread` with its passages read by rank, the worst first, the best last;
 - `reread-rank-rrf`: `reread-rank` with passages of equal votes ranked by the fusion of the
   layers' ranks (`memory.passages.event_votes_rrf`), not by the stream's order;
+- `reread-lexical`: `reread` with its passages read by their BM25 for the question's token ids,
+  the best last (`app.reread` layout "lexical": the votes choose, the words order);
 - `reread-maxsim`: `reread-rank-rrf` with each layer's selection ranked by its tokens' keys, not
   their events' mean keys: an event scores, per question token, its best token's attention logit
   (the question's queries as the memory's retrieval scores them, against each token's stored key),
@@ -60,7 +62,7 @@ from emllm.memory.buffers import token_index
 from emllm.memory.selection import TOKEN_SCORINGS, Selection
 
 
-METHODS = ("emllm", "reread", "reread-rrf", "reread-last", "reread-rank", "reread-rank-rrf", "reread-votes", "reread-window", "reread-maxsim", "rag", "rag-rank")
+METHODS = ("emllm", "reread", "reread-rrf", "reread-last", "reread-rank", "reread-rank-rrf", "reread-lexical", "reread-votes", "reread-window", "reread-maxsim", "rag", "rag-rank")
 NEED_THE_READ = {"emllm", "reread-votes", "reread-window", "reread-maxsim"}  # not from saved votes
 
 
@@ -176,10 +178,12 @@ def main() -> None:
                         "reread-rank": ("reread", False, "votes", "rank"),
                         "reread-rank-rrf": ("reread", False, "votes-rrf", "rank"),
                         "reread-maxsim": ("maxsim", False, "votes-rrf", "rank"),
+                        "reread-lexical": ("reread", False, "votes", "lexical"),
                         "reread-votes": ("own", False, "votes", "stream"), "reread-window": ("own", True, "votes", "stream")}
             stream = torch.tensor(p.document)
             contexts = {m: context_from_votes(stream, votes[v], tok, prof.n_init, prof.n_local, room,
-                                              model.config.num_hidden_layers, window=w, ranking=rk, layout=lay)
+                                              model.config.num_hidden_layers, window=w, ranking=rk, layout=lay,
+                                              question=q)
                         for m, (v, w, rk, lay) in variants.items() if m in methods}
             rows = []
             if "emllm" in methods:

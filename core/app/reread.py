@@ -30,7 +30,7 @@ from torch import Tensor
 from emllm.engine.stream import Engine, RetrievalListener
 from emllm.math.segmentation import surprise_starts
 from emllm.memory.passages import (RRF_K, chunk_spans, choose_passages, event_rrf, event_spans, event_votes,
-                                  event_votes_rrf, passage_order, token_votes)
+                                  event_votes_rrf, lexical_scores, passage_order, token_votes)
 from emllm.memory.selection import TOKEN_SCORINGS, Selection, mean_keys, select_events, token_scores, unit_keys
 
 PASSAGE_TOKENS = 128  # the retrieval baseline's chunk: long enough to hold a needle's sentence whole
@@ -174,21 +174,22 @@ class Reread:
 
 
 RANKINGS = ("votes", "rrf", "votes-rrf")  # how passages are ranked: `event_votes`, `event_rrf`, `event_votes_rrf`
-LAYOUTS = ("stream", "best-last", "rank")  # the order passages are read in (context_from_votes)
+LAYOUTS = ("stream", "best-last", "rank", "lexical")  # the order passages are read in (context_from_votes)
 LAYOUT = "rank"  # `reread`'s: measured against the others in docs/benchmarks.md (re-read answers)
 
 
 def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: int, window: bool = False,
-                   ranking: str = "votes", layout: str = LAYOUT) -> Reread:
+                   ranking: str = "votes", layout: str = LAYOUT, question: Sequence[int] = ()) -> Reread:
     """The initial tokens, then the passages of the stream's first `n_stream` tokens that the
     layers' `votes` favour, best first while they fit in `room` more tokens (`context_from_votes`)."""
     pr = engine.profile
     return context_from_votes(engine.ids.view()[:n_stream], votes, tok, pr.n_init, pr.n_local, room,
-                              len(engine.windows), window, ranking, layout)
+                              len(engine.windows), window, ranking, layout, question)
 
 
 def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_local: int, room: int, layers: int,
-                       window: bool = False, ranking: str = "votes", layout: str = LAYOUT) -> Reread:
+                       window: bool = False, ranking: str = "votes", layout: str = LAYOUT,
+                       question: Sequence[int] = ()) -> Reread:
     """`reread_context` from what it needs (`stream` [n] the tokens before the question; votes
     recorded or loaded): the first `n_init` tokens, then the passages ranked by `ranking` (a token
     scores its event's votes, or their reciprocal rank fusion), best first while they fit in `room`.
@@ -200,8 +201,10 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
 
     `layout` orders the passages read: "stream" as in the stream; "best-last" the best-ranked
     passage last, next to the question, the others in stream order; "rank" all by their rank, the
-    worst first and the best last (probes: docs/benchmarks.md, re-read answers). Where every
-    passage fits, the stream is read in its order whatever the layout."""
+    worst first and the best last (probes: docs/benchmarks.md, re-read answers); "lexical" the
+    same passages by their BM25 for the `question`'s token ids (`lexical_scores`: the votes choose
+    what is read, the words order it), the best last, ties by rank. Where every passage fits, the
+    stream is read in its order whatever the layout."""
     if ranking not in RANKINGS:
         raise ValueError(f"ranking must be one of {', '.join(RANKINGS)}, not {ranking!r}")
     if layout not in LAYOUTS:
@@ -232,6 +235,10 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
     elif layout == "rank":
         rank = {i: r for r, i in enumerate(order)}
         kept = sorted(kept, key=lambda i: -rank[i])
+    elif layout == "lexical":
+        rank = {i: r for r, i in enumerate(order)}
+        words = lexical_scores(stream, spans, question)  # (the stream's passages: the words' rarity)
+        kept = [i for _, _, i in sorted(zip(words[kept].tolist(), [-rank[i] for i in kept], kept))]
     taken = [spans[i] for i in kept]
     ids = stream[:n_init].tolist()
     for s, e in taken:
@@ -264,7 +271,7 @@ def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
         rec.detach()
     n_stream = engine.n_tokens - len(question)
     room = reread_room(engine.profile, n_stream, len(question))
-    rr = reread_context(engine, rec.votes(), tok, n_stream, room, window, layout=layout)
+    rr = reread_context(engine, rec.votes(), tok, n_stream, room, window, layout=layout, question=question)
     return read_again(engine.model, engine.profile, rr.ids, question, max_new_tokens), rr
 
 

@@ -138,7 +138,8 @@ def run_emllm(engine_factory: Callable[[], "object"], tok, prompt: Prompt, max_n
     out = eng.generate(max_new_tokens, stop_ids=stops)
     if reread is not None:
         t0, n = time.perf_counter(), len(prompt.document)
-        rr = reread_context(eng, rec.votes(), tok, n, reread_room(eng.profile, n, len(prompt.question)))
+        rr = reread_context(eng, rec.votes(), tok, n, reread_room(eng.profile, n, len(prompt.question)),
+                            question=prompt.question)
         reader = read_again(eng.model, eng.profile, rr.ids, prompt.question, max_new_tokens)
         text = tok.decode(reader.generate(max_new_tokens, stop_ids=stops), skip_special_tokens=True)
         read = torch.zeros(n, dtype=torch.bool)  # the initial tokens, then the passages

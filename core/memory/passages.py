@@ -121,6 +121,38 @@ def passage_order(tv: Tensor, spans: Sequence[tuple[int, int]]) -> list[int]:
     return order.tolist()
 
 
+BM25_K1, BM25_B = 1.2, 0.75  # Okapi BM25's usual constants (Robertson and Zaragoza, 2009)
+
+
+def lexical_scores(stream: Tensor, spans: Sequence[tuple[int, int]], query: Sequence[int] | Tensor,
+                   k1: float = BM25_K1, b: float = BM25_B) -> Tensor:
+    """[P] float64 Okapi BM25 of each passage (`spans` of `stream` [n] token ids, disjoint) for the
+    distinct token ids of `query`, the passages their own collection: sum over the query's ids
+    in a passage of idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len / mean len)), with
+    idf = ln(1 + (P - df + 0.5) / (df + 0.5)).
+
+    Why: the layers' votes find the look-alike needles of a multi-key question but tie on them
+    (every layer selects all four); the asked key's name is in the question and in one passage.
+    docs/benchmarks.md, re-read answers."""
+    p = len(spans)
+    if p == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    terms = torch.unique(torch.as_tensor(query, dtype=torch.long).cpu())  # [Q] sorted
+    lengths = torch.tensor([e - s for s, e in spans])
+    first, last = spans[0][0], spans[-1][1]
+    seg = torch.repeat_interleave(torch.arange(p), lengths)  # [tokens] passage of each token
+    toks = stream[first:last].long().cpu()
+    tf = torch.zeros(p, max(len(terms), 1), dtype=torch.float64)  # [P, Q]
+    if len(terms):
+        at = torch.searchsorted(terms, toks).clamp_max_(len(terms) - 1)
+        hit = terms[at] == toks
+        tf.view(-1).index_add_(0, seg[hit] * len(terms) + at[hit], torch.ones(int(hit.sum()), dtype=torch.float64))
+    df = (tf > 0).sum(0).double()
+    idf = torch.log1p((p - df + 0.5) / (df + 0.5))
+    norm = k1 * (1 - b + b * lengths.double() / lengths.double().mean())  # [P]
+    return (idf * tf * (k1 + 1) / (tf + norm[:, None])).sum(1)
+
+
 def choose_passages(order: Sequence[int], spans: Sequence[tuple[int, int]], room: int) -> list[int]:
     """The passages taken best first while they fit in `room` tokens (one that does not fit is
     passed over: a shorter one after it may), in stream order."""
@@ -133,4 +165,4 @@ def choose_passages(order: Sequence[int], spans: Sequence[tuple[int, int]], room
     return sorted(kept)
 
 
-__all__ = ["RRF_K", "chunk_spans", "event_spans", "event_rrf", "event_votes", "event_votes_rrf", "token_votes", "passage_order", "choose_passages"]
+__all__ = ["RRF_K", "chunk_spans", "event_spans", "event_rrf", "event_votes", "event_votes_rrf", "lexical_scores", "token_votes", "passage_order", "choose_passages"]
