@@ -117,6 +117,37 @@ def test_votes_with_ties_broken_by_rank_fusion():
         assert [int(g) for g in got] == votes  # the fusion never adds a vote
 
 
+def test_lexical_scores_against_brute_force():
+    """lexical_scores: Okapi BM25 of each passage for the query's distinct ids, against the
+    formula term by term in Python; repeated query ids count once; no passages, no query."""
+    import math
+
+    from emllm.memory.passages import lexical_scores
+    rng = random.Random(4)
+    for _ in range(30):
+        n, vocab = rng.randint(20, 200), rng.randint(3, 30)
+        stream = torch.tensor([rng.randrange(vocab) for _ in range(n)])
+        start = rng.randint(0, 5)
+        spans = chunk_spans(n, rng.randint(3, 40), start=start)
+        query = [rng.randrange(vocab + 5) for _ in range(rng.randint(0, 12))]
+        docs = [stream[s:e].tolist() for s, e in spans]
+        avg = sum(map(len, docs)) / len(docs)
+        want = []
+        for d in docs:
+            total = 0.0
+            for t in set(query):
+                tf, df = d.count(t), sum(t in x for x in docs)
+                if tf:
+                    idf = math.log(1 + (len(docs) - df + 0.5) / (df + 0.5))
+                    total += idf * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * len(d) / avg))
+            want.append(total)
+        got = lexical_scores(stream, spans, query)
+        assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+        assert torch.equal(lexical_scores(stream, spans, query + query), got)
+    assert lexical_scores(torch.arange(5), [], [1]).numel() == 0
+    assert lexical_scores(torch.arange(5), [(0, 5)], []).tolist() == [0.0]
+
+
 def _read_into_engine(tiny, seed: int, n_words: int):
     """An engine of the tiny model and profile that has read `n_words` words: (engine, tok, profile, stream)."""
     from emllm.config import load_profile_file
@@ -175,6 +206,23 @@ def test_votes_are_saved_and_loaded_as_they_were(tiny, tmp_path):
         assert len(a.passages) > 2 and by_rank.passages != sorted(by_rank.passages)  # not stream order by chance
         for c in (last, by_rank):
             assert c.ids == stream[: prof.n_init] + [t for s, e in c.passages for t in stream[s:e]]
+    # lexical: the rank layout's passages, by their BM25 for the question's ids, the best last
+    from emllm.memory.passages import lexical_scores
+    q_ids = tok(QUESTION, add_special_tokens=False)["input_ids"]
+    spans = passage_spans(tok, torch.tensor(stream), prof.n_init, room)
+    words = lexical_scores(torch.tensor(stream), spans, q_ids)
+    lex = context_from_votes(torch.tensor(stream), votes, tok, prof.n_init, prof.n_local, room, len(eng.windows),
+                             layout="lexical", question=q_ids)
+    rank = context_from_votes(torch.tensor(stream), votes, tok, prof.n_init, prof.n_local, room, len(eng.windows),
+                              layout="rank")
+    assert sorted(lex.passages) == sorted(rank.passages)
+    got = [float(words[spans.index(p)]) for p in lex.passages]
+    assert got == sorted(got) and got[-1] > got[0]  # the question's words found somewhere, the best last
+    ties = [p for p, w in zip(lex.passages, got) if w == got[0]]  # (no words: in the rank layout's order)
+    assert ties == [p for p in rank.passages if p in ties]
+    assert lex.ids == stream[: prof.n_init] + [t for s, e in lex.passages for t in stream[s:e]]
+    assert context_from_votes(torch.tensor(stream), votes, tok, prof.n_init, prof.n_local, room, len(eng.windows),
+                              layout="lexical") == rank  # no question: by rank
     # where every passage fits, each layout reads the stream in its order
     whole = [context_from_votes(torch.tensor(stream), votes, tok, prof.n_init, prof.n_local, len(stream), len(eng.windows),
                                 layout=lay) for lay in LAYOUTS]
