@@ -268,7 +268,7 @@ def test_a_reread_answer_is_the_plain_models_on_its_context(tiny, tmp_path, word
         stream = s.engine.ids.view()[: s.engine.n_tokens - len(q)].tolist()
         n_init = pr.n_init
         span = pr.n_init + pr.n_mem + pr.n_local
-        rr = reread_context(s.engine, rec.votes(), tok, len(stream), span - n_init - len(q))
+        rr = reread_context(s.engine, rec.votes(), tok, len(stream), span - n_init - len(q), question=q)
         assert rr.passages == s.passages and len(rec.last) == len(s.engine.windows)
         ctx = rr.ids
         assert ctx[:n_init] == stream[:n_init]

