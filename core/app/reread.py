@@ -234,13 +234,11 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
         pass  # all of the stream is read again: in its order, as the plain model reads it
     elif layout == "best-last" and kept and order[0] in kept:
         kept = [i for i in kept if i != order[0]] + [order[0]]
-    elif layout == "rank":
+    elif layout in ("rank", "lexical"):  # worst first; "lexical": by the words first, then by rank
         rank = {i: r for r, i in enumerate(order)}
-        kept = sorted(kept, key=lambda i: -rank[i])
-    elif layout == "lexical":
-        rank = {i: r for r, i in enumerate(order)}
-        words = lexical_scores(stream, spans, question)  # (the stream's passages: the words' rarity)
-        kept = [i for _, _, i in sorted(zip(words[kept].tolist(), [-rank[i] for i in kept], kept))]
+        # (the stream's passages are the collection: the words' rarity)
+        words = lexical_scores(stream, spans, question)[kept].tolist() if layout == "lexical" else [0.0] * len(kept)
+        kept = [i for _, _, i in sorted(zip(words, [-rank[i] for i in kept], kept))]
     taken = [spans[i] for i in kept]
     ids = stream[:n_init].tolist()
     for s, e in taken:
