@@ -19,6 +19,9 @@ with every layer's selection recorded (`app.reread.SelectionRecorder`). From tha
   layers' ranks (`memory.passages.event_votes_rrf`), not by the stream's order;
 - `reread-lexical`: `reread` with its passages read by their BM25 for the question's token ids,
   the best last (`app.reread` layout "lexical": the votes choose, the words order);
+- `reread-hybrid`: `reread-lexical` with the passages chosen by the fusion of the votes' ranking
+  and the question's BM25 (`app.reread` choice "votes+words": a passage the question's rare words
+  point to is read where the votes passed it over);
 - `reread-maxsim`: `reread-rank-rrf` with each layer's selection ranked by its tokens' keys, not
   their events' mean keys: an event scores, per question token, its best token's attention logit
   (the question's queries as the memory's retrieval scores them, against each token's stored key),
@@ -62,7 +65,7 @@ from emllm.memory.buffers import token_index
 from emllm.memory.selection import TOKEN_SCORINGS, Selection
 
 
-METHODS = ("emllm", "reread", "reread-rrf", "reread-last", "reread-rank", "reread-rank-rrf", "reread-lexical", "reread-votes", "reread-window", "reread-maxsim", "rag", "rag-rank")
+METHODS = ("emllm", "reread", "reread-rrf", "reread-last", "reread-rank", "reread-rank-rrf", "reread-lexical", "reread-hybrid", "reread-votes", "reread-window", "reread-maxsim", "rag", "rag-rank")
 NEED_THE_READ = {"emllm", "reread-votes", "reread-window", "reread-maxsim"}  # not from saved votes
 
 
@@ -172,19 +175,22 @@ def main() -> None:
                     votes["maxsim"] = maxsim.votes()
                 if saved is not None:
                     votes["reread"].save(saved)
-            # method -> (whose votes, window first, ranking, layout)
-            variants = {"reread": ("reread", False, "votes", "stream"), "reread-rrf": ("reread", False, "rrf", "stream"),
-                        "reread-last": ("reread", False, "votes", "best-last"),
-                        "reread-rank": ("reread", False, "votes", "rank"),
-                        "reread-rank-rrf": ("reread", False, "votes-rrf", "rank"),
-                        "reread-maxsim": ("maxsim", False, "votes-rrf", "rank"),
-                        "reread-lexical": ("reread", False, "votes", "lexical"),
-                        "reread-votes": ("own", False, "votes", "stream"), "reread-window": ("own", True, "votes", "stream")}
+            # method -> (whose votes, window first, ranking, layout, choice)
+            variants = {"reread": ("reread", False, "votes", "stream", "votes"),
+                        "reread-rrf": ("reread", False, "rrf", "stream", "votes"),
+                        "reread-last": ("reread", False, "votes", "best-last", "votes"),
+                        "reread-rank": ("reread", False, "votes", "rank", "votes"),
+                        "reread-rank-rrf": ("reread", False, "votes-rrf", "rank", "votes"),
+                        "reread-maxsim": ("maxsim", False, "votes-rrf", "rank", "votes"),
+                        "reread-lexical": ("reread", False, "votes", "lexical", "votes"),
+                        "reread-hybrid": ("reread", False, "votes", "lexical", "votes+words"),
+                        "reread-votes": ("own", False, "votes", "stream", "votes"),
+                        "reread-window": ("own", True, "votes", "stream", "votes")}
             stream = torch.tensor(p.document)
             contexts = {m: context_from_votes(stream, votes[v], tok, prof.n_init, prof.n_local, room,
                                               model.config.num_hidden_layers, window=w, ranking=rk, layout=lay,
-                                              question=q)
-                        for m, (v, w, rk, lay) in variants.items() if m in methods}
+                                              question=q, choice=ch)
+                        for m, (v, w, rk, lay, ch) in variants.items() if m in methods}
             rows = []
             if "emllm" in methods:
                 own = tok.decode(eng.generate(n_new, stops), skip_special_tokens=True)

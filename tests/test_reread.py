@@ -148,6 +148,77 @@ def test_lexical_scores_against_brute_force():
     assert lexical_scores(torch.arange(5), [(0, 5)], []).tolist() == [0.0]
 
 
+def test_rank_fusion_of_passage_orders_against_brute_force():
+    """fuse_orders: 1 / (60 + rank) summed over the lists that rank an item, best first; ties in
+    the first list's order, then the items it leaves out by index; no list, every item by index."""
+    from emllm.memory.passages import fuse_orders
+    rng = random.Random(5)
+    for _ in range(60):
+        n = rng.randint(1, 40)
+        orders = [rng.sample(range(n), rng.randint(0, n)) for _ in range(rng.randint(1, 3))]
+        score = [0.0] * n
+        for order in orders:
+            for r, i in enumerate(order):
+                score[i] += 1.0 / (60 + r)
+        base = orders[0] + sorted(set(range(n)) - set(orders[0]))
+        want = sorted(range(n), key=lambda i: (-score[i], base.index(i)))
+        assert fuse_orders(orders, n) == want
+    assert fuse_orders([], 3) == [0, 1, 2]
+    assert fuse_orders([[2], [1, 2]], 3) == [2, 1, 0]  # ranked by both beats ranked first by one
+
+
+def test_passages_chosen_by_votes_and_words(tiny):
+    """choice "votes+words": the passages taken by the fusion of the votes' ranking (passages with
+    a vote) and the question's BM25 ranking (passages with one of its words), checked step by step;
+    a passage the votes passed over but that alone holds the question's word is read; a question
+    none of whose words is in the stream chooses as the votes do."""
+    from emllm.app.reread import CHOICES, context_from_votes
+    from emllm.memory.passages import fuse_orders, lexical_scores, passage_votes
+    from emllm.config import load_profile_file
+    from emllm.engine.stream import Engine
+    folder, prof_path, _, _ = tiny
+    model, tok = load_tiny(folder)
+    prof = load_profile_file(prof_path)
+    stream = tok(words(7, 300), add_special_tokens=False)["input_ids"]
+    planted = [model.config.vocab_size - 1 - k for k in range(6)]  # ids the words never use, one each
+    assert not set(planted) & set(stream)
+    for k, t in enumerate(planted):
+        stream.insert((k + 1) * len(stream) // 7, t)
+    eng = Engine(model, prof)
+    eng.feed(stream)
+    rec = SelectionRecorder(eng)
+    eng.begin_question()
+    eng.feed(tok(QUESTION, add_special_tokens=False)["input_ids"])
+    rec.detach()
+    votes, st = rec.votes(), torch.tensor(stream)
+    room = len(stream) // 3
+    ctx = lambda **kw: context_from_votes(st, votes, tok, prof.n_init, prof.n_local, room, len(eng.windows), **kw)
+    by_votes = ctx(layout="rank")
+    spans = passage_spans(tok, st, prof.n_init, room)
+    tv = token_votes(votes.spans, event_votes(list(votes.selections.values()), len(votes.spans)), len(stream))
+    order = passage_order(tv, spans)
+    most = passage_votes(tv, spans)[0]
+    left_out = [i for i in order if spans[i] not in by_votes.passages]
+    # a planted id in a passage the votes did not choose: the question asks for it
+    rare = next((t, i) for i in reversed(left_out) for t in planted if t in stream[spans[i][0]:spans[i][1]])
+    for q in ([rare[0]], [rare[0]] + stream[spans[order[0]][0]:spans[order[0]][0] + 3]):
+        bm25 = lexical_scores(st, spans, q)
+        voted = [i for i in order if most[i] > 0]
+        worded = [i for i in sorted(range(len(spans)), key=lambda i: -float(bm25[i])) if bm25[i] > 0]
+        fused = fuse_orders([voted, worded], len(spans))
+        want = choose_passages(fused, spans, room)
+        got = ctx(layout="lexical", question=q, choice="votes+words")
+        assert sorted(got.passages) == [spans[i] for i in want] and spans[rare[1]] in got.passages
+        best = max(want, key=lambda i: (float(bm25[i]), -fused.index(i)))  # the lexical layout: best BM25 last
+        assert got.passages[-1] == spans[best] and (len(q) > 1 or best == rare[1])
+        assert ctx(layout="rank", question=q, choice="votes+words").passages == [spans[i] for i in reversed(fused) if i in want]
+    absent = [int(st.max()) + 1]  # no word of the question in the stream: the votes' choice
+    assert ctx(layout="rank", question=absent, choice="votes+words") == by_votes
+    assert set(CHOICES) == {"votes", "votes+words"}
+    with pytest.raises(ValueError, match="choice"):
+        ctx(choice="words")
+
+
 def _read_into_engine(tiny, seed: int, n_words: int):
     """An engine of the tiny model and profile that has read `n_words` words: (engine, tok, profile, stream)."""
     from emllm.config import load_profile_file

@@ -32,7 +32,8 @@ from torch import Tensor
 from emllm.engine.stream import Engine, RetrievalListener
 from emllm.math.segmentation import surprise_starts
 from emllm.memory.passages import (RRF_K, chunk_spans, choose_passages, event_rrf, event_spans, event_votes,
-                                  event_votes_rrf, lexical_scores, passage_order, token_votes)
+                                  event_votes_rrf, fuse_orders, lexical_scores, passage_order, passage_votes,
+                                  token_votes)
 from emllm.memory.selection import TOKEN_SCORINGS, Selection, mean_keys, select_events, token_scores, unit_keys
 
 PASSAGE_TOKENS = 128  # the retrieval baseline's chunk: long enough to hold a needle's sentence whole
@@ -178,20 +179,23 @@ class Reread:
 RANKINGS = ("votes", "rrf", "votes-rrf")  # how passages are ranked: `event_votes`, `event_rrf`, `event_votes_rrf`
 LAYOUTS = ("stream", "best-last", "rank", "lexical")  # the order passages are read in (context_from_votes)
 LAYOUT = "lexical"  # `reread`'s: measured against the others in docs/benchmarks.md (re-read answers)
+CHOICES = ("votes", "votes+words")  # which passages are read: by their rank, or by its fusion with their BM25
+CHOICE = "votes"
 
 
 def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: int, window: bool = False,
-                   ranking: str = "votes", layout: str = LAYOUT, question: Sequence[int] = ()) -> Reread:
+                   ranking: str = "votes", layout: str = LAYOUT, question: Sequence[int] = (),
+                   choice: str = CHOICE) -> Reread:
     """The initial tokens, then the passages of the stream's first `n_stream` tokens that the
     layers' `votes` favour, best first while they fit in `room` more tokens (`context_from_votes`)."""
     pr = engine.profile
     return context_from_votes(engine.ids.view()[:n_stream], votes, tok, pr.n_init, pr.n_local, room,
-                              len(engine.windows), window, ranking, layout, question)
+                              len(engine.windows), window, ranking, layout, question, choice)
 
 
 def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_local: int, room: int, layers: int,
                        window: bool = False, ranking: str = "votes", layout: str = LAYOUT,
-                       question: Sequence[int] = ()) -> Reread:
+                       question: Sequence[int] = (), choice: str = CHOICE) -> Reread:
     """`reread_context` from what it needs (`stream` [n] the tokens before the question; votes
     recorded or loaded): the first `n_init` tokens, then the passages ranked by `ranking` (a token
     scores its event's votes, or their reciprocal rank fusion), best first while they fit in `room`.
@@ -206,11 +210,19 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
     worst first and the best last (probes: docs/benchmarks.md, re-read answers); "lexical" the
     same passages by their BM25 for the `question`'s token ids (`lexical_scores`: the votes choose
     what is read, the words order it), the best last, ties by rank. Where every passage fits, the
-    stream is read in its order whatever the layout."""
+    stream is read in its order whatever the layout.
+
+    `choice` "votes+words" ranks the passages by the reciprocal rank fusion (`fuse_orders`) of the
+    votes' ranking (the passages with any vote) and the BM25 ranking for the `question` (the
+    passages with any of its words), so that a passage the question's rare words point to is read
+    even where the layers' votes passed it over (hybrid retrieval); with no word of the question in
+    the stream, it is the votes' ranking."""
     if ranking not in RANKINGS:
         raise ValueError(f"ranking must be one of {', '.join(RANKINGS)}, not {ranking!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    if choice not in CHOICES:
+        raise ValueError(f"choice must be one of {', '.join(CHOICES)}, not {choice!r}")
     n_stream = len(stream)
     sels = list(votes.selections.values())
     if ranking == "votes":
@@ -229,6 +241,14 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
     tv = token_votes(votes.spans, weights, n_stream, attended=[local] if window else [], layers=top)
     spans = passage_spans(tok, stream, n_init, room)
     order = passage_order(tv, spans)
+    words = None  # [P] BM25 for the question (the stream's passages are the collection: the words' rarity)
+    if choice == "votes+words" or layout == "lexical":
+        words = lexical_scores(stream, spans, question)
+    if choice == "votes+words" and spans:
+        by_votes = torch.as_tensor(order)
+        by_votes = by_votes[passage_votes(tv, spans)[0][by_votes] > 0]
+        by_words = torch.sort(-words, stable=True).indices
+        order = fuse_orders([by_votes.tolist(), by_words[words[by_words] > 0].tolist()], len(spans))
     kept = choose_passages(order, spans, room)
     if len(kept) == len(spans):
         pass  # all of the stream is read again: in its order, as the plain model reads it
@@ -236,9 +256,8 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
         kept = [i for i in kept if i != order[0]] + [order[0]]
     elif layout in ("rank", "lexical"):  # worst first; "lexical": by the words first, then by rank
         rank = {i: r for r, i in enumerate(order)}
-        # (the stream's passages are the collection: the words' rarity)
-        words = lexical_scores(stream, spans, question)[kept].tolist() if layout == "lexical" else [0.0] * len(kept)
-        kept = [i for _, _, i in sorted(zip(words, [-rank[i] for i in kept], kept))]
+        first_key = words[kept].tolist() if layout == "lexical" else [0.0] * len(kept)
+        kept = [i for _, _, i in sorted(zip(first_key, [-rank[i] for i in kept], kept))]
     taken = [spans[i] for i in kept]
     ids = stream[:n_init].tolist()
     for s, e in taken:
@@ -254,7 +273,7 @@ def reader(model: Any, profile: Any, tokens: int) -> Engine:
 
 def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
            read_question: Callable[[list[int]], Any] | None = None, window: bool = False,
-           layout: str = LAYOUT) -> tuple[Engine, Reread]:
+           layout: str = LAYOUT, choice: str = CHOICE) -> tuple[Engine, Reread]:
     """Read `question` against the engine's memory (`read_question`, by default as a question of
     its own: begin_question, feed), recording each layer's selection; then return a reader engine
     that has read the initial tokens, the passages voted for and the question, ready to answer,
@@ -271,7 +290,8 @@ def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
         rec.detach()
     n_stream = engine.n_tokens - len(question)
     room = reread_room(engine.profile, n_stream, len(question))
-    rr = reread_context(engine, rec.votes(), tok, n_stream, room, window, layout=layout, question=question)
+    rr = reread_context(engine, rec.votes(), tok, n_stream, room, window, layout=layout, question=question,
+                        choice=choice)
     return read_again(engine.model, engine.profile, rr.ids, question, max_new_tokens), rr
 
 
@@ -294,5 +314,5 @@ def read_again(model: Any, profile: Any, context: list[int], question: list[int]
     return eng
 
 
-__all__ = ["LAYOUT", "LAYOUTS", "PASSAGE_TOKENS", "RANKINGS", "Reread", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
+__all__ = ["CHOICE", "CHOICES", "LAYOUT", "LAYOUTS", "PASSAGE_TOKENS", "RANKINGS", "Reread", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
            "context_from_votes", "reread_context", "reread_room", "sentence_ends", "tail_lengths", "tail_selection"]

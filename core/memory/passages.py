@@ -103,17 +103,24 @@ def token_votes(event_spans: Tensor, votes: Tensor, n: int, attended: Sequence[t
     return tv
 
 
-def passage_order(tv: Tensor, spans: Sequence[tuple[int, int]]) -> list[int]:
-    """Passage indices best first: by the most votes of any of their tokens, then by mean votes,
-    then the earlier passage."""
-    if not spans:
-        return []
+def passage_votes(tv: Tensor, spans: Sequence[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+    """([P] the most votes of any token, [P] the mean votes of the tokens) of each passage (`spans`
+    of the stream, disjoint, in stream order; `tv` [n] votes per token, `token_votes`)."""
     lengths = torch.tensor([e - s for s, e in spans])
     first, last = spans[0][0], spans[-1][1]
     seg = torch.repeat_interleave(torch.arange(len(spans)), lengths)  # [tokens] passage of each token
     part = tv[first:last]
     most = torch.zeros(len(spans), dtype=tv.dtype).scatter_reduce(0, seg, part, "amax", include_self=False)
     mean = torch.zeros(len(spans), dtype=tv.dtype).index_add_(0, seg, part) / lengths
+    return most, mean
+
+
+def passage_order(tv: Tensor, spans: Sequence[tuple[int, int]]) -> list[int]:
+    """Passage indices best first: by the most votes of any of their tokens, then by mean votes,
+    then the earlier passage."""
+    if not spans:
+        return []
+    most, mean = passage_votes(tv, spans)
     # lexsort: the last key is the primary one; stable sorts keep index order for ties
     order = torch.arange(len(spans))
     for key in (mean, most):
@@ -153,6 +160,22 @@ def lexical_scores(stream: Tensor, spans: Sequence[tuple[int, int]], query: Sequ
     return (idf * tf * (k1 + 1) / (tf + norm[:, None])).sum(1)
 
 
+def fuse_orders(orders: Sequence[Sequence[int]], n: int, k: int = RRF_K) -> list[int]:
+    """The `n` items best first by the reciprocal rank fusion of `orders` (each a best-first list of
+    the items it ranks; an item a list leaves out adds nothing to its score there): an item scores
+    the sum of 1 / (k + its rank in each list, 0 first). Ties (the items no list ranks, too) keep
+    the order of the first list, then the item's index."""
+    score = torch.zeros(n, dtype=torch.float64)
+    for order in orders:
+        idx = torch.as_tensor(list(order), dtype=torch.long)
+        score.index_add_(0, idx, 1.0 / (k + torch.arange(len(idx), dtype=torch.float64)))
+    base = list(orders[0]) if orders else []
+    seen = torch.zeros(n, dtype=torch.bool)
+    seen[torch.as_tensor(base, dtype=torch.long)] = True
+    base = torch.cat((torch.as_tensor(base, dtype=torch.long), torch.nonzero(~seen).flatten()))  # [n]
+    return base[torch.sort(-score[base], stable=True).indices].tolist()
+
+
 def choose_passages(order: Sequence[int], spans: Sequence[tuple[int, int]], room: int) -> list[int]:
     """The passages taken best first while they fit in `room` tokens (one that does not fit is
     passed over: a shorter one after it may), in stream order."""
@@ -165,4 +188,4 @@ def choose_passages(order: Sequence[int], spans: Sequence[tuple[int, int]], room
     return sorted(kept)
 
 
-__all__ = ["RRF_K", "chunk_spans", "event_spans", "event_rrf", "event_votes", "event_votes_rrf", "lexical_scores", "token_votes", "passage_order", "choose_passages"]
+__all__ = ["RRF_K", "chunk_spans", "event_spans", "event_rrf", "event_votes", "event_votes_rrf", "fuse_orders", "lexical_scores", "token_votes", "passage_order", "passage_votes", "choose_passages"]
