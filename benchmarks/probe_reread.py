@@ -218,7 +218,7 @@ def main() -> None:
                 r = {"task": name, "length": a.length, "sample": i, "depth": depth, "method": r["method"],
                      "answers": p.answers, "answer": r["answer"].strip(), "score": p.score(r["answer"]),
                      "targets": list(p.targets), **{k: v for k, v in r.items() if k not in ("method", "answer")},
-                     "dtype": str(model.dtype).removeprefix("torch."), "commit": commit}
+                     "dtype": str(model.dtype).removeprefix("torch."), "commit": commit, "prompt": p.digest}
                 print(json.dumps(r), flush=True)
                 with open(a.out, "a") as f:
                     f.write(json.dumps(r) + "\n")

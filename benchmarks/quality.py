@@ -290,7 +290,7 @@ def main() -> None:
                     r = {"task": name, "length": length, "sample": i, "depth": depth, "method": m,
                          "answers": prompt.answers, "answer": answer.strip(), "score": prompt.score(answer),
                          "seconds": round(time.perf_counter() - t0, 2),
-                         "tokens": len(prompt.document) + len(prompt.question), **extra}
+                         "tokens": len(prompt.document) + len(prompt.question), "prompt": prompt.digest, **extra}
                     rows.append(r)
                     results_log.append(a.out, r)
                     print(f"{task:20} {length:>7} #{i} d{depth:.2f} {m:9} {100 * r['score']:3.0f}% {r['answer'][:60]!r} "

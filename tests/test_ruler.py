@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -30,6 +31,10 @@ def test_deterministic_by_seed(tok, task):
     c = build_prompt(task, tok, 1500, 0.4, random.Random("s/2"))
     assert (a.document, a.question, a.answers, a.needles) == (b.document, b.question, b.answers, b.needles)
     assert a.answers != c.answers and a.document != c.document
+    # the digest recorded beside results: the same prompt, the same digest; another, another
+    assert a.digest == b.digest != c.digest and len(a.digest) == 12
+    assert replace(a, question=a.question[:-1]).digest != a.digest
+    assert replace(a, document=a.document + a.question[:1], question=a.question[1:]).digest != a.digest
 
 
 @pytest.mark.parametrize("task", list(TASKS))

@@ -128,6 +128,16 @@ class Prompt:
         return self.needles[self.targets[0]][0]
 
     @property
+    def digest(self) -> str:
+        """12 hex digits of the document's and the question's token ids: two results are of the same
+        prompt only where these match (the code and prose haystacks are this Python's and this
+        transformers' own sources, so a machine with another version builds another prompt)."""
+        import hashlib
+
+        ids = self.document + [-1] + self.question
+        return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:12]
+
+    @property
     def key(self) -> str:  # passkey-compatible field for code that prints one
         return ",".join(self.answers)
 
