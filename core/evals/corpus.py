@@ -6,6 +6,10 @@ the quality grid's haystacks (text nobody here wrote).
 - chat: chat logs, the English dialogues of chatterbot-corpus (a data package installed with the
   tests: `scripts/install.sh`), one turn a line ("User: ..." / "Assistant: ..."), dialogues apart
 - haystack: the passkey filler (repetitive, low surprise)
+
+code and prose are this interpreter's and this transformers' own files: another Python (the lent
+GPU's 3.12 against this VM's 3.11) builds other haystacks from the same seed. Results record
+each prompt's `ruler.Prompt.digest`; compare runs only where the digests match.
 """
 
 from __future__ import annotations
