@@ -3,7 +3,9 @@
 For each length and depth: the prompt `emllm passkey` builds (seed 0, trial 0), read once by
 emllm (today's profile, in RAM) with every layer's selection recorded at the question; emllm's
 own answer, then the passages the votes chose read again by the plain model in each layout
-(`context_from_votes(layout=...)`). One JSON line per prompt, appended to --out.
+(`context_from_votes(layout=...)`), and "hybrid": the lexical layout with the passages chosen by
+the votes and the question's words (choice "votes+words"). One JSON line per prompt, appended to
+--out.
 
     python -m benchmarks.passkey_layouts --lengths 16k,32k,64k --depths 0.25,0.5,0.75 --out F.jsonl
 
@@ -54,12 +56,13 @@ def main() -> None:
                    "emllm": tok.decode(eng.generate(10, stops), skip_special_tokens=True).strip(),
                    "read_seconds": round(time.perf_counter() - t0, 1)}
             room = reread_room(prof, len(p.document), len(p.question))
-            for layout in LAYOUTS:
+            ways = {**{lay: (lay, "votes") for lay in LAYOUTS}, "hybrid": ("lexical", "votes+words")}
+            for name, (layout, choice) in ways.items():
                 rr = context_from_votes(torch.tensor(p.document), rec.votes(), tok, prof.n_init, prof.n_local, room,
-                                        len(eng.windows), layout=layout, question=p.question)
+                                        len(eng.windows), layout=layout, question=p.question, choice=choice)
                 reader = read_again(model, prof, rr.ids, p.question, 10)
-                row[layout] = tok.decode(reader.generate(10, stops), skip_special_tokens=True).strip()
-            row["correct"] = {m: score(row[m], p.key) for m in ("emllm", *LAYOUTS)}
+                row[name] = tok.decode(reader.generate(10, stops), skip_special_tokens=True).strip()
+            row["correct"] = {m: score(row[m], p.key) for m in ("emllm", *ways)}
             row.update(dtype=str(model.dtype).removeprefix("torch."), commit=commit)
             print(json.dumps(row), flush=True)
             with open(a.out, "a") as f:
