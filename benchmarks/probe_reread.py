@@ -20,8 +20,8 @@ with every layer's selection recorded (`app.reread.SelectionRecorder`). From tha
 - `reread-lexical`: `reread` with its passages read by their BM25 for the question's token ids,
   the best last (`app.reread` layout "lexical": the votes choose, the words order);
 - `reread-hybrid`: `reread-lexical` with the passages chosen by the fusion of the votes' ranking
-  and the question's BM25 (`app.reread` choice "votes+words": a passage the question's rare words
-  point to is read where the votes passed it over);
+  and the question's best few by BM25 (`app.reread` choice "votes+words": a passage the
+  question's rare words point to is read where the votes passed it over);
 - `reread-maxsim`: `reread-rank-rrf` with each layer's selection ranked by its tokens' keys, not
   their events' mean keys: an event scores, per question token, its best token's attention logit
   (the question's queries as the memory's retrieval scores them, against each token's stored key),

@@ -170,9 +170,10 @@ def test_rank_fusion_of_passage_orders_against_brute_force():
 def test_passages_chosen_by_votes_and_words(tiny):
     """choice "votes+words": the passages taken by the fusion of the votes' ranking (passages with
     a vote) and the question's BM25 ranking (passages with one of its words), checked step by step;
-    a passage the votes passed over but that alone holds the question's word is read; a question
+    a passage the votes passed over but that alone holds the question's word is read (only the
+    WORDS_TOP best by BM25 take part); a question
     none of whose words is in the stream chooses as the votes do."""
-    from emllm.app.reread import CHOICES, context_from_votes
+    from emllm.app.reread import CHOICES, WORDS_TOP, context_from_votes
     from emllm.memory.passages import fuse_orders, lexical_scores, passage_votes
     from emllm.config import load_profile_file
     from emllm.engine.stream import Engine
@@ -204,7 +205,7 @@ def test_passages_chosen_by_votes_and_words(tiny):
     for q in ([rare[0]], [rare[0]] + stream[spans[order[0]][0]:spans[order[0]][0] + 3]):
         bm25 = lexical_scores(st, spans, q)
         voted = [i for i in order if most[i] > 0]
-        worded = [i for i in sorted(range(len(spans)), key=lambda i: -float(bm25[i])) if bm25[i] > 0]
+        worded = [i for i in sorted(range(len(spans)), key=lambda i: -float(bm25[i])) if bm25[i] > 0][:WORDS_TOP]
         fused = fuse_orders([voted, worded], len(spans))
         want = choose_passages(fused, spans, room)
         got = ctx(layout="lexical", question=q, choice="votes+words")

@@ -181,6 +181,8 @@ LAYOUTS = ("stream", "best-last", "rank", "lexical")  # the order passages are r
 LAYOUT = "lexical"  # `reread`'s: measured against the others in docs/benchmarks.md (re-read answers)
 CHOICES = ("votes", "votes+words")  # which passages are read: by their rank, or by its fusion with their BM25
 CHOICE = "votes"
+WORDS_TOP = 4  # "votes+words" fuses the BM25 ranking's best 4, a quarter of the ~16 passages of a span: a question
+# whose words mislead costs at most these; a name the question asks about is in its best few
 
 
 def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: int, window: bool = False,
@@ -213,10 +215,10 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
     stream is read in its order whatever the layout.
 
     `choice` "votes+words" ranks the passages by the reciprocal rank fusion (`fuse_orders`) of the
-    votes' ranking (the passages with any vote) and the BM25 ranking for the `question` (the
-    passages with any of its words), so that a passage the question's rare words point to is read
-    even where the layers' votes passed it over (hybrid retrieval); with no word of the question in
-    the stream, it is the votes' ranking."""
+    votes' ranking (the passages with any vote) and the `WORDS_TOP` best by BM25 for the
+    `question` (of those with any of its words), so that a passage the question's rare words
+    point to is read even where the layers' votes passed it over (hybrid retrieval); with no word
+    of the question in the stream, it is the votes' ranking."""
     if ranking not in RANKINGS:
         raise ValueError(f"ranking must be one of {', '.join(RANKINGS)}, not {ranking!r}")
     if layout not in LAYOUTS:
@@ -248,7 +250,7 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
         by_votes = torch.as_tensor(order)
         by_votes = by_votes[passage_votes(tv, spans)[0][by_votes] > 0]
         by_words = torch.sort(-words, stable=True).indices
-        order = fuse_orders([by_votes.tolist(), by_words[words[by_words] > 0].tolist()], len(spans))
+        order = fuse_orders([by_votes.tolist(), by_words[words[by_words] > 0][:WORDS_TOP].tolist()], len(spans))
     kept = choose_passages(order, spans, room)
     if len(kept) == len(spans):
         pass  # all of the stream is read again: in its order, as the plain model reads it
@@ -314,5 +316,5 @@ def read_again(model: Any, profile: Any, context: list[int], question: list[int]
     return eng
 
 
-__all__ = ["CHOICE", "CHOICES", "LAYOUT", "LAYOUTS", "PASSAGE_TOKENS", "RANKINGS", "Reread", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
+__all__ = ["CHOICE", "CHOICES", "LAYOUT", "LAYOUTS", "PASSAGE_TOKENS", "RANKINGS", "Reread", "WORDS_TOP", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
            "context_from_votes", "reread_context", "reread_room", "sentence_ends", "tail_lengths", "tail_selection"]
