@@ -73,7 +73,7 @@ def chat(
     repetition_penalty: float = RepetitionPenaltyOpt,
     seed: int = SeedOpt,
     stop: list[str] = StopOpt,
-    reread: bool = typer.Option(False, "--reread", help="Answer as `emllm ask --reread` does: the question is read against the memory, and the model answers from the passages the most layers chose (the recent turns among them), read as one ordinary context, those whose words best match the question last. Costs one more forward over emllm's attention span per answer. /reread switches it during the conversation."),
+    reread: bool = typer.Option(False, "--reread", help="Answer as `emllm ask --reread` does: the question is read against the memory, and the model answers from the passages the most layers chose and the few whose words best match the question (the recent turns among them), read as one ordinary context, those whose words best match the question last. Costs one more forward over emllm's attention span per answer. /reread switches it during the conversation."),
 ) -> None:
     """Talk with a store: each exchange is answered from its memory and appended to it, so later
     questions (today or days later) recall it, however long the conversation grows.

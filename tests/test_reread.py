@@ -284,7 +284,7 @@ def test_votes_are_saved_and_loaded_as_they_were(tiny, tmp_path):
     spans = passage_spans(tok, torch.tensor(stream), prof.n_init, room)
     words = lexical_scores(torch.tensor(stream), spans, q_ids)
     lex = context_from_votes(torch.tensor(stream), votes, tok, prof.n_init, prof.n_local, room, len(eng.windows),
-                             layout="lexical", question=q_ids)
+                             layout="lexical", question=q_ids, choice="votes")
     rank = context_from_votes(torch.tensor(stream), votes, tok, prof.n_init, prof.n_local, room, len(eng.windows),
                               layout="rank")
     assert sorted(lex.passages) == sorted(rank.passages)

@@ -9,8 +9,10 @@ changes the reading:
 1. the question is read against the memory as usual, and every layer's selection is recorded,
    with the tokens in no event yet (the remainder and the local window, which every layer attends
    to) scored as if they were events (`SelectionRecorder`);
-2. the stream is cut into passages (`memory.passages`), ranked by the layers' votes, and the best
-   taken while they fit in emllm's attention span (n_init + n_mem + n_local tokens);
+2. the stream is cut into passages (`memory.passages`), ranked by the layers' votes fused with the
+   few that best match the question's words (`CHOICE`: where the votes passed over the passage a
+   question names, it is read all the same), and the best taken while they fit in emllm's
+   attention span (n_init + n_mem + n_local tokens);
 3. a fresh engine whose window holds all of it reads the initial tokens, those passages ordered by
    their words' match with the question (BM25), the best last, next to the question (`LAYOUT`:
    stream order read the passkey's filler wrongly and fewer code questions right; by the votes'
@@ -180,7 +182,7 @@ RANKINGS = ("votes", "rrf", "votes-rrf")  # how passages are ranked: `event_vote
 LAYOUTS = ("stream", "best-last", "rank", "lexical")  # the order passages are read in (context_from_votes)
 LAYOUT = "lexical"  # `reread`'s: measured against the others in docs/benchmarks.md (re-read answers)
 CHOICES = ("votes", "votes+words")  # which passages are read: by their rank, or by its fusion with their BM25
-CHOICE = "votes"
+CHOICE = "votes+words"  # `reread`'s: measured against "votes" in docs/benchmarks.md (re-read answers)
 WORDS_TOP = 4  # "votes+words" fuses the BM25 ranking's best 4, a quarter of the ~16 passages of a span: a question
 # whose words mislead costs at most these; a name the question asks about is in its best few
 
