@@ -251,3 +251,28 @@ def test_needle_only_keeps_the_instructions_the_asked_needles_and_the_question(t
     asked = sorted(p.needles[j] for j in p.targets)
     assert q.document[p.head:] == [t for s, e in asked for t in p.document[s:e]]
     assert [q.document[s:e] for s, e in q.needles] == [p.document[s:e] for s, e in asked]
+
+
+def test_code_and_prose_haystacks_are_the_snapshot_not_the_interpreter(tok, monkeypatch, tmp_path):
+    """The same prompt on any Python: the haystacks come from the shipped snapshot. The digest is
+    the one this prompt had when results were first recorded (docs/results/quality-reread-hybrid-8k.jsonl,
+    sample 0, built from Python 3.11.7's own files), so earlier results stay comparable."""
+    from emllm.evals import corpus
+
+    def no_interpreter():
+        raise AssertionError("the haystack must not be read from the running interpreter")
+
+    monkeypatch.setattr(corpus, "_modules", no_interpreter)
+    monkeypatch.setattr(corpus, "_CACHE", {})
+    p = build_prompt("niah_multikey", tok, 8192, 0.25, random.Random("0/niah_multikey/8192/0"), haystack="code")
+    assert p.digest == "68f4f35b89ff"
+    assert "def " in corpus.code() and len(corpus.prose()) > 150_000
+    # a snapshot changed or cut short is refused with its path, not read as another haystack
+    import lzma
+    data = lzma.decompress((corpus.SNAPSHOT / "code.txt.xz").read_bytes())
+    (tmp_path / "code.txt.xz").write_bytes(lzma.compress(data[:-1] + b"!"))
+    with pytest.raises(RuntimeError, match="sha256 differs"):
+        corpus._snapshot("code", tmp_path)
+    (tmp_path / "code.txt.xz").write_bytes((corpus.SNAPSHOT / "code.txt.xz").read_bytes()[:1000])
+    with pytest.raises(RuntimeError, match="cannot be read"):
+        corpus._snapshot("code", tmp_path)

@@ -130,8 +130,8 @@ class Prompt:
     @property
     def digest(self) -> str:
         """12 hex digits of the document's and the question's token ids: two results are of the same
-        prompt only where these match (the code and prose haystacks are this Python's and this
-        transformers' own sources, so a machine with another version builds another prompt)."""
+        prompt only where these match (before the corpus snapshot, the code and prose haystacks were
+        the running Python's own sources: a machine with another version built another prompt)."""
         import hashlib
 
         ids = self.document + [-1] + self.question
