@@ -37,7 +37,9 @@ with every layer's selection recorded (`app.reread.SelectionRecorder`). From tha
 
 --save-votes DIR writes each prompt's votes (safetensors, `app.reread.Votes`) and reads them back
 when they are there, so that the re-read methods (reread, reread-rrf) can be compared again by
-reading alone, without emllm's read of the document (~85 s of a prompt's ~125 s at 8k).
+reading alone, without emllm's read of the document (~85 s of a prompt's ~125 s at 8k). A file is
+named by the prompt's digest too: the same sample in another run (another depth) is another prompt,
+whose votes must not be taken for it.
 
 --samples lists quality.py's (--first-sample, --samples) runs whose prompts to ask: a prompt's
 depth depends on its run (quality.py spreads a run's depths evenly). Results: docs/benchmarks.md,
@@ -153,7 +155,7 @@ def main() -> None:
             q, n_new = p.question, p.max_new_tokens
             asked = p.needles[p.targets[0]] if p.targets else None
             t0 = time.perf_counter()
-            saved = a.save_votes / f"{a.task}-{a.haystack or 'ruler'}-{a.length}-s{a.seed}-{i}.safetensors" \
+            saved = a.save_votes / f"{a.task}-{a.haystack or 'ruler'}-{a.length}-s{a.seed}-{i}-{p.digest}.safetensors" \
                 if a.save_votes else None
             room = reread_room(prof, len(p.document), len(q))
             eng = None
