@@ -158,7 +158,9 @@ def main() -> None:
             saved = a.save_votes / f"{a.task}-{a.haystack or 'ruler'}-{a.length}-s{a.seed}-{i}-{p.digest}.safetensors" \
                 if a.save_votes else None
             room = reread_room(prof, len(p.document), len(q))
-            eng = None
+            # the listeners of the prompt before hold its engine: dropped before this one's read (at
+            # 128k each engine holds ~6 GB)
+            eng = rec = own_votes = maxsim = None
             if saved is not None and saved.exists() and not NEED_THE_READ & set(methods):
                 votes = {"reread": Votes.load(saved)}
             else:
