@@ -41,6 +41,19 @@ def vm(key: str) -> int:
     return 0
 
 
+def reread_answer(path: Path, model, tok, question: list[int]) -> dict:
+    """The answer `emllm ask --reread` gives on the store at `path` (opened afresh, read-only), and
+    the seconds from the question to the answer's end."""
+    t = time.perf_counter()
+    with Store.open(path) as st:
+        session = Session(st, model, tok, reread=True)
+        eng = session._reread(question, 10)
+        answer = tok.decode(eng.generate(10), skip_special_tokens=True)
+        tokens = sum(e - s for s, e in session.passages)
+    return {"reread_answer": answer.strip(), "reread_tokens": tokens,
+            "reread_seconds": round(time.perf_counter() - t, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -53,6 +66,7 @@ def main() -> None:
     ap.add_argument("--format", default=None, help="store format (default: the compute dtype)")
     ap.add_argument("--out", required=True, help="JSON lines, appended")
     ap.add_argument("--ask-only", action="store_true", help="only ask the question of a store this script made (same --tokens, --depth, --seed)")
+    ap.add_argument("--reread", action="store_true", help="also answer as `emllm ask --reread` does (the store opened again: the same question read against it, the passages it chose read again)")
     a = ap.parse_args()
     commit = git_commit()  # the code this run loads (HEAD may move during an hour-long run)
     src = models.resolve(a.model)
@@ -86,6 +100,9 @@ def main() -> None:
                    "tokens": st.manifest["rows"]["tokens"], "sketch": bool(st.manifest.get("sketch")), "key": prompt.key,
                    "answer": answer.strip(), "correct": score(answer, prompt.key),
                    "question_seconds": round(time.perf_counter() - t, 2), "commit": commit}
+        if a.reread:
+            row |= reread_answer(path, model, tok, prompt.question)
+            row["reread_correct"] = score(row["reread_answer"], prompt.key)
         print(json.dumps(row))
         with open(a.out, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -117,6 +134,9 @@ def main() -> None:
         "question_to_first_token_s": round(ttft, 2), "commit": commit,
         "seconds": round(time.perf_counter() - t_start, 1),
     }
+    if a.reread:
+        row |= reread_answer(path, model, tok, prompt.question)
+        row["reread_correct"] = score(row["reread_answer"], prompt.key)
     with open(a.out, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row, indent=1))
