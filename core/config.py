@@ -44,10 +44,14 @@ class Profile:
     contiguity_ratio: float = 0.3
     neighbours: int = 1
     refine_from_layer: int | None = None  # None: the last third of the layers
-    faiss_threshold: int | None = 20000  # events per layer from which in-RAM retrieval searches a faiss graph (approximate; null: never)
+    # Events per layer from which an engine in RAM searches a faiss graph (approximate candidates,
+    # re-scored exactly) instead of scoring every event. Null, the default: always exact. The graph
+    # missed the 256k passkey twice where exact search found it, and was not faster there
+    # (docs/benchmarks.md, re-read answers); it remains for reads in RAM past ~1M tokens on a CPU.
+    faiss_threshold: int | None = None
     # events per layer from which a store keeps a sketch of its representative keys (its readers'
-    # selections stay exact; null: never). Unset in a profile: the same as faiss_threshold, as
-    # profiles and stores written before the two were separate meant.
+    # selections stay exact; null: never). Unset in a profile that sets faiss_threshold: the same,
+    # as profiles and stores written before the two were separate meant.
     sketch_threshold: int | None = 20000
     # RAM for recently read events' keys and values, all layers (stores; 0: none). Off by default:
     # a layer keeps the last step's events anyway (engine/window.py), and for the rest the page
@@ -193,8 +197,8 @@ def profile_from_dict(data: Any, name: str, where: str = "") -> Profile:
         )
     data = dict(data)
     data.setdefault("name", name)
-    if "sketch_threshold" not in data:  # written before the key existed: the sketch followed faiss_threshold
-        data["sketch_threshold"] = data.get("faiss_threshold", Profile.faiss_threshold)
+    if "sketch_threshold" not in data and "faiss_threshold" in data:  # written before the key existed:
+        data["sketch_threshold"] = data["faiss_threshold"]  # the sketch followed faiss_threshold
     if "aliases" in data:
         data["aliases"] = tuple(data["aliases"] or ())
     return validate(Profile(**data), where)

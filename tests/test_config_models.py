@@ -71,6 +71,11 @@ def test_faiss_and_sketch_thresholds_are_separate_keys_and_old_profiles_keep_the
     assert (p.faiss_threshold, p.sketch_threshold) == (40, None)
     stored = {"name": "t", "faiss_threshold": 7}  # a store's profile from before the split
     assert profile_from_dict(stored, "t").sketch_threshold == 7
+    unset = tmp_path / "unset.yaml"  # neither key: retrieval in RAM exact, stores sketched from 20,000
+    unset.write_text("n_mem: 1024\n")
+    assert (load_profile_file(unset).faiss_threshold, load_profile_file(unset).sketch_threshold) == (None, 20000)
+    for name in builtin_profile_names():  # the graph missed the 256k passkey: no profile turns it on
+        assert (load_profile(name).faiss_threshold, load_profile(name).sketch_threshold) == (None, 20000), name
     bad = tmp_path / "bad.yaml"
     bad.write_text("sketch_threshold: 0\n")
     with pytest.raises(Exception, match="sketch_threshold"):
