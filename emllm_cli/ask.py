@@ -29,7 +29,7 @@ def ask(
     stop: list[str] = StopOpt,
     remember: bool = typer.Option(False, "--remember", help="Append this exchange (question and answer) to the store, as `emllm chat` does."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
-    reread: bool = typer.Option(False, "--reread", help="Answer by reading again the passages the memory chose: the question is read against the memory as usual, the stream's passages (~128 tokens) that the most layers retrieved, fused with the four whose words best match the question's, are taken up to emllm's attention span, and the model reads them, those whose words best match the question's last (next to the question), with the question as one ordinary context. The last tokens before the question (the local window, 1,024 for SmolLM2, which every layer attends to) compete as if they were in memory. Costs one more forward over that span (~2k tokens for SmolLM2). What it changes in answers: docs/benchmarks.md (re-read answers): more than emllm's own on look-alike facts; about as many as a retrieval pipeline (MiniLM) at the same span that reads its best chunk last (73 against 74 of 90 hard questions at 8k). The store is not changed."),
+    reread: bool = typer.Option(True, "--reread/--no-reread", help="How the answer is read. --reread, the default: the question is read against the memory as usual, then the stream's passages (~128 tokens) that the most layers retrieved, fused with the four whose words best match the question's, are taken up to emllm's attention span and the model reads them as one ordinary context with the question, those whose words best match it last. The last tokens before the question (the local window, 1,024 for SmolLM2) compete as if they were in memory. Costs one more forward over that span (~2k tokens for SmolLM2). --no-reread: emllm's own answer, the paper's method, each answer token attending to the events its layers retrieve. Measured on SmolLM2 (docs/benchmarks.md, re-read answers): 73 of 90 hard questions at 8k re-read, 21 by emllm's own reading, 74 by a retrieval pipeline (MiniLM) at the same span; the passkey found by both from 16k to 256k (re-read measured so far; emllm own to 1M). The store is not changed either way."),
 ) -> None:
     """Answer from a stored document. The store is not changed: every question sees the same memory.
 
@@ -39,7 +39,7 @@ def ask(
       emllm ask "who hid the key?"
       echo "summarise chapter 2" | emllm ask - --store book --json
       emllm ask "list the characters" --temperature 0.7 --top-p 0.9 --repetition-penalty 1.2 --seed 1
-      emllm ask "what is the key for the blue door?" --reread
+      emllm ask "what is the key for the blue door?" --no-reread   # emllm's own reading (the paper's)
     """
     from emllm.app.ask import Session
     from emllm.app.conversation import exchange_ids, remember_exchange

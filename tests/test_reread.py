@@ -376,10 +376,13 @@ def test_a_reread_answer_is_the_plain_models_on_its_context(tiny, tmp_path, word
     assert store_files(path) == before
 
 
-def test_ask_reread_from_the_command_line(tiny, tmp_path):
-    """`emllm ask --reread --json` answers as the library's re-read session does, says which
-    passages it read, and leaves the store as it was."""
+def test_ask_rereads_by_default_from_the_command_line_and_the_library(tiny, tmp_path, monkeypatch):
+    """`emllm ask --json` answers as the library's re-read session does (the default since
+    2026-11-28), says which passages it read, and leaves the store as it was; `--no-reread` gives
+    emllm's own answer and no passages. `emllm.open(...).ask` has the same default."""
     import json
+
+    import emllm
 
     from .helpers import run_in_process
 
@@ -387,16 +390,29 @@ def test_ask_reread_from_the_command_line(tiny, tmp_path):
     path = tmp_path / "stores" / "s"
     ingest_store(path, folder, prof, [("a", words(1, 300)), ("b", "The pass key is 71432. " + words(2, 300))])
     before = store_files(path)
-    r = run_in_process("ask", QUESTION, "--store", "s", "-n", "5", "--reread", "--json", home=tmp_path)
+    r = run_in_process("ask", QUESTION, "--store", "s", "-n", "5", "--json", home=tmp_path)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
+    r = run_in_process("ask", QUESTION, "--store", "s", "-n", "5", "--no-reread", "--json", home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    own = json.loads(r.stdout)
     model, tok = load_tiny(folder)
     with Store.open(path) as st:
         s = Session(st, model, tok, reread=True)
         want = "".join(s.answer_text(QUESTION, 5)).strip()
         passages = s.passages
+    with Store.open(path) as st:
+        want_own = "".join(Session(st, model, tok).answer_text(QUESTION, 5)).strip()
     assert doc["answer"] == want and doc["reread"]["passages"] == [list(p) for p in passages]
     assert doc["reread"]["tokens"] == sum(e - a for a, e in passages) > 0
+    assert own["answer"] == want_own and "reread" not in own
+    from emllm.app import api
+
+    made = []  # the tiny model may answer alike both ways: the sessions say which way they read
+    monkeypatch.setattr(api, "Session", lambda *a, **k: made.append(Session(*a, **k)) or made[-1])
+    with emllm.open(path) as mem:
+        assert mem.ask(QUESTION, 5) == want and mem.ask(QUESTION, 5, reread=False) == want_own
+    assert [m.reread for m in made] == [True, False] and made[0].passages == passages
     assert store_files(path) == before
 
 

@@ -53,12 +53,13 @@ class Memory:
         run_job(self.store, engine, commit_every, progress)
         return n
 
-    def ask(self, question: str, max_new_tokens: int = 256, stop: list[str] | None = None, reread: bool = False,
+    def ask(self, question: str, max_new_tokens: int = 256, stop: list[str] | None = None, reread: bool = True,
             **sampling: Any) -> str:
         """An answer from the memory (on a copy of its state: the store is unchanged): greedy, or
         sampled with temperature=, top_p=, top_k=, repetition_penalty=, seed= (unset: the model's
-        generation config); it ends before any of the `stop` strings. reread: answer by reading
-        again the passages the memory chose (`emllm.app.reread`)."""
+        generation config); it ends before any of the `stop` strings. reread (the default, as
+        `emllm ask`): answer by reading again the passages the memory chose (`emllm.app.reread`);
+        False: emllm's own answer, the paper's method."""
         session = Session(self.store, self.model, self.tokenizer, reread=reread)
         opts = Sampling.from_model(self.model, **sampling)
         return "".join(session.answer_text(question, max_new_tokens, opts, stop)).strip()
