@@ -30,6 +30,7 @@ def serve(
     profile: str = ProfileOpt,
     dtype: str = DtypeOpt,
     max_tokens: int = typer.Option(2048, "--max-tokens", min=1, help="The most tokens a request may ask for."),
+    reread: bool = typer.Option(False, "--reread", help="Answer requests that do not say otherwise as `emllm ask` does, re-reading the passages the memory chose (a request's \"reread\": true or false decides for itself). Off: emllm's own reading, which follows a conversation's last turns in its window; on suits questions about a document."),
 ) -> None:
     """Serve the stores under the emllm home through an OpenAI-compatible API: a request names a
     store as its model; its messages continue that store's memory (on a copy, unless the request
@@ -40,6 +41,7 @@ def serve(
     \b
       emllm serve                                  # http://127.0.0.1:8080/v1, the embedded model
       emllm serve --host 0.0.0.0 --api-key secret  # reachable from other machines, with a key
+      emllm serve --reread                         # answers re-read, as `emllm ask` gives them
       curl localhost:8080/v1/chat/completions -d '{"model": "book", "messages": [{"role": "user", "content": "who hid the key?"}]}'
     """
     if not _loopback(host) and not api_key:
@@ -53,7 +55,7 @@ def serve(
     src = models.resolve(model, profile, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
     with render.status(f"loading {render.shown(src.name)}"):
         mdl, tok = models.load(src, dtype=dtype)
-    server = Server(stores_dir(), mdl, tok, src.name, max_tokens=max_tokens, api_key=api_key)
+    server = Server(stores_dir(), mdl, tok, src.name, max_tokens=max_tokens, api_key=api_key, reread=reread)
     render.err.print(f"serving the stores under {render.shown(stores_dir())} at http://{host}:{port}/v1 "
                      f"(model {render.shown(src.name)}{', API key required' if api_key else ''}); Ctrl-C stops")
     os.environ.setdefault("UVICORN_NO_COLOR", "1")

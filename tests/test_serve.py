@@ -30,29 +30,60 @@ def _stream(path) -> list[int]:
         return st.tokens.read().tolist() + st.job.read(job["done"], job["tokens"]).tolist()
 
 
+def _serve(home, folder, prof, *extra: str):
+    """`emllm serve` on a free port of 127.0.0.1 over the stores under `home`; yields its URL."""
+    port = _port()
+    from emllm.home import models_dir
+
+    env = {**os.environ, "EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", str(folder), "--profile", str(prof), "--max-tokens", "64",
+                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if json.loads(r.read())["status"] == "ok":
+                        break
+            except OSError:
+                if proc.poll() is not None:
+                    raise AssertionError(proc.stderr.read())
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 @pytest.fixture
 def server(tiny, tmp_path):
     folder, prof, _, _ = tiny
     ingest_store(tmp_path / "stores" / "book", folder, prof, [("doc", words(6, 300))])
-    port = _port()
-    from emllm.home import models_dir
+    for url in _serve(tmp_path, folder, prof):
+        yield url, tmp_path
 
-    env = {**os.environ, "EMLLM_HOME": str(tmp_path), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", str(folder), "--profile", str(prof), "--max-tokens", "64"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if json.loads(r.read())["status"] == "ok":
-                    break
-        except OSError:
-            if proc.poll() is not None:
-                raise AssertionError(proc.stderr.read())
-            time.sleep(0.1)
-    yield url, tmp_path
-    proc.terminate()
-    proc.wait(timeout=30)
+
+def test_serve_reread_sets_the_default_a_request_can_override(tiny, tmp_path):
+    """`emllm serve --reread`: a request that does not say is answered re-read (its passages in
+    the response), one with "reread": false by emllm's own reading."""
+    from emllm.app.ask import Session
+
+    folder, prof, _, _ = tiny
+    ingest_store(tmp_path / "stores" / "book", folder, prof, [("doc", "The pass key is 71432. " + words(6, 300))])
+    model, tok = load_tiny(folder)
+    with Store.open(tmp_path / "stores" / "book") as st:
+        rs = Session(st, model, tok, reread=True)
+        reread = "".join(rs.answer_text("what is the pass key?", 5)).strip()
+        own = "".join(Session(st, model, tok).answer_text("what is the pass key?", 5)).strip()
+    for url in _serve(tmp_path, folder, prof, "--reread"):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        ask = lambda **kw: client.chat.completions.create(  # noqa: E731
+            model="book", messages=[{"role": "user", "content": "what is the pass key?"}], max_tokens=5, temperature=0, **kw)
+        r = ask()
+        assert r.choices[0].message.content == reread
+        assert r.model_extra["emllm"]["reread"]["passages"] == [list(p) for p in rs.passages]
+        r = ask(extra_body={"reread": False})
+        assert r.choices[0].message.content == own and r.model_extra.get("emllm") is None
 
 
 def test_chat_completions_through_the_openai_client(server, tiny):

@@ -6,8 +6,9 @@
                                    the store is unchanged unless the request sets "remember": true
                                    (then its last exchange is appended and committed; one writer
                                    per store, a second gets 409); "reread": true answers as
-                                   `emllm ask --reread` does (the stream's spans it read again: the
-                                   response's "emllm": {"reread": {"passages"}}, when not streamed).
+                                   `emllm ask` does by default (the stream's spans it read again: the
+                                   response's "emllm": {"reread": {"passages"}}, when not streamed;
+                                   unset: the server's default, `emllm serve --reread`, else false).
                                    "stream": true sends server-sent
                                    events. Sampling: temperature, top_p, seed, stop, max_tokens,
                                    and (as llama.cpp's server) top_k, repetition_penalty.
@@ -69,7 +70,7 @@ class ChatRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=0)  # beyond OpenAI's fields, as llama.cpp's server takes them
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     remember: bool = False  # emllm's own: append this exchange to the store
-    reread: bool = False  # emllm's own: answer by re-reading the passages the memory chose (`ask --reread`)
+    reread: bool | None = None  # emllm's own: answer by re-reading the passages the memory chose (`ask --reread`); unset: the server's default
 
 
 def _text(m: Message) -> str:
@@ -110,9 +111,10 @@ class Server:
     """The loaded model and the stores it serves."""
 
     def __init__(self, root: Path, model: Any, tok: Any, model_name: str, max_tokens: int = 2048,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, reread: bool = False) -> None:
         self.root, self.model, self.tok, self.model_name = Path(root), model, tok, model_name
         self.max_tokens, self.api_key = max_tokens, api_key
+        self.reread = reread  # for requests that do not say (`emllm serve --reread`)
         self.identity = None
         self.lock = threading.Lock()  # one generation at a time: the model and its attention are shared
         self.open: dict[str, tuple] = {}  # name -> (manifest mtime, store, session, snapshot, empty)
@@ -213,6 +215,8 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                                        top_k=req.top_k, repetition_penalty=req.repetition_penalty)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
+        reread = server.reread if req.reread is None else req.reread
+
         def run() -> Iterator[str | dict]:
             with server.lock:
                 session, snap, empty = server.session(req.model)
@@ -221,7 +225,7 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 path = session.store.path
                 history, question = conversation_ids(session, req.messages)
                 session.tail = history
-                session.reread = req.reread
+                session.reread = reread
                 pieces = []
                 for piece in session.answer_text(question, limit, sampling, stop):
                     pieces.append(piece)
@@ -232,7 +236,7 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                     remember_exchange(path, server.model, server.tok, session.lead + history + ids[len(session.lead):])
                 yield {"finish_reason": finish, "completion_tokens": session.tokens,
                        "prompt_tokens": len(history) + len(session.question_ids(question)),
-                       "passages": [list(p) for p in session.passages] if req.reread else None}
+                       "passages": [list(p) for p in session.passages] if reread else None}
 
         if not req.stream:
             parts, end = [], {}
