@@ -41,16 +41,16 @@ def vm(key: str) -> int:
     return 0
 
 
-def reread_answer(path: Path, model, tok, question: list[int]) -> dict:
-    """The answer `emllm ask --reread` gives on the store at `path` (opened afresh, read-only), and
-    the seconds from the question to the answer's end."""
+def reread_answer(path: Path, model, tok, question: list[int], key: str) -> dict:
+    """The answer `emllm ask --reread` gives on the store at `path` (opened afresh, read-only),
+    whether it holds `key`, and the seconds from the question to the answer's end."""
     t = time.perf_counter()
     with Store.open(path) as st:
         session = Session(st, model, tok, reread=True)
         eng = session._reread(question, 10)
         answer = tok.decode(eng.generate(10), skip_special_tokens=True)
         tokens = sum(e - s for s, e in session.passages)
-    return {"reread_answer": answer.strip(), "reread_tokens": tokens,
+    return {"reread_answer": answer.strip(), "reread_correct": score(answer, key), "reread_tokens": tokens,
             "reread_seconds": round(time.perf_counter() - t, 2)}
 
 
@@ -101,8 +101,7 @@ def main() -> None:
                    "answer": answer.strip(), "correct": score(answer, prompt.key),
                    "question_seconds": round(time.perf_counter() - t, 2), "commit": commit}
         if a.reread:
-            row |= reread_answer(path, model, tok, prompt.question)
-            row["reread_correct"] = score(row["reread_answer"], prompt.key)
+            row |= reread_answer(path, model, tok, prompt.question, prompt.key)
         print(json.dumps(row))
         with open(a.out, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -135,8 +134,7 @@ def main() -> None:
         "seconds": round(time.perf_counter() - t_start, 1),
     }
     if a.reread:
-        row |= reread_answer(path, model, tok, prompt.question)
-        row["reread_correct"] = score(row["reread_answer"], prompt.key)
+        row |= reread_answer(path, model, tok, prompt.question, prompt.key)
     with open(a.out, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row, indent=1))

@@ -3,6 +3,7 @@ client: streaming and not, errors, remembered exchanges seen by the next request
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -30,8 +31,10 @@ def _stream(path) -> list[int]:
         return st.tokens.read().tolist() + st.job.read(job["done"], job["tokens"]).tolist()
 
 
+@contextlib.contextmanager
 def _serve(home, folder, prof, *extra: str):
-    """`emllm serve` on a free port of 127.0.0.1 over the stores under `home`; yields its URL."""
+    """`emllm serve` on a free port of 127.0.0.1 over the stores under `home`: its URL, the server
+    stopped when the block ends (a failing assertion included)."""
     port = _port()
     from emllm.home import models_dir
 
@@ -59,7 +62,7 @@ def _serve(home, folder, prof, *extra: str):
 def server(tiny, tmp_path):
     folder, prof, _, _ = tiny
     ingest_store(tmp_path / "stores" / "book", folder, prof, [("doc", words(6, 300))])
-    for url in _serve(tmp_path, folder, prof):
+    with _serve(tmp_path, folder, prof) as url:
         yield url, tmp_path
 
 
@@ -75,7 +78,7 @@ def test_serve_reread_sets_the_default_a_request_can_override(tiny, tmp_path):
         rs = Session(st, model, tok, reread=True)
         reread = "".join(rs.answer_text("what is the pass key?", 5)).strip()
         own = "".join(Session(st, model, tok).answer_text("what is the pass key?", 5)).strip()
-    for url in _serve(tmp_path, folder, prof, "--reread"):
+    with _serve(tmp_path, folder, prof, "--reread") as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         ask = lambda **kw: client.chat.completions.create(  # noqa: E731
             model="book", messages=[{"role": "user", "content": "what is the pass key?"}], max_tokens=5, temperature=0, **kw)
