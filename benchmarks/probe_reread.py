@@ -69,6 +69,7 @@ from emllm.memory.selection import TOKEN_SCORINGS, Selection
 
 METHODS = ("emllm", "reread", "reread-rrf", "reread-last", "reread-rank", "reread-rank-rrf", "reread-lexical", "reread-hybrid", "reread-votes", "reread-window", "reread-maxsim", "rag", "rag-rank")
 NEED_THE_READ = {"emllm", "reread-votes", "reread-window", "reread-maxsim"}  # not from saved votes
+BASELINES = {"rag", "rag-rank"}  # need no read of emllm's
 
 
 class TokenRescorer(SelectionRecorder):
@@ -161,7 +162,9 @@ def main() -> None:
             # the listeners of the prompt before hold its engine: dropped before this one's read (at
             # 128k each engine holds ~6 GB)
             eng = rec = own_votes = maxsim = None
-            if saved is not None and saved.exists() and not NEED_THE_READ & set(methods):
+            if not set(methods) - BASELINES:
+                votes = {}  # the baselines alone: emllm's read is not needed
+            elif saved is not None and saved.exists() and not NEED_THE_READ & set(methods):
                 votes = {"reread": Votes.load(saved)}
             else:
                 eng = Engine(model, prof)

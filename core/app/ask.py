@@ -86,7 +86,10 @@ class Session:
         passages the layers voted for and the question (`app.reread`)."""
         from emllm.app.reread import reread
 
-        eng, rr = reread(self.engine, ids, self.tok, max_new_tokens, self.read_question_ids)
+        if self.tail:  # the pending tail first, unrecorded: its chunks' retrievals are not the question's
+            self.engine.feed(self.tail)
+            self.tail = []
+        eng, rr = reread(self.engine, ids, self.tok, max_new_tokens)
         self.passages = rr.passages
         return eng
 
