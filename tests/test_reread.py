@@ -508,6 +508,41 @@ def test_the_tail_is_cut_and_keyed_as_its_events_are_later(tiny):
             assert torch.equal(mine[i], theirs[starts.index(int(tail_spans[i, 0]))])
 
 
+def test_the_tail_scores_the_events_once_with_the_retrievals_bits(tiny):
+    """At a question's step each layer's listener is given every event's score for each of the
+    question's tokens (`Selection.token_scores`: the bits `events.token_scores` gives); the
+    recorder's selections and scores from them are those it gets by scoring the events again."""
+    import emllm.app.reread as rr_mod
+    real = rr_mod.tail_selection
+    q_ids = None
+    runs = {}
+    for reuse in (True, False):
+        eng, tok, prof, stream = _read_into_engine(tiny, 5, 120)
+        q_ids = tok(QUESTION, add_special_tokens=False)["input_ids"]
+        given = {}
+
+        def spy(window, query, tail_keys, tail, budget, scoring, normalise, event_scores=None):
+            given[window.layer_idx] = event_scores
+            if event_scores is not None:
+                assert torch.equal(event_scores, window.events.token_scores(query))
+            return real(window, query, tail_keys, tail, budget, scoring, normalise, event_scores if reuse else None)
+
+        rr_mod.tail_selection = spy
+        try:
+            rec = SelectionRecorder(eng)
+            eng.begin_question()
+            eng.feed(q_ids)
+            rec.detach()
+        finally:
+            rr_mod.tail_selection = real
+        assert len(given) == len(eng.windows) and all(s is not None and s.shape[0] == len(q_ids) for s in given.values())
+        runs[reuse] = rec.votes()
+    a, b = runs[True], runs[False]
+    assert torch.equal(a.spans, b.spans)
+    for layer in a.selections:
+        assert torch.equal(a.selections[layer], b.selections[layer]) and torch.equal(a.scores[layer], b.scores[layer])
+
+
 def test_listeners_nest_and_detach_in_any_order(tiny):
     """A trace attached inside a recall probe and a recorder: each hears every retrieval while
     attached, and detaching one leaves the others listening."""

@@ -72,11 +72,13 @@ def tail_lengths(flags: Tensor, min_block: int, max_block: int) -> Tensor:
 
 
 def tail_selection(window: Any, query: Tensor, tail_keys: Tensor, tail: Tensor, budget: int, scoring: str,
-                   normalise: bool) -> Selection:
+                   normalise: bool, event_scores: Tensor | None = None) -> Selection:
     """The layer's selection had the tail's pieces (`tail` [P] lengths of consecutive tokens,
     `tail_keys` [H_kv, sum, D] their pre-RoPE keys) been events: their mean keys (the profile's
     representative) scored with the events' by the retrieval's `query` ([T, H_r, D] a question's
     tokens, combined by `scoring`; [H_r, D] one query), the best taken within `budget` tokens.
+    `event_scores` [T, E]: the events' scores for those tokens where the retrieval computed them
+    (`Selection.token_scores`; at 1M tokens a second scoring cost seconds), else computed here.
     Returns ids [k] into the events, then the pieces (E + i: piece i), and their scores."""
     events = window.events
     reprs = mean_keys(tail_keys, tail.to(tail_keys.device), events.repr_heads)  # [P, H_r, D]
@@ -84,7 +86,9 @@ def tail_selection(window: Any, query: Tensor, tail_keys: Tensor, tail: Tensor, 
         reprs = unit_keys(reprs)
     flat = reprs.reshape(len(tail), -1)
     q = query if query.dim() == 3 else query[None]  # [T, H_r, D]
-    raw = torch.cat((events.token_scores(q), token_scores(flat.shape[0], flat.shape[1], lambda a, b: flat[a:b], q)), 1)
+    if event_scores is None or query.dim() != 3:
+        event_scores = events.token_scores(q)
+    raw = torch.cat((event_scores, token_scores(flat.shape[0], flat.shape[1], lambda a, b: flat[a:b], q).to(event_scores.device)), 1)
     scores = TOKEN_SCORINGS[scoring](raw) if query.dim() == 3 else raw[0]  # [E + P]
     lengths = torch.cat((events.event_lengths().cpu(), tail.cpu()))
     sel = select_events(scores, lengths, budget)
@@ -164,7 +168,7 @@ class SelectionRecorder(RetrievalListener):
             if keys.shape[1] != n:
                 raise RuntimeError(f"layer {layer}: {keys.shape[1]} tokens after the events, expected {n}")
             sel = tail_selection(w, query, keys, self._tail, eng.similarity_budget, pr.question_scoring,
-                                 pr.repr_normalise)
+                                 pr.repr_normalise, sel.token_scores)
         self.last[layer] = sel.ids.cpu()
         self.scores[layer] = sel.scores.detach().float().cpu()
 

@@ -9,7 +9,7 @@ Events themselves live in an `EventMemory` (RAM or the on-disk store).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -245,13 +245,14 @@ class LayerWindow:
         -> the events to attend to. query [T, H_r, D], a chunk's tokens': every event scored by
         each token, the scores combined by `token_scoring` ("max" unless given;
         `selection.TOKEN_SCORINGS`; exact, every event scored)."""
+        raw = None
         if query.dim() == 3:
-            scores = TOKEN_SCORINGS[token_scoring or "max"](self.events.token_scores(query))
-            sel = select_events(scores, self.events.event_lengths(), budget)
+            raw = self.events.token_scores(query)  # [T, E]
+            sel = select_events(TOKEN_SCORINGS[token_scoring or "max"](raw), self.events.event_lengths(), budget)
         else:
             sel = self.events.select(query, budget)
-        if on_retrieval is not None:
-            on_retrieval(self.layer_idx, sel, query)
+        if on_retrieval is not None:  # (a listener may score more than the events: the re-read's tail)
+            on_retrieval(self.layer_idx, sel if raw is None else replace(sel, token_scores=raw), query)
         return sel
 
     # -- bookkeeping ---------------------------------------------------------------------------

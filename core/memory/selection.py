@@ -5,7 +5,7 @@ new events, and the contiguity buffer."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -169,6 +169,9 @@ TOPK_FROM = 1024  # select_events narrows to a top-k before sorting only past th
 class Selection:
     ids: Tensor  # [k] event ids, in stream order
     scores: Tensor  # [k] their scores
+    # [T, E] every event's score for each of a question's T tokens, where the selection scored
+    # them all (a question's chunk, `TOKEN_SCORINGS`) and a listener is told of it; else None
+    token_scores: Tensor | None = field(default=None, repr=False, compare=False)
 
 
 def select_events(scores: Tensor, lengths: Tensor, budget: int) -> Selection:
