@@ -47,8 +47,7 @@ def reread_answer(path: Path, model, tok, question: list[int], key: str) -> dict
     t = time.perf_counter()
     with Store.open(path) as st:
         session = Session(st, model, tok, reread=True)
-        eng = session._reread(question, 10)
-        answer = tok.decode(eng.generate(10), skip_special_tokens=True)
+        answer = tok.decode(list(session.answer_ids(question, 10)), skip_special_tokens=True)
         tokens = sum(e - s for s, e in session.passages)
     return {"reread_answer": answer.strip(), "reread_correct": score(answer, key), "reread_tokens": tokens,
             "reread_seconds": round(time.perf_counter() - t, 2)}

@@ -72,7 +72,11 @@ class Session:
     def answer(self, question: str, max_new_tokens: int = 256, sampling: Sampling | None = None) -> Iterator[int]:
         """The answer, token by token, each token retrieving from the memory: greedy, or as
         `sampling` says (its repetition penalty counts the question's tokens and the answer's)."""
-        ids = self.question_ids(question)
+        yield from self.answer_ids(self.question_ids(question), max_new_tokens, sampling)
+
+    def answer_ids(self, ids: list[int], max_new_tokens: int = 256, sampling: Sampling | None = None) -> Iterator[int]:
+        """As `answer`, for a question already tokenized as the stream continues (`question_ids`,
+        or a benchmark's own form)."""
         engine = self.engine
         if self.reread:
             engine = self._reread(ids, max_new_tokens)
