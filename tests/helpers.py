@@ -34,23 +34,6 @@ def run(*args: str, home: Path, timeout: int = 600, env: dict | None = None) -> 
     return subprocess.run([EMLLM, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
-def run_here(*args: str, home: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """As `run`, in this process (typer's runner over the CLI's app): the same command line, exit
-    code, stdout and stderr, without the ~5 s a fresh interpreter spends importing torch and
-    transformers. For a test of what a command does; `run` for what the executable does (its
-    entry point, a usage error's one line, signals)."""
-    from typer.testing import CliRunner
-
-    from emllm.home import models_dir
-    from emllm_cli.main import app
-
-    env = {"EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1", **(env or {})}
-    r = CliRunner().invoke(app, list(args), env=env)
-    if r.exception is not None and not isinstance(r.exception, SystemExit):  # a traceback, as the executable would show it
-        raise r.exception
-    return subprocess.CompletedProcess([EMLLM, *args], r.exit_code, r.stdout, r.stderr)
-
-
 TOL = 1e-4  # emllm against the plain model in float32, where the whole stream fits the window
 
 

@@ -12,7 +12,7 @@ from emllm.app.conversation import Conversation
 from emllm.app.stream import encode, encode_framing
 from emllm.store import Store
 
-from .helpers import EMLLM, ingest_store, load_tiny, run_here, store_files, words
+from .helpers import EMLLM, ingest_store, load_tiny, run_in_process, store_files, words
 
 
 def _stream(path) -> list[int]:
@@ -89,9 +89,9 @@ def test_chat_from_an_empty_store_and_ask_remember(tiny, tmp_path):
     text = tok.decode(stream)
     assert text.startswith("<|im_start|>") and "my name is Ada" in text and "hello there" not in text  # undone
     n = len(stream)
-    r = run_here("ask", "and now?", "--store", "talk", "-n", "3", "--remember", home=tmp_path)
+    r = run_in_process("ask", "and now?", "--store", "talk", "-n", "3", "--remember", home=tmp_path)
     assert r.returncode == 0, r.stderr
     assert len(_stream(tmp_path / "stores" / "talk")) > n and "and now?" in tok.decode(_stream(tmp_path / "stores" / "talk"))
     n = len(_stream(tmp_path / "stores" / "talk"))
-    r = run_here("ask", "again?", "--store", "talk", "-n", "3", "--json", home=tmp_path)  # without --remember: unchanged
+    r = run_in_process("ask", "again?", "--store", "talk", "-n", "3", "--json", home=tmp_path)  # without --remember: unchanged
     assert json.loads(r.stdout)["tokens"] <= 3 and len(_stream(tmp_path / "stores" / "talk")) == n

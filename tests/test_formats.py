@@ -15,7 +15,7 @@ from emllm.app import stream
 from emllm.memory.quant import EQUALISER_MIN_ROWS, FORMATS, decode_keys, encode_keys, fit_equaliser, kv_format
 from emllm.store import Store
 
-from .helpers import QUESTION, ingest_store, load_tiny, run, run_here, words
+from .helpers import QUESTION, ingest_store, load_tiny, run, run_in_process, words
 
 
 def brute_quantise(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
@@ -184,7 +184,7 @@ def test_format_through_the_executable(tiny, tmp_path):
     doc.write_text(words(8, 400))
     base = ["-m", str(folder), "--profile", str(prof)]
     # the executable once; then in this process (each executable run costs ~5 s of imports)
-    for name, fmt, how in (("q", ["--format", "int8"], run), ("f", [], run_here)):
+    for name, fmt, how in (("q", ["--format", "int8"], run), ("f", [], run_in_process)):
         r = how("ingest", str(doc), *base, "--store", name, *fmt, home=tmp_path)
         assert r.returncode == 0, r.stderr
     q, f = (json.loads(run("show", n, "--json", home=tmp_path).stdout) for n in "qf")
@@ -197,11 +197,11 @@ def test_format_through_the_executable(tiny, tmp_path):
     assert eq_bytes == g["layers"] * 2 * g["kv_heads"] * g["head_dim"] * 4 and q["key_equaliser"] and not f["key_equaliser"]
     per_token = lambda s, extra=0: (s["bytes"]["keys+values"] - extra) / s["event_tokens"]  # noqa: E731
     assert per_token(q, eq_bytes) / per_token(f) == pytest.approx((16 + 4) / (16 * 4))
-    r = run_here("ingest", str(doc), "--store", "q", "--append", "--format", "int4", home=tmp_path)
+    r = run_in_process("ingest", str(doc), "--store", "q", "--append", "--format", "int4", home=tmp_path)
     assert r.returncode == 1 and "keeps keys and values in int8" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = run("ingest", str(doc), "--store", "z", "--format", "int3", home=tmp_path)
     assert r.returncode == 2 and "int3" in r.stderr
-    r = run_here("ask", QUESTION, "--store", "q", "-n", "4", home=tmp_path)
+    r = run_in_process("ask", QUESTION, "--store", "q", "-n", "4", home=tmp_path)
     assert r.returncode == 0, r.stderr
     r = run("show", "q", home=tmp_path)
     assert r.returncode == 0 and "keys and values in int8 (keys equalised), computed in float32" in r.stdout

@@ -514,7 +514,6 @@ def test_the_tail_scores_the_events_once_with_the_retrievals_bits(tiny):
     recorder's selections and scores from them are those it gets by scoring the events again."""
     import emllm.app.reread as rr_mod
     real = rr_mod.tail_selection
-    q_ids = None
     runs = {}
     for reuse in (True, False):
         eng, tok, prof, stream = _read_into_engine(tiny, 5, 120)

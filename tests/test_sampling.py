@@ -10,7 +10,7 @@ from emllm.app.ask import Session
 from emllm.engine.sampling import Sampling
 from emllm.store import Store
 
-from .helpers import QUESTION, ingest_store, load_tiny, run, run_here, words
+from .helpers import QUESTION, ingest_store, load_tiny, run, run_in_process, words
 
 
 def test_the_processors_apply_as_transformers_defines_them():
@@ -66,7 +66,7 @@ def test_ask_takes_the_sampling_options(tiny, tmp_path):
     folder, prof, _, _ = tiny
     ingest_store(tmp_path / "stores" / "s", folder, prof, [("doc", words(4, 300))])
     args = ("ask", QUESTION, "-n", "8", "--json", "--temperature", "1.0", "--top-k", "50", "--seed", "3")
-    one, two = run_here(*args, home=tmp_path), run_here(*args, home=tmp_path)  # (in this process: ~5 s of imports each saved)
+    one, two = run_in_process(*args, home=tmp_path), run_in_process(*args, home=tmp_path)  # (in this process: ~5 s of imports each saved)
     assert one.returncode == 0, one.stderr
     import json
 

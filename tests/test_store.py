@@ -30,7 +30,7 @@ from emllm.app.ask import Session
 from emllm.config import load_profile_file
 from emllm.engine.stream import Engine
 from emllm.store import Store, StoreError
-from .helpers import EMLLM, QUESTION, assert_same_state, ingest_store, load_tiny, run, run_here, store_arrays, store_files, store_state, words
+from .helpers import EMLLM, QUESTION, assert_same_state, ingest_store, load_tiny, run, run_in_process, store_arrays, store_files, store_state, words
 
 
 
@@ -370,34 +370,34 @@ def test_ingest_ask_inspect_through_the_executable(tiny, tmp_path):
     assert r.returncode == 1 and "is a file, not a store" in r.stderr
     # what the commands do (in this process: each executable run costs ~5 s of imports)
     # ask: without --store the most recent store; streaming text, or one JSON document
-    r = run_here("ask", QUESTION, "-n", "5", home=tmp_path)
+    r = run_in_process("ask", QUESTION, "-n", "5", home=tmp_path)
     assert r.returncode == 0 and r.stdout.endswith("\n"), r.stderr  # a random model may answer in blanks
-    r = run_here("ask", QUESTION, "-n", "5", "--json", "--store", "a", home=tmp_path)
+    r = run_in_process("ask", QUESTION, "-n", "5", "--json", "--store", "a", home=tmp_path)
     a = json.loads(r.stdout)
     assert set(a) >= {"store", "question", "answer", "tokens", "seconds_to_first_token", "seconds"} and a["tokens"] <= 5
     # inspect: the list, one store, a query
-    r = run_here("inspect", "--json", home=tmp_path)
+    r = run_in_process("inspect", "--json", home=tmp_path)
     (row,) = json.loads(r.stdout)["stores"]
     assert row["name"] == "a" and row["tokens"] == s2["tokens"]
-    r = run_here("inspect", "a", "--json", home=tmp_path)
+    r = run_in_process("inspect", "a", "--json", home=tmp_path)
     summary = json.loads(r.stdout)
     _check(summary, INSPECT_KEYS)
     assert sum(summary["event_sizes"].values()) == summary["events"]
     assert summary["representative"] == "mean" and summary["representative_heads"] == 2  # the tiny model's KV heads
-    r = run_here("inspect", "a", home=tmp_path)  # the Rich view says how events are found
+    r = run_in_process("inspect", "a", home=tmp_path)  # the Rich view says how events are found
     assert r.returncode == 0 and "each event found by the mean key of its tokens (2 heads)" in r.stdout, r.stdout
-    r = run_here("inspect", "a", "--query", QUESTION, "--layer", "1", "--json", home=tmp_path)
+    r = run_in_process("inspect", "a", "--query", QUESTION, "--layer", "1", "--json", home=tmp_path)
     ret = json.loads(r.stdout)["retrieval"]
     _check(ret, RETRIEVAL_KEYS)
     assert len(ret["coverage"]) == 2 and all(len(row) == ret["bins"] for row in ret["coverage"])
     assert all(0 <= x <= 1 for row in ret["coverage"] for x in row) and any(x > 0 for row in ret["coverage"] for x in row)
     assert ret["layer"]["index"] == 1 and ret["layer"]["steps"]
-    r = run_here("ask", QUESTION, "-n", "2", "--show-retrieval", home=tmp_path)
+    r = run_in_process("ask", QUESTION, "-n", "2", "--show-retrieval", home=tmp_path)
     assert r.returncode == 0 and "most retrieved events" in r.stderr, r.stderr
-    r = run_here("inspect", "a", "--query", QUESTION, home=tmp_path)  # the Rich view renders
+    r = run_in_process("inspect", "a", "--query", QUESTION, home=tmp_path)  # the Rich view renders
     assert r.returncode == 0 and "most retrieved events" in r.stdout
     # the same text again: added, with a note naming where the store has it
-    r = run_here("ingest", str(doc), "--append", "--store", "a", home=tmp_path)
+    r = run_in_process("ingest", str(doc), "--append", "--store", "a", home=tmp_path)
     assert r.returncode == 0 and f"the store held this text already (as {doc})" in r.stderr, r.stderr
 
 

@@ -64,10 +64,15 @@ class Session:
 
     def read_question_ids(self, ids: list[int]) -> Tensor:
         """As `read_question`, for a question already tokenized (benchmarks with their own form)."""
-        if self.tail:
-            self.engine.feed(self.tail)
+        self._feed_pending()
         self.engine.begin_question()
         return self.engine.feed(ids)
+
+    def _feed_pending(self) -> None:
+        """The stream's pending tail (tokens after the store's last chunk), once."""
+        if self.tail:
+            self.engine.feed(self.tail)
+            self.tail = []
 
     def answer(self, question: str, max_new_tokens: int = 256, sampling: Sampling | None = None) -> Iterator[int]:
         """The answer, token by token, each token retrieving from the memory: greedy, or as
@@ -90,9 +95,7 @@ class Session:
         passages the layers voted for and the question (`app.reread`)."""
         from emllm.app.reread import reread
 
-        if self.tail:  # the pending tail first, unrecorded: its chunks' retrievals are not the question's
-            self.engine.feed(self.tail)
-            self.tail = []
+        self._feed_pending()  # first, unrecorded: its chunks' retrievals are not the question's
         eng, rr = reread(self.engine, ids, self.tok, max_new_tokens)
         self.passages = rr.passages
         return eng

@@ -86,7 +86,7 @@ def tail_selection(window: Any, query: Tensor, tail_keys: Tensor, tail: Tensor, 
         reprs = unit_keys(reprs)
     flat = reprs.reshape(len(tail), -1)
     q = query if query.dim() == 3 else query[None]  # [T, H_r, D]
-    if event_scores is None or query.dim() != 3:
+    if event_scores is None:
         event_scores = events.token_scores(q)
     raw = torch.cat((event_scores, token_scores(flat.shape[0], flat.shape[1], lambda a, b: flat[a:b], q).to(event_scores.device)), 1)
     scores = TOKEN_SCORINGS[scoring](raw) if query.dim() == 3 else raw[0]  # [E + P]
