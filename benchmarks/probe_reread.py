@@ -62,7 +62,7 @@ from emllm.app.reread import SelectionRecorder, Votes, context_from_votes, read_
 from emllm.engine.stream import Engine
 from emllm.evals.passkey import _stop_ids
 from emllm.evals.rag import run_rag
-from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt
+from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt, paraphrased
 from emllm.memory.buffers import token_index
 from emllm.memory.selection import TOKEN_SCORINGS, Selection
 
@@ -132,6 +132,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="auto, float32, bfloat16 (default: the profile's)")
     ap.add_argument("--out", required=True, help="JSON lines, appended")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    ap.add_argument("--paraphrase", action="store_true",
+                    help="ask each prompt's question in other words (evals.ruler.paraphrased): the same document")
     ap.add_argument("--save-votes", type=Path, metavar="DIR",
                     help="keep each prompt's votes here; where they are already, read them instead of the document")
     a = ap.parse_args()
@@ -153,6 +155,8 @@ def main() -> None:
         for i in range(first, first + count):
             depth = round((i - first + 0.5) / count, 4)  # as quality.py places them
             p = build_prompt(a.task, tok, a.length, depth, random.Random(f"{a.seed}/{a.task}/{a.length}/{i}"), a.haystack)
+            if a.paraphrase:
+                p = paraphrased(p, tok)
             q, n_new = p.question, p.max_new_tokens
             asked = p.needles[p.targets[0]] if p.targets else None
             t0 = time.perf_counter()
@@ -225,7 +229,8 @@ def main() -> None:
                 r = {"task": name, "length": a.length, "sample": i, "depth": depth, "method": r["method"],
                      "answers": p.answers, "answer": r["answer"].strip(), "score": p.score(r["answer"]),
                      "targets": list(p.targets), **{k: v for k, v in r.items() if k not in ("method", "answer")},
-                     "dtype": str(model.dtype).removeprefix("torch."), "commit": commit, "prompt": p.digest}
+                     "dtype": str(model.dtype).removeprefix("torch."), "commit": commit, "prompt": p.digest,
+                     **({"question": "paraphrased"} if a.paraphrase else {})}
                 print(json.dumps(r), flush=True)
                 with open(a.out, "a") as f:
                     f.write(json.dumps(r) + "\n")

@@ -80,6 +80,22 @@ def test_answers_appear_once(tok, task):
             assert other not in q
 
 
+@pytest.mark.parametrize("task", NIAH)
+def test_paraphrased_asks_the_same_key_in_other_words(tok, task):
+    p = build_prompt(task, tok, 3000, 0.5, random.Random(2))
+    para = ruler.paraphrased(p, tok)
+    assert (para.document, para.needles, para.targets, para.answers) == (p.document, p.needles, p.targets, p.answers)
+    q, key = tok.decode(para.question), p.meta["keys"][0]
+    assert q.count(key) == 2 and para.query in q and para.query != p.query
+    # besides the key, no word of the needle's sentence but the kind's noun and "the"
+    needle = set(re.findall(r"[a-z]+", tok.decode(p.document[slice(*p.needles[p.targets[0]])]).lower()))
+    shared = set(re.findall(r"[a-z]+", q.lower().replace(key, " "))) & needle
+    assert shared <= {"word", "number", "uuid", "words", "numbers", "uuids", "the"}, shared
+    assert "magic" in tok.decode(p.question) and "magic" not in q
+    with pytest.raises(ValueError, match="needle tasks"):
+        ruler.paraphrased(build_prompt("vt", tok, 1000, 0.5, random.Random(0)), tok)
+
+
 def test_multi_tasks_shape(tok):
     mk = build_prompt("niah_multikey", tok, 3000, 0.5, random.Random(1))
     assert len(mk.needles) == 4 and len(mk.answers) == 1 and mk.targets == [0]

@@ -95,6 +95,12 @@ QUERY_ONE = "What is the special magic {kind_one} for {key} mentioned in the pro
 QUERY_ALL = "What are all the special magic {kind} for {key} mentioned in the provided text?"
 PREFIX_ONE = "The special magic {kind_one} for {key} mentioned in the provided text is"
 PREFIX_ALL = "The special magic {kind} for {key} mentioned in the provided text are"
+# The same questions in other words: only the key and the kind's noun (singular where the needle's is
+# plural) are shared with the needle, so a retrieval by the question's words alone has the key to go on
+PARA_ONE = "Earlier on, a {kind_one} was tied to {key}. Which {kind_one} was it?"
+PARA_ALL = "Earlier on, several {kind} were tied to {key}. Which were they?"
+PARA_PREFIX_ONE = "The {kind_one} tied to {key} was"
+PARA_PREFIX_ALL = "The {kind} tied to {key} were"
 
 VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
 VT_QUERY = "Question: Find all variables that are assigned the value {value} in the text above."
@@ -280,7 +286,22 @@ def _niah(tok, length: int, depth: float, rng: random.Random, *, task: str, kind
     document, spans = hay.assemble(head, list(zip(slots, needle_ids)))
     targets = [j for j, (k, _) in enumerate(needles) if k == keys[asked]]
     return Prompt(task, document, question, list(values[asked]), query, spans, targets, len(head), depth,
-                  max_new_tokens, {"keys": keys, "values": values})
+                  max_new_tokens, {"keys": keys, "values": values, "kind": kind})
+
+
+def paraphrased(prompt: Prompt, tok) -> Prompt:
+    """`prompt` (a needle task's) with its question asked in other words (PARA_*): the same
+    document, needles and answers. Its length is the document's and the new question's."""
+    if "kind" not in prompt.meta:
+        raise ValueError(f"{prompt.task}: only the needle tasks' questions have a paraphrase")
+    enc = _encoder(tok)
+    kinds, kind_one = KINDS[prompt.meta["kind"]]
+    key = prompt.meta["keys"][0]  # the asked key (`_niah`)
+    if len(prompt.answers) > 1:
+        query, prefix = PARA_ALL.format(kind=kinds, key=key), PARA_PREFIX_ALL.format(kind=kinds, key=key)
+    else:
+        query, prefix = PARA_ONE.format(kind_one=kind_one, key=key), PARA_PREFIX_ONE.format(kind_one=kind_one, key=key)
+    return dataclasses.replace(prompt, question=enc("\n" + query) + enc("\n" + prefix), query=query)
 
 
 def niah_single_words(tok, length: int, depth: float, rng: random.Random, haystack: str | None = None) -> Prompt:
@@ -427,4 +448,4 @@ def run_task(engine_factory: Callable[[], object], tok, prompt: Prompt, max_new_
     return tok.decode(out, skip_special_tokens=True)
 
 
-__all__ = ["TASKS", "HAYSTACKS", "needle_only", "Prompt", "build_prompt", "read_prompt", "run_task", "score", "score_part", "essay_sentence"]
+__all__ = ["TASKS", "HAYSTACKS", "needle_only", "paraphrased", "Prompt", "build_prompt", "read_prompt", "run_task", "score", "score_part", "essay_sentence"]
