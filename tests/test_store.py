@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -220,13 +221,22 @@ def test_kill_9_then_resume_equals_an_uninterrupted_ingest(tiny, tmp_path, kv_fo
 
 
 # -- errors: one line, exit 1, store untouched ----------------------------------------------------
-@pytest.fixture
-def stored(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def stored_once(tiny, tmp_path_factory):
+    """One store, ingested by the executable once for all the cases below (each gets a copy)."""
     folder, prof, _, _ = tiny
-    doc = tmp_path / "doc.txt"
+    home = tmp_path_factory.mktemp("stored")
+    doc = home / "doc.txt"
     doc.write_text(words(5, 200))
-    r = run("ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", "s", home=tmp_path)
+    r = run("ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", "s", home=home)
     assert r.returncode == 0, r.stderr
+    return home
+
+
+@pytest.fixture
+def stored(stored_once, tmp_path):
+    shutil.copy(stored_once / "doc.txt", tmp_path / "doc.txt")
+    shutil.copytree(stored_once / "stores", tmp_path / "stores")
     return tmp_path / "stores" / "s"
 
 
@@ -280,7 +290,9 @@ def test_store_errors(case, tiny, tuned, stored, tmp_path):
     before = store_files(stored)
     fill = {"doc": str(tmp_path / "doc.txt"), "other_model": str(other_model), "other_tok": str(other_tok),
             "plain": str(tmp_path / "plain"), "tuned": str(tuned)}
-    r = run(*[a.format(**fill) for a in args], home=tmp_path)
+    # in this process (the entry point, as the executable: ~5 s of imports saved a case); `stored_once`
+    # and the tests above run the executable itself
+    r = run_in_process(*[a.format(**fill) for a in args], home=tmp_path)
     if lock is not None:
         os.close(lock)
     assert r.returncode == 1, (r.stdout, r.stderr)
