@@ -15,7 +15,9 @@ Prints the medians and their ratio to the first store's.
 `--revs` compares versions of the code side by side: each revision (a commit, or "." for the
 working tree) is frozen into a temporary folder (`benchmarks.frozen_code`) and the asks alternate
 between them, store by store, run by run (this VM's speed drifts: only alternated runs compare).
-`--then-cached` asks once more right after each ask, its pages now cached.
+`--then-cached` asks once more right after each ask, its pages now cached. `--readings
+reread,own` alternates `ask`'s default (since 2026-11-28: the memory's passages read again, one
+more forward over ~2k tokens before the first token) with emllm's own reading (`--no-reread`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("1\n")
 
 
-def ask(store: str, question: str, code: Path | None = None) -> dict:
+READINGS = {"reread": [], "own": ["--no-reread"]}  # `ask`'s default since 2026-11-28, and emllm's own reading
+
+
+def ask(store: str, question: str, code: Path | None = None, reading: str = "reread") -> dict:
     """One `emllm ask` process: the installed executable, or the frozen code under `code`."""
     t = time.perf_counter()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -49,7 +54,7 @@ def ask(store: str, question: str, code: Path | None = None) -> dict:
     if code is not None:
         env["PYTHONPATH"] = str(code)
         cmd = [sys.executable, "-c", "import sys; from emllm_cli.main import cli; sys.argv[0] = 'emllm'; sys.exit(cli())"]
-    p = subprocess.Popen([*cmd, "ask", question, "--store", store, "-n", "1", "--json"],
+    p = subprocess.Popen([*cmd, "ask", question, "--store", store, "-n", "1", "--json", *READINGS[reading]],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=code)
     out, err = p.communicate()
     if p.returncode != 0:
@@ -67,35 +72,41 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="append the result as one JSON line")
     ap.add_argument("--revs", default=None, help="comma-separated git revisions (\".\": the working tree) to alternate")
     ap.add_argument("--then-cached", action="store_true", help="after each ask, ask again with its pages cached")
+    ap.add_argument("--readings", default="reread",
+                    help="comma-separated, alternated: reread (`ask`'s default), own (`--no-reread`); ratios are to the first")
     a = ap.parse_args()
+    readings = a.readings.split(",")
+    if not set(readings) <= set(READINGS):
+        ap.error(f"--readings: of {', '.join(READINGS)}")
     stores = a.stores.split(",")
     tmp = tempfile.TemporaryDirectory(prefix="emllm-first-token-")
     revs = a.revs.split(",") if a.revs else [None]
     codes = {r: (frozen_code(r, Path(tmp.name) / f"code{i}") if r else None) for i, r in enumerate(revs)}
     kinds = ["cold" if a.cold else "first", *(["cached"] if a.then_cached else [])]
-    times: dict[tuple, list[float]] = {(s, r, k): [] for s in stores for r in revs for k in kinds}
+    times: dict[tuple, list[float]] = {(s, r, g, k): [] for s in stores for r in revs for g in readings for k in kinds}
     for run in range(a.runs):
         for s in stores:
             for r in revs:
-                if a.cold:
-                    drop_caches()
-                for k in kinds:
-                    res = ask(s, a.question, codes[r])
-                    times[(s, r, k)].append(res["first_token_s"])
-                    print(json.dumps({"run": run, "store": s, "rev": r, "kind": k, **res}), flush=True)
+                for g in readings:
+                    if a.cold:
+                        drop_caches()
+                    for k in kinds:
+                        res = ask(s, a.question, codes[r], g)
+                        times[(s, r, g, k)].append(res["first_token_s"])
+                        print(json.dumps({"run": run, "store": s, "rev": r, "reading": g, "kind": k, **res}), flush=True)
     rows = []
-    base = {k: statistics.median(times[(stores[0], revs[0], k)]) for k in kinds}
-    for (s, r, k), ts in times.items():
+    base = {k: statistics.median(times[(stores[0], revs[0], readings[0], k)]) for k in kinds}
+    for (s, r, g, k), ts in times.items():
         m = json.loads((Path(s) / "manifest.json").read_text())
         med = statistics.median(ts)
-        rows.append({"store": s, "rev": r, "kind": k, "tokens": m["rows"]["tokens"], "events": m["rows"]["events"],
+        rows.append({"store": s, "rev": r, "reading": g, "kind": k, "tokens": m["rows"]["tokens"], "events": m["rows"]["events"],
                      "sketch": bool(m.get("sketch")), "first_token_s": ts, "median_s": med,
                      "ratio": round(med / base[k], 3)})
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": git_commit(), "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
               "cold": a.cold, "question": a.question, "revs": revs, "rows": rows}
     print(json.dumps(result, indent=1))
     for row in rows:
-        print(f"{row['store']}  {row['rev'] or 'installed'}  {row['kind']}: median {row['median_s']:.2f} s ({row['ratio']}x)")
+        print(f"{row['store']}  {row['rev'] or 'installed'}  {row['reading']}  {row['kind']}: median {row['median_s']:.2f} s ({row['ratio']}x)")
     if a.out:
         with open(a.out, "a") as f:
             f.write(json.dumps(result) + "\n")

@@ -27,10 +27,16 @@ H_Q, H_KV, D = 9, 3, 64  # SmolLM2-135M's heads and head size (model_like)
 EMLLM = shutil.which("emllm", path=str(Path(sys.executable).parent)) or "emllm"
 
 
-def run(*args: str, home: Path, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def cli_env(home: Path, **extra: str) -> dict[str, str]:
+    """The variables a test's `emllm` runs with: its own home, this machine's models (never a
+    download), offline; `extra` added. Without os.environ (`run_in_process` sets only these)."""
     from emllm.home import models_dir
 
-    env = {**os.environ, "EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1", **(env or {})}
+    return {"EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1", **extra}
+
+
+def run(*args: str, home: Path, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **cli_env(home, **(env or {}))}
     return subprocess.run([EMLLM, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -71,10 +77,9 @@ def run_in_process(*args: str, home: Path, env: dict | None = None) -> subproces
     import contextlib
     import io
 
-    from emllm.home import models_dir
     from emllm_cli.main import cli
 
-    env = {"EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1", **(env or {})}
+    env = cli_env(home, **(env or {}))
     saved_env = {k: os.environ.get(k) for k in env}
     saved_argv = sys.argv
     out, err = io.StringIO(), io.StringIO()

@@ -8,7 +8,7 @@ import subprocess
 
 
 import pytest
-from .helpers import EMLLM, run
+from .helpers import EMLLM, cli_env, run
 
 
 
@@ -158,10 +158,7 @@ def test_segment_json_round_trips_and_slices_text(tmp_path, smollm2, method):
 
 
 def test_segment_stdin_and_metrics_json(tmp_path, smollm2):
-    env_home = tmp_path
-    from emllm.home import models_dir
-
-    env = {**os.environ, "EMLLM_HOME": str(env_home), "EMLLM_MODELS": str(models_dir())}
+    env = {**os.environ, **cli_env(tmp_path)}
     r = subprocess.run([EMLLM, "segment", "-", "--metrics", "--method", "all", "--json"], input=TEXT,
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr

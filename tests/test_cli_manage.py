@@ -10,7 +10,7 @@ import sys
 
 from emllm.store.manifest import checksum
 
-from .helpers import EMLLM, QUESTION, ingest_store, run, run_in_process, words
+from .helpers import EMLLM, QUESTION, cli_env, ingest_store, run, run_in_process, words
 
 
 def _store(tiny, home, name="s"):
@@ -95,9 +95,7 @@ def test_ask_without_store_says_which_and_a_closed_pipe_is_no_error(tiny, tmp_pa
     _store(tiny, tmp_path)
     r = run("ask", QUESTION, "-n", "2", home=tmp_path)
     assert r.returncode == 0 and "store s (the most recently updated; choose with --store)" in r.stderr
-    from emllm.home import models_dir
-
-    env = {**os.environ, "EMLLM_HOME": str(tmp_path), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **cli_env(tmp_path)}
     p = subprocess.Popen([EMLLM, "ask", QUESTION, "-n", "2", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     p.stdout.close()  # the reader leaves at once, as `| head -1` does after its line
     _, err = p.communicate(timeout=300)
@@ -137,9 +135,6 @@ def test_segment_metrics_are_printed(tiny, tmp_path):
 
 def test_slow_steps_say_what_they_do(tiny, tmp_path):
     _store(tiny, tmp_path)
-    from emllm.home import models_dir
-
-    env = {**os.environ, "EMLLM_HOME": str(tmp_path), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1",
-           "EMLLM_PROGRESS": "1"}
+    env = {**os.environ, **cli_env(tmp_path, EMLLM_PROGRESS="1")}
     r = subprocess.run([EMLLM, "ask", QUESTION, "-n", "1", "--store", "s"], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "loading the model of s and opening it" in r.stderr, r.stderr

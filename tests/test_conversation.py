@@ -12,7 +12,7 @@ from emllm.app.conversation import Conversation
 from emllm.app.stream import encode, encode_framing
 from emllm.store import Store
 
-from .helpers import EMLLM, ingest_store, load_tiny, run_in_process, store_files, words
+from .helpers import EMLLM, cli_env, ingest_store, load_tiny, run_in_process, store_files, words
 
 
 def _stream(path) -> list[int]:
@@ -74,9 +74,7 @@ def test_a_reread_exchange_answers_as_ask_reread_and_is_remembered(tiny, tmp_pat
 
 def test_chat_from_an_empty_store_and_ask_remember(tiny, tmp_path):
     folder, prof, _, _ = tiny
-    from emllm.home import models_dir
-
-    env = {**os.environ, "EMLLM_HOME": str(tmp_path), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **cli_env(tmp_path)}
     r = subprocess.run([EMLLM, "chat", "--store", "talk", "-m", str(folder), "--profile", str(prof), "-n", "4"],
                        input="hello there\n/undo\n/reread\nmy name is Ada\n/reread\n/retrieval\n/nope\n/quit\n", capture_output=True,
                        text=True, env=env, timeout=600)

@@ -16,7 +16,7 @@ import pytest
 
 from emllm.store import Store
 
-from .helpers import EMLLM, ingest_store, load_tiny, store_files, words
+from .helpers import EMLLM, cli_env, ingest_store, load_tiny, store_files, words
 
 
 def _port() -> int:
@@ -36,9 +36,7 @@ def _serve(home, folder, prof, *extra: str):
     """`emllm serve` on a free port of 127.0.0.1 over the stores under `home`: its URL, the server
     stopped when the block ends (a failing assertion included)."""
     port = _port()
-    from emllm.home import models_dir
-
-    env = {**os.environ, "EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **cli_env(home)}
     proc = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", str(folder), "--profile", str(prof), "--max-tokens", "64",
                              *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -187,10 +185,7 @@ def test_binding_beyond_loopback_needs_a_key_and_the_key_is_checked(tiny, tmp_pa
     assert r.returncode == 1 and "give --api-key" in r.stderr
     ingest_store(tmp_path / "stores" / "book", folder, prof, [("doc", words(6, 100))])
     port = _port()
-    from emllm.home import models_dir
-
-    env = {**os.environ, "EMLLM_HOME": str(tmp_path), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1",
-           "EMLLM_API_KEY": "s3cret"}
+    env = {**os.environ, **cli_env(tmp_path, EMLLM_API_KEY="s3cret")}
     proc = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", str(folder), "--profile", str(prof)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

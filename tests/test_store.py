@@ -31,7 +31,7 @@ from emllm.app.ask import Session
 from emllm.config import load_profile_file
 from emllm.engine.stream import Engine
 from emllm.store import Store, StoreError
-from .helpers import EMLLM, QUESTION, assert_same_state, ingest_store, load_tiny, run, run_in_process, store_arrays, store_files, store_state, words
+from .helpers import EMLLM, QUESTION, assert_same_state, cli_env, ingest_store, load_tiny, run, run_in_process, store_arrays, store_files, store_state, words
 
 
 
@@ -192,7 +192,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_ingest(tiny, tmp_path, kv_fo
 
     store = tmp_path / "crashed"
     rng = random.Random(0)
-    env = {**os.environ, "EMLLM_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **cli_env(tmp_path)}
 
     kills = 0
     first = [EMLLM, "ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", str(store), "--commit-every", "1",
@@ -440,9 +440,7 @@ def _cmd() -> list[str]:
 
 
 def _env(home: Path) -> dict:
-    from emllm.home import models_dir
-
-    return {**os.environ, "EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
+    return {**os.environ, **cli_env(home)}
 
 
 @pytest.mark.slow

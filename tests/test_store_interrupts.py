@@ -19,7 +19,7 @@ from emllm.app import stream
 from emllm.config import load_profile_file
 from emllm.store import Store
 from emllm.app.textinput import TextSource, cut_rules, token_pieces
-from .helpers import CPU_ONLY, EMLLM, assert_same_state, ingest_store, load_tiny, run, store_arrays, store_files, words
+from .helpers import CPU_ONLY, EMLLM, assert_same_state, cli_env, ingest_store, load_tiny, run, store_arrays, store_files, words
 
 
 
@@ -204,9 +204,7 @@ def test_input_is_checked_in_its_first_piece_and_read_as_a_stream(tmp_path):
     (["passkey", "-l", "999999999999k"], None, "at most"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, stdin, needle):
-    from emllm.home import models_dir
-
-    env = {**os.environ, "EMLLM_HOME": str(tmp_path), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **cli_env(tmp_path)}
 
     r = subprocess.run([EMLLM, *args], capture_output=True, text=True, env=env, timeout=120,
                        stdin=subprocess.DEVNULL if stdin is None else open("/dev/zero", "rb") if stdin == "zeros" else None,
@@ -246,10 +244,7 @@ def test_too_little_disk_is_refused_before_and_a_disk_that_fills_anyway_keeps_th
         assert [p.name for p in (home / "stores").iterdir()] == []
         # Room for it, then the disk fills anyway (another program writes) after the first commit.
         subprocess.run(["mount", "-o", "remount,size=8m", str(home)], check=True)
-        env = {**os.environ, "EMLLM_HOME": str(home), "HF_HUB_OFFLINE": "1", **CPU_ONLY}
-        from emllm.home import models_dir
-
-        env["EMLLM_MODELS"] = str(models_dir())
+        env = {**os.environ, **cli_env(home, **CPU_ONLY)}
         proc = subprocess.Popen([EMLLM, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         store = home / "stores" / "s"
         while proc.poll() is None and not any(store.glob("state-*.safetensors")):  # a commit (each replaces the last)
