@@ -41,6 +41,10 @@ reading alone, without emllm's read of the document (~85 s of a prompt's ~125 s 
 named by the prompt's digest too: the same sample in another run (another depth) is another prompt,
 whose votes must not be taken for it.
 
+--paraphrase asks each prompt's question in other words (`evals.ruler.paraphrased`: the same
+document; only the key and the kind's noun shared with the needle), to see whether a choice that
+leans on the question's words holds where they are not the needle's.
+
 --samples lists quality.py's (--first-sample, --samples) runs whose prompts to ask: a prompt's
 depth depends on its run (quality.py spreads a run's depths evenly). Results: docs/benchmarks.md,
 recall (re-read answers).
