@@ -43,7 +43,8 @@ whose votes must not be taken for it.
 
 --paraphrase asks each prompt's question in other words (`evals.ruler.paraphrased`: the same
 document; only the key and the kind's noun shared with the needle), to see whether a choice that
-leans on the question's words holds where they are not the needle's.
+leans on the question's words holds where they are not the needle's; `--paraphrase none` in words
+none of which the needle has (tasks with one key only), where that choice has nothing to go on.
 
 --samples lists quality.py's (--first-sample, --samples) runs whose prompts to ask: a prompt's
 depth depends on its run (quality.py spreads a run's depths evenly). Results: docs/benchmarks.md,
@@ -136,8 +137,9 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="auto, float32, bfloat16 (default: the profile's)")
     ap.add_argument("--out", required=True, help="JSON lines, appended")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
-    ap.add_argument("--paraphrase", action="store_true",
-                    help="ask each prompt's question in other words (evals.ruler.paraphrased): the same document")
+    ap.add_argument("--paraphrase", nargs="?", const="key", choices=("key", "none"),
+                    help="ask each prompt's question in other words (evals.ruler.paraphrased): the same document; "
+                         "'key' (the bare flag): the needle's key and kind shared; 'none': no word of the needle")
     ap.add_argument("--save-votes", type=Path, metavar="DIR",
                     help="keep each prompt's votes here; where they are already, read them instead of the document")
     a = ap.parse_args()
@@ -160,7 +162,7 @@ def main() -> None:
             depth = round((i - first + 0.5) / count, 4)  # as quality.py places them
             p = build_prompt(a.task, tok, a.length, depth, random.Random(f"{a.seed}/{a.task}/{a.length}/{i}"), a.haystack)
             if a.paraphrase:
-                p = paraphrased(p, tok)
+                p = paraphrased(p, tok, shared=a.paraphrase)
             q, n_new = p.question, p.max_new_tokens
             asked = p.needles[p.targets[0]] if p.targets else None
             t0 = time.perf_counter()
@@ -234,7 +236,8 @@ def main() -> None:
                      "answers": p.answers, "answer": r["answer"].strip(), "score": p.score(r["answer"]),
                      "targets": list(p.targets), **{k: v for k, v in r.items() if k not in ("method", "answer")},
                      "dtype": str(model.dtype).removeprefix("torch."), "commit": commit, "prompt": p.digest,
-                     **({"question": "paraphrased"} if a.paraphrase else {})}
+                     **({"question": "paraphrased" if a.paraphrase == "key" else "no word of the needle"}
+                        if a.paraphrase else {})}
                 print(json.dumps(r), flush=True)
                 with open(a.out, "a") as f:
                     f.write(json.dumps(r) + "\n")

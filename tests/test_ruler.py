@@ -96,6 +96,24 @@ def test_paraphrased_asks_the_same_key_in_other_words(tok, task):
         ruler.paraphrased(build_prompt("vt", tok, 1000, 0.5, random.Random(0)), tok)
 
 
+@pytest.mark.parametrize("task", [t for t in NIAH if t != "niah_multikey"])
+def test_blind_question_shares_no_word_with_the_needles(tok, task):
+    p = build_prompt(task, tok, 3000, 0.5, random.Random(3))
+    blind = ruler.paraphrased(p, tok, shared="none")
+    assert (blind.document, blind.needles, blind.targets, blind.answers) == (p.document, p.needles, p.targets, p.answers)
+    q = tok.decode(blind.question)
+    words = set(re.findall(r"[a-z]+", q.lower()))
+    for t, value in zip(p.targets, p.answers):  # the needle's words but its value (a uuid's hex letters)
+        needle = tok.decode(p.document[slice(*p.needles[t])]).replace(value, " ")
+        assert value not in q and not words & set(re.findall(r"[a-z]+", needle.lower())), words
+
+    assert blind.query in q and p.meta["keys"][0] not in q
+    with pytest.raises(ValueError, match="several keys"):
+        ruler.paraphrased(build_prompt("niah_multikey", tok, 3000, 0.5, random.Random(3)), tok, shared="none")
+    with pytest.raises(ValueError, match="shared"):
+        ruler.paraphrased(p, tok, shared="all")
+
+
 def test_multi_tasks_shape(tok):
     mk = build_prompt("niah_multikey", tok, 3000, 0.5, random.Random(1))
     assert len(mk.needles) == 4 and len(mk.answers) == 1 and mk.targets == [0]

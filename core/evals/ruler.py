@@ -101,6 +101,13 @@ PARA_ONE = "Earlier on, a {kind_one} was tied to {key}. Which {kind_one} was it?
 PARA_ALL = "Earlier on, several {kind} were tied to {key}. Which were they?"
 PARA_PREFIX_ONE = "The {kind_one} tied to {key} was"
 PARA_PREFIX_ALL = "The {kind} tied to {key} were"
+# ... and in words none of which the needle's sentence has, not even the key or the kind's noun
+# (a synonym stands for it): only a task with one needle, or one key, can be asked so
+BLIND_ONE = "Somewhere earlier, a {kind_one} was slipped into this text. Which {kind_one} was it?"
+BLIND_ALL = "Somewhere earlier, several {kind} were slipped into this text. Which were they?"
+BLIND_PREFIX_ONE = "That {kind_one} was"
+BLIND_PREFIX_ALL = "Those {kind} were"
+SYNONYMS = {"words": ("terms", "term"), "numbers": ("figures", "figure"), "uuids": ("identifiers", "identifier")}
 
 VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
 VT_QUERY = "Question: Find all variables that are assigned the value {value} in the text above."
@@ -289,18 +296,26 @@ def _niah(tok, length: int, depth: float, rng: random.Random, *, task: str, kind
                   max_new_tokens, {"keys": keys, "values": values, "kind": kind})
 
 
-def paraphrased(prompt: Prompt, tok) -> Prompt:
-    """`prompt` (a needle task's) with its question asked in other words (PARA_*): the same
-    document, needles and answers. Its length is the document's and the new question's."""
+def paraphrased(prompt: Prompt, tok, shared: str = "key") -> Prompt:
+    """`prompt` (a needle task's) with its question asked in other words: the same document,
+    needles and answers. `shared="key"` (PARA_*): only the key and the kind's noun are the
+    needle's words; `shared="none"` (BLIND_*): none of the needle's words, the kind named by a
+    synonym, which only a prompt whose needles all answer it (one key) can be asked."""
     if "kind" not in prompt.meta:
         raise ValueError(f"{prompt.task}: only the needle tasks' questions have a paraphrase")
+    if shared not in ("key", "none"):
+        raise ValueError(f"shared: 'key' or 'none', not {shared!r}")
     enc = _encoder(tok)
-    kinds, kind_one = KINDS[prompt.meta["kind"]]
     key = prompt.meta["keys"][0]  # the asked key (`_niah`)
-    if len(prompt.answers) > 1:
-        query, prefix = PARA_ALL.format(kind=kinds, key=key), PARA_PREFIX_ALL.format(kind=kinds, key=key)
+    if shared == "none":
+        if len(prompt.meta["keys"]) > 1:
+            raise ValueError(f"{prompt.task}: its needles have several keys; without the key the question is ambiguous")
+        kinds, kind_one = SYNONYMS[prompt.meta["kind"]]
+        templates = (BLIND_ALL, BLIND_PREFIX_ALL) if len(prompt.answers) > 1 else (BLIND_ONE, BLIND_PREFIX_ONE)
     else:
-        query, prefix = PARA_ONE.format(kind_one=kind_one, key=key), PARA_PREFIX_ONE.format(kind_one=kind_one, key=key)
+        kinds, kind_one = KINDS[prompt.meta["kind"]]
+        templates = (PARA_ALL, PARA_PREFIX_ALL) if len(prompt.answers) > 1 else (PARA_ONE, PARA_PREFIX_ONE)
+    query, prefix = (t.format(kind=kinds, kind_one=kind_one, key=key) for t in templates)
     return dataclasses.replace(prompt, question=enc("\n" + query) + enc("\n" + prefix), query=query)
 
 
