@@ -2,7 +2,7 @@
 then many exchanges of other text, then a question about the fact. Reports whether the answer has
 it and how many layers retrieved the first exchange's events for the question.
 
-    python -m benchmarks.long_conversation --exchanges 60 --store /var/tmp/talk [--out docs/results/conversation.jsonl]
+    python -m benchmarks.long_conversation --exchanges 60 --store /var/tmp/talk [--reread] [--out docs/results/conversation.jsonl]
 
 The conversation is the library's (`Conversation`, as `emllm chat` runs it), greedy, on the
 embedded SmolLM2 unless -m names another model; each message after the first is ~120 tokens of prose (Python's docs), each
@@ -47,6 +47,9 @@ def main() -> None:
     ap.add_argument("--control", action="store_true",
                     help="also ask the plain model with the whole conversation in its context (when it fits): "
                          "whether the model reads the fact at all, memory aside")
+    ap.add_argument("--reread", action="store_true",
+                    help="also answer the last question as `emllm chat --reread` does (`app.reread`), not "
+                         "remembered, before the usual answer (which is remembered)")
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="for every answer (greedy otherwise)")
     a = ap.parse_args()
     path = Path(a.store)
@@ -69,6 +72,12 @@ def main() -> None:
             if (i + 1) % 10 == 0:
                 with Store.open(path) as s:
                     print(f"{i + 2} exchanges, {s.manifest['rows']['tokens']} tokens, {time.perf_counter() - t0:.0f} s", flush=True)
+        reread = None
+        if a.reread:  # asked first and forgotten, so that both answers see the same store
+            talk.remember, talk.reread = False, True
+            reread = talk.say_all(a.question, **opts)
+            reread_passages = talk.last_passages
+            talk.remember, talk.reread = True, False
         answer = talk.say_all(a.question, **opts)
     with Store.open(path) as s:
         tokens, events = s.manifest["rows"]["tokens"], s.manifest["rows"]["events"]
@@ -83,6 +92,10 @@ def main() -> None:
     row = {"exchanges": a.exchanges, "repetition_penalty": a.repetition_penalty, "tokens": tokens, "events": events, "fact_at": at, "answer": answer,
            "fact": a.fact, "question": a.question, "found": a.expect.lower() in answer.lower(), "fact_event_layers": layers, "fact_in_window_or_initial": in_window,
            "seconds": round(time.perf_counter() - t0, 1)}
+    if reread is not None:
+        row.update(reread_answer=reread, reread_found=a.expect.lower() in reread.lower(),
+                   reread_read_fact=any(s0 <= at < s1 for s0, s1 in reread_passages),
+                   reread_passages=len(reread_passages))
     if control is not None:
         row.update(control_answer=control, control_found=a.expect.lower() in control.lower())
     print(json.dumps(row))

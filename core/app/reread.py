@@ -248,13 +248,14 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_lo
     local = (max(n_init, n_stream - n_local), n_stream)
     tv = token_votes(votes.spans, weights, n_stream, attended=[local] if window else [], layers=top)
     spans = passage_spans(tok, stream, n_init, room)
-    order = passage_order(tv, spans)
+    pv = passage_votes(tv, spans) if spans else None  # ([P] most, [P] mean) votes of each passage
+    order = passage_order(tv, spans, pv)
     words = None  # [P] BM25 for the question (the stream's passages are the collection: the words' rarity)
     if choice == "votes+words" or layout == "lexical":
         words = lexical_scores(stream, spans, question)
     if choice == "votes+words" and spans:
         by_votes = torch.as_tensor(order)
-        by_votes = by_votes[passage_votes(tv, spans)[0][by_votes] > 0]
+        by_votes = by_votes[pv[0][by_votes] > 0]
         by_words = torch.sort(-words, stable=True).indices
         order = fuse_orders([by_votes.tolist(), by_words[words[by_words] > 0][:WORDS_TOP].tolist()], len(spans))
     kept = choose_passages(order, spans, room)

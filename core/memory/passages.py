@@ -115,12 +115,13 @@ def passage_votes(tv: Tensor, spans: Sequence[tuple[int, int]]) -> tuple[Tensor,
     return most, mean
 
 
-def passage_order(tv: Tensor, spans: Sequence[tuple[int, int]]) -> list[int]:
+def passage_order(tv: Tensor, spans: Sequence[tuple[int, int]],
+                  votes: tuple[Tensor, Tensor] | None = None) -> list[int]:
     """Passage indices best first: by the most votes of any of their tokens, then by mean votes,
-    then the earlier passage."""
+    then the earlier passage. `votes`: `passage_votes(tv, spans)`, where the caller has it."""
     if not spans:
         return []
-    most, mean = passage_votes(tv, spans)
+    most, mean = votes if votes is not None else passage_votes(tv, spans)
     # lexsort: the last key is the primary one; stable sorts keep index order for ties
     order = torch.arange(len(spans))
     for key in (mean, most):
