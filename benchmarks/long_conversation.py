@@ -47,6 +47,9 @@ def main() -> None:
     ap.add_argument("--control", action="store_true",
                     help="also ask the plain model with the whole conversation in its context (when it fits): "
                          "whether the model reads the fact at all, memory aside")
+    ap.add_argument("--prefix", default="Here is more of the text: ",
+                    help="what each message after the first starts with (the same in every one: their events "
+                         "are alike; '' for none)")
     ap.add_argument("--reread", action="store_true",
                     help="also answer the last question as `emllm chat --reread` does (`app.reread`), not "
                          "remembered, before the usual answer (which is remembered)")
@@ -68,7 +71,7 @@ def main() -> None:
         talk.say_all(" ".join(text[-90:]) + " " + a.fact, **opts)
         for i in range(a.exchanges - 1):
             words = text[(i * 90) % (len(text) - 90):][:90]
-            talk.say_all("Here is more of the text: " + " ".join(words), **opts)
+            talk.say_all(a.prefix + " ".join(words), **opts)
             if (i + 1) % 10 == 0:
                 with Store.open(path) as s:
                     print(f"{i + 2} exchanges, {s.manifest['rows']['tokens']} tokens, {time.perf_counter() - t0:.0f} s", flush=True)
@@ -84,13 +87,16 @@ def main() -> None:
         ids = s.tokens.read().tolist()
         code = tok.encode(" " + a.expect, add_special_tokens=False)[:1]  # the fact's first token
         at = next(i for i in range(len(ids)) if ids[i : i + len(code)] == code)  # the fact's position
-        report = retrieval_report(s, model, tok, a.question, top=100)
+        report = retrieval_report(s, model, tok, a.question, top=events)  # every event: the fact's rank however low
         control = plain_answer(s, model, tok, a.question) if a.control else None
-    spans = [e for e in report["top_events"] if e["tokens"][0] <= at < e["tokens"][1]]
-    layers = spans[0]["layers"] if spans else 0
+    spans = [(r, e) for r, e in enumerate(report["top_events"]) if e["tokens"][0] <= at < e["tokens"][1]]
+    layers, rank = (spans[0][1]["layers"], spans[0][0] + 1) if spans else (0, None)
+    # events selected by more layers than the fact's, among them those of the messages' common prefix
+    above = report["top_events"][: rank - 1] if rank else []
+    prefix_above = sum(1 for e in above if a.prefix.strip() and a.prefix.strip()[:12] in e["preview"])
     in_window = at >= report["window_start"] or at < report["initial_tokens"]
-    row = {"exchanges": a.exchanges, "repetition_penalty": a.repetition_penalty, "tokens": tokens, "events": events, "fact_at": at, "answer": answer,
-           "fact": a.fact, "question": a.question, "found": a.expect.lower() in answer.lower(), "fact_event_layers": layers, "fact_in_window_or_initial": in_window,
+    row = {"exchanges": a.exchanges, "prefix": a.prefix, "repetition_penalty": a.repetition_penalty, "tokens": tokens, "events": events, "fact_at": at, "answer": answer,
+           "fact": a.fact, "question": a.question, "found": a.expect.lower() in answer.lower(), "fact_event_layers": layers, "fact_event_rank": rank, "prefix_events_above": prefix_above, "fact_in_window_or_initial": in_window,
            "seconds": round(time.perf_counter() - t0, 1)}
     if reread is not None:
         row.update(reread_answer=reread, reread_found=a.expect.lower() in reread.lower(),
