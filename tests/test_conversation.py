@@ -93,28 +93,3 @@ def test_chat_from_an_empty_store_and_ask_remember(tiny, tmp_path):
     n = len(_stream(tmp_path / "stores" / "talk"))
     r = run_in_process("ask", "again?", "--store", "talk", "-n", "3", "--json", home=tmp_path)  # without --remember: unchanged
     assert json.loads(r.stdout)["tokens"] <= 3 and len(_stream(tmp_path / "stores" / "talk")) == n
-
-
-def test_no_event_of_a_conversation_spans_a_turn_end(tiny, tmp_path):
-    """A chat store records the template's turn-end tokens (the first special token after a
-    message) and every one of them starts an event: a fact that ends a message is not averaged
-    with the template and the reply after it (docs/benchmarks.md, a remembered conversation)."""
-    from emllm.memory.passages import event_spans
-
-    folder, prof, _, _ = tiny
-    ingest_store(tmp_path / "s", folder, prof, [("doc", words(5, 60))])
-    model, tok = load_tiny(folder)
-    with Conversation(tmp_path / "s", model, tok) as talk:
-        for i in range(6):
-            talk.say_all(words(10 + i, 9) + " the key is stone", max_new_tokens=9)
-    with Store.open(tmp_path / "s") as st:
-        ends = st.manifest["stream"]["turn_ends"]
-        assert ends == encode_framing(tok, st.manifest["stream"]["suffix"])[:1] and tok.convert_ids_to_tokens(ends) == ["<|im_end|>"]
-        ids = st.tokens.read()
-        spans = event_spans(st.events.read(), st.manifest["profile"]["n_init"])
-    starts = set(spans[:, 0].tolist())
-    closed = int(spans[-1, 1])
-    n_init = int(spans[0, 0])
-    at = [p for p in range(n_init, closed) if int(ids[p]) in ends]
-    assert len(at) >= 5  # the exchanges' turn ends lie in closed events: the check is not empty
-    assert all(p in starts for p in at), [p for p in at if p not in starts]

@@ -111,8 +111,6 @@ CASES = {
     "dtype edited": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(dtype="bfloat16")), (READ, WRITE), "differ"),
     "kv_tokens not the stream's": (lambda s, o: _manifest(s, lambda m: m["rows"].update(kv_tokens=m["rows"]["tokens"] - 1)),
                                    (READ, WRITE), "rows do not add up"),
-    "turn ends not token ids": (lambda s, o: _manifest(s, lambda m: m["stream"].update(turn_ends=["<|im_end|>", -1])),
-                                (READ, WRITE, INSPECT), "turn_ends"),
     "kv_format unknown": (lambda s, o: _manifest(s, lambda m: m.update(kv_format="int3")), (READ, WRITE), "kv_format"),
     "dtype unknown": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(dtype="int8")), (READ,), "dtype"),
     "event lengths huge": (lambda s, o: _events(s, [1 << 30] * (json.loads((s / "manifest.json").read_text())["rows"]["events"])),

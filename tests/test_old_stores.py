@@ -53,7 +53,7 @@ def old_code(tmp_path_factory) -> Path:
     return out
 
 
-def test_a_store_written_by_the_old_layout_opens_and_answers_the_same(tiny, old_code, tmp_path, monkeypatch):
+def test_a_store_written_by_the_old_layout_opens_and_answers_the_same(tiny, old_code, tmp_path):
     folder, prof, _, _ = tiny
     text = words(21, 400)
     store = tmp_path / "old-store"
@@ -80,8 +80,6 @@ def test_a_store_written_by_the_old_layout_opens_and_answers_the_same(tiny, old_
     # written with them too)
     paper = tmp_path / "paper.yaml"
     paper.write_text(Path(prof).read_text() + "\nrepresentative: attention\nrepr_normalise: false\n")
-    # (nor does it record turn ends, which start events: today's writer without them)
-    monkeypatch.setattr(stream, "turn_end_ids", lambda *a: [])
     ingest_store(tmp_path / "new", folder, paper, [("doc", text), ("more", more)])
     old, new = store_arrays(store), store_arrays(tmp_path / "new")
     assert old.keys() == new.keys()

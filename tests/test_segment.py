@@ -59,18 +59,6 @@ def ref_surprise_starts(flags: list[bool], mn: int, mx: int) -> list[int]:
     return out
 
 
-def ref_forced_starts(flags: list[bool], forced: list[bool], mn: int, mx: int) -> list[int]:
-    """Token-by-token reference with forced starts: cut at a forced token; else at a flagged one far
-    enough from the start and from the next forced token; else when the event is full."""
-    out, s = [0], 0
-    for t in range(1, len(flags)):
-        nxt = next((u for u in range(t + 1, len(flags)) if forced[u]), None)
-        if forced[t] or t - s == mx or (flags[t] and t - s >= mn and (nxt is None or nxt - t >= mn)):
-            out.append(t)
-            s = t
-    return out
-
-
 def metric_value(a: torch.Tensor, starts: torch.Tensor, metric: str) -> float:
     """Higher is better."""
     return modularity(a, starts) if metric == "modularity" else -conductance(a, starts)
@@ -130,24 +118,6 @@ def test_surprise_starts_matches_token_loop(seed):
     for t in got[1:]:  # every start is a candidate or a forced max_block cut
         prev = got[got.index(t) - 1]
         assert flags[t] or t - prev == mx
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_forced_starts_match_token_loop(seed):
-    rng = random.Random(seed)
-    n = rng.randint(1, 300)
-    mn = rng.randint(1, 10)
-    mx = rng.randint(mn, 40)
-    flags = [rng.random() < rng.choice([0.05, 0.3, 0.9]) for _ in range(n)]
-    forced = [rng.random() < rng.choice([0.0, 0.02, 0.1]) for _ in range(n)]
-    got = surprise_starts(torch.tensor(flags), mn, mx, torch.tensor(forced)).tolist()
-    assert got == ref_forced_starts(flags, forced, mn, mx)
-    assert {t for t in range(1, n) if forced[t]} <= set(got)  # no event spans a forced start
-    ends = got[1:] + [n]
-    for a, b in zip(got, ends):  # events are within bounds unless a forced start cuts them short
-        assert b - a <= mx and (b - a >= mn or b == n or forced[b])
-    if not any(forced):
-        assert got == surprise_starts(torch.tensor(flags), mn, mx).tolist()
 
 
 def test_surprise_starts_examples():

@@ -61,14 +61,13 @@ def passage_spans(tok: Any, stream: Tensor, start: int, room: int) -> list[tuple
     return chunk_spans(len(stream), size, start=start, sentence_ends=sentence_ends(tok, stream))
 
 
-def tail_lengths(flags: Tensor, min_block: int, max_block: int, forced: Tensor | None = None) -> Tensor:
+def tail_lengths(flags: Tensor, min_block: int, max_block: int) -> Tensor:
     """[P] lengths of the pieces the stream's tail (tokens in no event yet; `flags` [n] their
-    boundary candidates, `forced` [n] the tokens that always start one) would be cut into as
-    events, the last piece still open (may be short)."""
+    boundary candidates) would be cut into as events, the last piece still open (may be short)."""
     n = int(flags.numel())
     if n == 0:
         return torch.zeros(0, dtype=torch.long)
-    starts = surprise_starts(flags.cpu(), min_block, max_block, None if forced is None else forced.cpu())
+    starts = surprise_starts(flags.cpu(), min_block, max_block)
     return torch.diff(starts, append=torch.tensor([n]))
 
 
@@ -152,8 +151,7 @@ class SelectionRecorder(RetrievalListener):
         self._at = eng.n_tokens
         events = event_spans(eng.windows[0].events.event_lengths(), pr.n_init)
         flags = eng.flags.view()[eng.rem_start : eng.n_tokens] if self.tail else eng.flags.view()[:0]
-        forced = eng.forced_starts(eng.rem_start, eng.n_tokens) if self.tail else None
-        self._tail = tail_lengths(flags, pr.min_block, pr.max_block, forced)
+        self._tail = tail_lengths(flags, pr.min_block, pr.max_block)
         ends = torch.cumsum(self._tail, 0) + eng.rem_start
         self._spans = torch.cat((events, torch.stack((ends - self._tail, ends), 1)))
 

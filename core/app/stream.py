@@ -9,11 +9,9 @@ check identity: one way, for every command), and an engine continuing its stream
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
-
-import torch
 
 from emllm import models
 from emllm.config import Profile, ProfileMismatchError, profile_from_dict
@@ -33,11 +31,6 @@ class StreamFormat:
     chat: bool
     prefix: str  # before the first document: the opening of a user turn
     suffix: str  # after the question: end of the user turn, start of the answer
-    # Token ids that end a turn (the template's first special token after a user's and after an
-    # assistant's message): each starts an event (`Engine.turn_ends`), so no event holds the end
-    # of one message and the start of the next. Without them (stores before 2026-11-29, no chat
-    # template) the surprise alone cuts.
-    turn_ends: list[int] = field(default_factory=list)
 
     @classmethod
     def for_tokenizer(cls, tok: Any, chat: bool = True) -> "StreamFormat":
@@ -45,16 +38,8 @@ class StreamFormat:
             text = tok.apply_chat_template([{"role": "user", "content": _MARK}], add_generation_prompt=True, tokenize=False)
             if text.count(_MARK) == 1:
                 prefix, suffix = text.split(_MARK)
-                return cls(True, prefix, suffix, turn_end_ids(tok, suffix, reopen_text(tok, True)))
+                return cls(True, prefix, suffix)
         return cls(False, "", "\nAnswer:")
-
-
-def turn_end_ids(tok: Any, *framings: str) -> list[int]:
-    """The first token of each framing (what follows a message), where it is a special token: text
-    such as a newline also appears inside messages and would cut them anywhere."""
-    special = set(tok.all_special_ids) | {i for i, t in getattr(tok, "added_tokens_decoder", {}).items() if t.special}
-    firsts = {ids[0] for ids in (encode_framing(tok, f) for f in framings if f) if ids}
-    return sorted(firsts & special)
 
 
 def reopen_text(tok: Any, chat: bool) -> str:
@@ -133,9 +118,6 @@ def open_engine(store: Store, model: Any, kv_cache_mb: int | None = None) -> Eng
         raise StoreError(f"{store.path}: representative keys per KV head with representative "
                          f"{profile.representative!r}: the store is damaged or was edited")
     engine = Engine(model, profile, memory=lambda i: StoredEvents(store, i, kv_cache_mb))
-    ends = store.manifest.get("stream", {}).get("turn_ends")
-    if ends:
-        engine.turn_ends = torch.tensor(ends, dtype=torch.long)
     state = store.load_state()
     if state:
         try:

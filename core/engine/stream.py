@@ -145,10 +145,6 @@ class Engine:
         self.last_logits: Tensor | None = None  # [V] predicts the next token
         self.on_retrieval: Callable[[int, Selection, Tensor], None] | None = None
         self.answering = False  # a question is being read or answered (`begin_question`)
-        # [k] token ids that always start an event (a chat store's turn ends, `app.stream.turn_ends`):
-        # no event spans two turns, so a fact that ends a message is not averaged with the template
-        # and the reply after it. None: the surprise alone cuts (documents).
-        self.turn_ends: Tensor | None = None
 
     def begin_question(self) -> None:
         """What comes next is a question and its answer: retrieval scores with the profile's
@@ -252,24 +248,17 @@ class Engine:
         # Flags up to and including `evicted`: a boundary there closes the event before it.
         # (evicted < n_tokens always, since n_local >= 1.) Every start but the last closes an event.
         f = self.flags.view()[self.rem_start : evicted + 1]
-        forced = self.forced_starts(self.rem_start, evicted + 1)
-        starts = surprise_starts(f, pr.min_block, pr.max_block, forced)
+        starts = surprise_starts(f, pr.min_block, pr.max_block)
         if starts.numel() < 2:
             return
         if len(pr.segmentation) == 2:  # SM, SC, FM, FC: refine inside the closed stretch
-            starts = self._refine(starts, forced)
+            starts = self._refine(starts)
         lengths = torch.diff(starts)
         for w in self.windows:
             w.close_events(lengths, pr.repr_topk, pr.repr_normalise, pr.representative == "mean")
         self.rem_start += int(lengths.sum())
 
-    def forced_starts(self, a: int, b: int) -> Tensor | None:
-        """[b - a] bool: which of the stream's tokens [a, b) always start an event (`turn_ends`)."""
-        if self.turn_ends is None:
-            return None
-        return torch.isin(self.ids.view()[a:b], self.turn_ends)
-
-    def _refine(self, starts: Tensor, forced: Tensor | None = None) -> Tensor:
+    def _refine(self, starts: Tensor) -> Tensor:
         """Paper Algorithm 1 over the stretch [rem_start, rem_start + starts[-1]) about to close.
 
         The stretch's ends stay fixed (its last start opens the next, still open, event); the
@@ -288,7 +277,7 @@ class Engine:
         # included) must stay in [min_block, max_block]: refine only moves a boundary where both
         # events it changes stay in bounds. enforce_block_sizes is then a no-op safety net.
         inner = refine(a, starts[:-1], metric, min_block=pr.min_block, max_block=pr.max_block)
-        inner = enforce_block_sizes(inner, n, pr.min_block, pr.max_block, None if forced is None else forced[:n])
+        inner = enforce_block_sizes(inner, n, pr.min_block, pr.max_block)
         return torch.cat((inner, starts[-1:]))
 
     # -- state -------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def fixed_starts(n: int, block: int, device: torch.device | str | None = None) -
     return torch.arange(0, n, block, dtype=torch.long, device=device)
 
 
-def surprise_starts(flags: Tensor, min_block: int, max_block: int, forced: Tensor | None = None) -> Tensor:
+def surprise_starts(flags: Tensor, min_block: int, max_block: int) -> Tensor:
     """Event starts from boundary-candidate flags, with event sizes in [min_block, max_block].
 
     flags: bool [n]; flags[t] means token t may start a new event (flags[0] is ignored: token 0
@@ -61,12 +61,7 @@ def surprise_starts(flags: Tensor, min_block: int, max_block: int, forced: Tenso
     candidate t >= s + min_block (closer candidates are ignored, so the short piece merges into
     the following event), unless that is further than max_block, in which case the event is cut at
     s + max_block. Every event but the last has a length in [min_block, max_block]; the last one
-    (still open in a stream) may be shorter than min_block.
-
-    forced: bool [n] or None, tokens that always start an event (a chat's turn ends: no event
-    spans one). A candidate that would leave less than min_block before the next forced start is
-    passed over (its piece joins the event before), and an event that ends at a forced start may
-    be shorter than min_block. Returns long [k] on flags' device.
+    (still open in a stream) may be shorter than min_block. Returns long [k] on flags' device.
 
     One loop step per event (searchsorted over the candidate positions), none per token.
     """
@@ -76,17 +71,11 @@ def surprise_starts(flags: Tensor, min_block: int, max_block: int, forced: Tenso
     if n == 0:
         return torch.zeros(0, dtype=torch.long, device=flags.device)
     cand = torch.nonzero(flags.reshape(-1)).reshape(-1).cpu().numpy()  # sorted candidate positions
-    must = (torch.nonzero(forced.reshape(-1)).reshape(-1).cpu().numpy() if forced is not None
-            else np.zeros(0, dtype=np.int64))  # sorted forced starts
     out = [0]
     s = 0
     while True:
         j = int(np.searchsorted(cand, s + min_block))  # first candidate far enough from s
         t = int(cand[j]) if j < cand.size else n
-        i = int(np.searchsorted(must, s, side="right"))  # first forced start after s
-        f = int(must[i]) if i < must.size else n
-        if i < must.size and t + min_block > f:  # the candidate's piece would be short of the forced start
-            t = f
         t = min(t, s + max_block)  # a run longer than max_block is cut
         if t >= n:
             break
@@ -95,17 +84,16 @@ def surprise_starts(flags: Tensor, min_block: int, max_block: int, forced: Tenso
     return torch.tensor(out, dtype=torch.long, device=flags.device)
 
 
-def enforce_block_sizes(starts: Tensor, n: int, min_block: int, max_block: int, forced: Tensor | None = None) -> Tensor:
+def enforce_block_sizes(starts: Tensor, n: int, min_block: int, max_block: int) -> Tensor:
     """Apply surprise_starts' min/max rule to an existing segmentation (e.g. after refinement).
 
     Each start is a candidate; starts that would leave an event shorter than min_block are
     dropped (the piece merges into the next event) and events longer than max_block are cut.
-    A segmentation that already satisfies the rule comes back unchanged. forced: as for
-    `surprise_starts` (a refinement may have moved a forced start: it comes back).
+    A segmentation that already satisfies the rule comes back unchanged.
     """
     flags = torch.zeros(n, dtype=torch.bool, device=starts.device)
     flags[starts] = True
-    return surprise_starts(flags, min_block, max_block, forced)
+    return surprise_starts(flags, min_block, max_block)
 
 
 def random_starts(n: int, k: int, generator: torch.Generator, min_block: int = 1) -> Tensor:

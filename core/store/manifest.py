@@ -182,6 +182,3 @@ def _validate(m: dict) -> None:
         _need(isinstance(s, dict) and isinstance(s.get("chat"), bool), "stream.chat is not true or false")
         _str(s, "prefix")
         _str(s, "suffix")
-        ends = s.get("turn_ends", [])  # (stores before 2026-11-29 have none)
-        _need(isinstance(ends, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ends),
-              "stream.turn_ends is not a list of token ids")
