@@ -228,6 +228,14 @@ def test_an_unsupported_model_folder_is_one_line(tmp_path):
     assert _stores(tmp_path) == []
 
 
+def _committed_tokens(store: Path) -> int:
+    """Tokens the store's published manifest holds (0 while there is none, or it is being replaced)."""
+    try:
+        return json.loads((store / "manifest.json").read_text())["rows"]["tokens"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def test_too_little_disk_is_refused_before_and_a_disk_that_fills_anyway_keeps_the_last_commit(tiny, tmp_path):
     folder, prof, _, _ = tiny
     home = tmp_path / "home"
@@ -247,8 +255,8 @@ def test_too_little_disk_is_refused_before_and_a_disk_that_fills_anyway_keeps_th
         env = {**os.environ, **cli_env(home, **CPU_ONLY)}
         proc = subprocess.Popen([EMLLM, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         store = home / "stores" / "s"
-        while proc.poll() is None and not any(store.glob("state-*.safetensors")):  # a commit (each replaces the last)
-            time.sleep(0.002)
+        while proc.poll() is None and not _committed_tokens(store):  # a commit: the manifest that publishes it
+            time.sleep(0.002)  # (a state file is written before its manifest: seeing one is not yet a commit)
         assert proc.poll() is None, "the ingest ended before its first commit was seen"
         with open(home / "filler", "wb") as f:  # everything that is left
             try:
