@@ -27,7 +27,7 @@ from emllm import models
 from emllm.app.ask import Session
 from emllm.app.conversation import Conversation
 from emllm.app.report import retrieval_doc
-from emllm.app.stream import create_store
+from emllm.app.stream import create_store, pending_tokens
 from emllm.app.trace import Trace
 from emllm.evals.corpus import prose
 from emllm.store import Store
@@ -81,7 +81,7 @@ def main() -> None:
                 talk.say_all(msg, max_new_tokens=16)
     built = time.perf_counter() - t0
     with Store.open(path) as st:
-        ids = st.tokens.read().tolist()
+        ids = st.tokens.read().tolist() + pending_tokens(st)  # (a short conversation may have committed no chunk)
         variants = [("store", None)] + [(v, tuple(v.split(":"))) for v in a.scorings.split(",") if v]
         for fact, question, first in FACTS[: (a.exchanges + every - 1) // every]:
             code = tok.encode(" " + first, add_special_tokens=False)[:1]

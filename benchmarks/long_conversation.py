@@ -23,7 +23,7 @@ from emllm.app.ask import Session
 from emllm.app.conversation import Conversation
 from emllm.models import stop_token_ids
 from emllm.app.report import retrieval_report
-from emllm.app.stream import create_store
+from emllm.app.stream import create_store, pending_tokens
 from emllm.engine.sampling import Sampling
 from emllm.store import Store
 
@@ -85,7 +85,7 @@ def main() -> None:
         answer = talk.say_all(a.question, **opts)
     with Store.open(path) as s:
         tokens, events = s.manifest["rows"]["tokens"], s.manifest["rows"]["events"]
-        ids = s.tokens.read().tolist()
+        ids = s.tokens.read().tolist() + pending_tokens(s)  # (a short conversation may have committed no chunk)
         code = tok.encode(" " + a.expect, add_special_tokens=False)[:1]  # the fact's first token
         at = next(i for i in range(len(ids)) if ids[i : i + len(code)] == code)  # the fact's position
         report = retrieval_report(s, model, tok, a.question, top=events)  # every event: the fact's rank however low
