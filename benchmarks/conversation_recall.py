@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from benchmarks import git_commit
+from benchmarks.long_conversation import fact_position
 from emllm import models
 from emllm.app.ask import Session
 from emllm.app.conversation import Conversation
@@ -32,7 +33,7 @@ from emllm.app.trace import Trace
 from emllm.evals.corpus import prose
 from emllm.store import Store
 
-# (the fact, as the user states it; the question; what the fact's first token is)
+# (the fact, as the user states it; the question; its answer, as the fact words it)
 FACTS = [
     ("Remember: the secret word is pineapple.", "What is the secret word?", "pineapple"),
     ("Note that my locker code is 4721.", "What is my locker code?", "4721"),
@@ -83,9 +84,8 @@ def main() -> None:
     with Store.open(path) as st:
         ids = st.tokens.read().tolist() + pending_tokens(st)  # (a short conversation may have committed no chunk)
         variants = [("store", None)] + [(v, tuple(v.split(":"))) for v in a.scorings.split(",") if v]
-        for fact, question, first in FACTS[: (a.exchanges + every - 1) // every]:
-            code = tok.encode(" " + first, add_special_tokens=False)[:1]
-            at = next(i for i in range(len(ids)) if ids[i : i + len(code)] == code)
+        for fact, question, answer in FACTS[: (a.exchanges + every - 1) // every]:
+            at = fact_position(ids, tok, fact, answer)
             for name, override in variants:
                 session = Session(st, model, tok)
                 if override is not None:

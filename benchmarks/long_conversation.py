@@ -86,8 +86,7 @@ def main() -> None:
     with Store.open(path) as s:
         tokens, events = s.manifest["rows"]["tokens"], s.manifest["rows"]["events"]
         ids = s.tokens.read().tolist() + pending_tokens(s)  # (a short conversation may have committed no chunk)
-        code = tok.encode(" " + a.expect, add_special_tokens=False)[:1]  # the fact's first token
-        at = next(i for i in range(len(ids)) if ids[i : i + len(code)] == code)  # the fact's position
+        at = fact_position(ids, tok, a.fact, a.expect)
         report = retrieval_report(s, model, tok, a.question, top=events)  # every event: the fact's rank however low
         control = plain_answer(s, model, tok, a.question) if a.control else None
     spans = [(r, e) for r, e in enumerate(report["top_events"]) if e["tokens"][0] <= at < e["tokens"][1]]
@@ -109,6 +108,16 @@ def main() -> None:
     if a.out:
         with open(a.out, "a") as f:
             f.write(json.dumps({"date": time.strftime("%Y-%m-%d"), **row}) + "\n")
+
+
+def fact_position(ids: list[int], tok, fact: str, expect: str) -> int:
+    """Stream position of `expect`'s first token where the first message that ends with `fact`
+    states it (a message's last sentence follows a space). Looked for inside the fact: the answer's
+    own first token may be common ("4721" starts with a bare space token in SmolLM2's vocabulary)."""
+    f = tok.encode(" " + fact, add_special_tokens=False)
+    e = tok.encode(" " + expect, add_special_tokens=False)
+    start = next(i for i in range(len(ids) - len(f) + 1) if ids[i : i + len(f)] == f)
+    return start + next(j for j in range(len(f) - len(e) + 1) if f[j : j + len(e)] == e)
 
 
 def plain_answer(st: Store, model, tok, question: str, max_new_tokens: int = 16) -> str | None:

@@ -106,7 +106,6 @@ def test_blind_question_shares_no_word_with_the_needles(tok, task):
     for t, value in zip(p.targets, p.answers):  # the needle's words but its value (a uuid's hex letters)
         needle = tok.decode(p.document[slice(*p.needles[t])]).replace(value, " ")
         assert value not in q and not words & set(re.findall(r"[a-z]+", needle.lower())), words
-
     assert blind.query in q and p.meta["keys"][0] not in q
     with pytest.raises(ValueError, match="several keys"):
         ruler.paraphrased(build_prompt("niah_multikey", tok, 3000, 0.5, random.Random(3)), tok, shared="none")

@@ -18,8 +18,8 @@ the interpreter gave before, so prompts and results from before it keep their `r
 from __future__ import annotations
 
 import ast
-import hashlib
 import functools
+import hashlib
 import inspect
 import lzma
 import re
