@@ -58,8 +58,8 @@ def main() -> None:
     ap.add_argument("--exchanges", type=int, default=60)
     ap.add_argument("--profile", "-p", help="a built-in profile name or a .yaml file (default: SmolLM2's)")
     ap.add_argument("--scorings", default="",
-                    help="read-time variants, comma-separated question_scoring:question_centering (e.g. mean:0); "
-                         "the store's own is always asked")
+                    help="read-time variants, comma-separated question_scoring:question_centering[:distinct_events 0|1] "
+                         "(e.g. mean:0, lse:1:1); the store's own is always asked")
     ap.add_argument("--reuse", action="store_true", help="ask the store of an earlier run (no new conversation)")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -90,7 +90,8 @@ def main() -> None:
                 session = Session(st, model, tok)
                 if override is not None:
                     session.engine.profile = dataclasses.replace(
-                        session.engine.profile, question_scoring=override[0], question_centering=float(override[1]))
+                        session.engine.profile, question_scoring=override[0], question_centering=float(override[1]),
+                        distinct_events=(override[2] == "1") if len(override) > 2 else session.engine.profile.distinct_events)
                 trace = Trace.attach(session.engine)
                 session.read_question(question)
                 trace.detach()
@@ -100,6 +101,7 @@ def main() -> None:
                 row = {"fact": fact, "question": question, "fact_at": at, "scoring": name,
                        "question_scoring": pr.question_scoring, "question_centering": pr.question_centering,
                        "representative": pr.representative, "repr_normalise": pr.repr_normalise,
+                       "distinct_events": pr.distinct_events,
                        "rank": rank, "layers": layers, "events": len(doc["top_events"]),
                        "in_window": at >= doc["window_start"], "tokens": len(ids),
                        "exchanges": a.exchanges, "build_seconds": round(built, 1), "commit": git_commit()}

@@ -47,13 +47,17 @@ def make_store(path: Path, src, model, tok, prompt) -> None:
         run_job(st, open_engine(st, model))
 
 
-def margin(path: Path, n: int, depth: float, scoring: str, model, tok, prompt, answer_tokens: int) -> dict:
-    """One question on one store under one scoring (see the module docstring)."""
+def margin(path: Path, n: int, depth: float, scoring: str, model, tok, prompt, answer_tokens: int,
+           distinct: bool | None = None) -> dict:
+    """One question on one store under one scoring (see the module docstring); distinct: the
+    profile's distinct_events for the question (None: the store's)."""
     t = time.perf_counter()
     with Store.open(path) as st:
         session = Session(st, model, tok)
         eng = session.engine
         eng.profile = eng.profile.replace(question_scoring=scoring)  # (read at every step)
+        if distinct is not None:
+            eng.profile = eng.profile.replace(distinct_events=distinct)
         probe = RecallProbe(eng)
         lp = session.read_question_ids(prompt.question).float().log_softmax(-1)
         probe.detach()
@@ -63,7 +67,7 @@ def margin(path: Path, n: int, depth: float, scoring: str, model, tok, prompt, a
         other[want] = float("-inf")
         best = int(other.argmax())
         answer = tok.decode(eng.generate(answer_tokens), skip_special_tokens=True)
-    return {"tokens": n, "depth": depth, "scoring": scoring, "key": prompt.key,
+    return {"tokens": n, "depth": depth, "scoring": scoring, "distinct_events": eng.profile.distinct_events, "key": prompt.key,
             "key_token": tok.decode([want]), "lp_key_token": round(float(lp[want]), 4),
             "best_other": tok.decode([best]), "lp_best_other": round(float(lp[best]), 4),
             "margin": round(float(lp[want] - lp[best]), 4), "answer": answer.strip(), "correct": score(answer, prompt.key),
@@ -80,6 +84,8 @@ def main() -> None:
     ap.add_argument("--store", action="append", default=[], metavar="PATH:LENGTH:DEPTH",
                     help="a store made by benchmarks.million (repeatable)")
     ap.add_argument("--scorings", default=",".join(QUESTION_SCORINGS))
+    ap.add_argument("--distinct", default="", help="distinct_events values to ask with, comma-separated 0/1 "
+                    "(default: the store's own)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--answer-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
@@ -102,8 +108,8 @@ def main() -> None:
         prompt = build_prompt(tok, n, depth, random.Random(f"{a.seed}/{n}/{depth}/0"))
         if not path.exists():
             make_store(path, src, model, tok, prompt)
-        for s in scorings:
-            row = {**margin(path, n, depth, s, model, tok, prompt, a.answer_tokens), "store": str(path), "commit": commit}
+        for s, d in ((s, d) for s in scorings for d in ([x == "1" for x in a.distinct.split(",")] if a.distinct else [None])):
+            row = {**margin(path, n, depth, s, model, tok, prompt, a.answer_tokens, d), "store": str(path), "commit": commit}
             print(json.dumps(row), flush=True)
             with open(a.out, "a") as f:
                 f.write(json.dumps(row) + "\n")

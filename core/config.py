@@ -91,6 +91,13 @@ class Profile:
     # centring above (without it, worse than the mean); stores keep the scoring they were made
     # with ("mean" before 2026-11-26, "max" until 2026-11-27).
     question_scoring: str = "lse"
+    # A question's selection keeps one event of each set whose tokens are the same (the best
+    # scoring; `emllm.memory.distinct`): in a conversation the template's framing and a small
+    # model's repeated replies made copies that scored alike and filled the budget (five facts
+    # over 60 exchanges: held by 74 of 150 layer-selections with the copies, more without;
+    # docs/benchmarks.md, a remembered conversation). Only where the question's tokens score every
+    # event (question_scoring "max", "lse"); stores made before keep what they were read with.
+    distinct_events: bool = True
     # Representative keys scaled to unit length per head (query or KV head, as the store keeps
     # them) when events close: an event then scores the sum over heads of |q_h| cos(q_h, r_h),
     # and keys that are long win no more often. True by default since 2026-11-26 (evening): the
@@ -167,6 +174,8 @@ def validate(p: Profile, where: str = "") -> Profile:
         raise bad("question_centering_answer", f"must be true or false, got {p.question_centering_answer!r}")
     if p.question_scoring not in QUESTION_SCORINGS:
         raise bad("question_scoring", f"must be one of {', '.join(QUESTION_SCORINGS)}, got {p.question_scoring!r}")
+    if not isinstance(p.distinct_events, bool):
+        raise bad("distinct_events", f"must be true or false, got {p.distinct_events!r}")
     if not isinstance(p.repr_normalise, bool):
         raise bad("repr_normalise", f"must be true or false, got {p.repr_normalise!r}")
     if p.representative not in REPRESENTATIVES:

@@ -520,11 +520,11 @@ def test_the_tail_scores_the_events_once_with_the_retrievals_bits(tiny):
         q_ids = tok(QUESTION, add_special_tokens=False)["input_ids"]
         given = {}
 
-        def spy(window, query, tail_keys, tail, budget, scoring, normalise, event_scores=None):
+        def spy(window, query, tail_keys, tail, budget, scoring, normalise, event_scores=None, groups=None):
             given[window.layer_idx] = event_scores
             if event_scores is not None:
                 assert torch.equal(event_scores, window.events.token_scores(query))
-            return real(window, query, tail_keys, tail, budget, scoring, normalise, event_scores if reuse else None)
+            return real(window, query, tail_keys, tail, budget, scoring, normalise, event_scores if reuse else None, groups)
 
         rr_mod.tail_selection = spy
         try:

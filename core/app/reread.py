@@ -33,6 +33,7 @@ from torch import Tensor
 
 from emllm.engine.stream import Engine, RetrievalListener
 from emllm.math.segmentation import surprise_starts
+from emllm.memory.distinct import span_groups
 from emllm.memory.passages import (RRF_K, chunk_spans, choose_passages, event_rrf, event_spans, event_votes,
                                   event_votes_rrf, fuse_orders, lexical_scores, passage_order, passage_votes,
                                   token_votes)
@@ -72,13 +73,14 @@ def tail_lengths(flags: Tensor, min_block: int, max_block: int) -> Tensor:
 
 
 def tail_selection(window: Any, query: Tensor, tail_keys: Tensor, tail: Tensor, budget: int, scoring: str,
-                   normalise: bool, event_scores: Tensor | None = None) -> Selection:
+                   normalise: bool, event_scores: Tensor | None = None, groups: Tensor | None = None) -> Selection:
     """The layer's selection had the tail's pieces (`tail` [P] lengths of consecutive tokens,
     `tail_keys` [H_kv, sum, D] their pre-RoPE keys) been events: their mean keys (the profile's
     representative) scored with the events' by the retrieval's `query` ([T, H_r, D] a question's
     tokens, combined by `scoring`; [H_r, D] one query), the best taken within `budget` tokens.
     `event_scores` [T, E]: the events' scores for those tokens where the retrieval computed them
     (`Selection.token_scores`; at 1M tokens a second scoring cost seconds), else computed here.
+    `groups` [E + P]: identical events and pieces take one place (`select_events`).
     Returns ids [k] into the events, then the pieces (E + i: piece i), and their scores."""
     events = window.events
     reprs = mean_keys(tail_keys, tail.to(tail_keys.device), events.repr_heads)  # [P, H_r, D]
@@ -91,7 +93,7 @@ def tail_selection(window: Any, query: Tensor, tail_keys: Tensor, tail: Tensor, 
     raw = torch.cat((event_scores, token_scores(flat.shape[0], flat.shape[1], lambda a, b: flat[a:b], q).to(event_scores.device)), 1)
     scores = TOKEN_SCORINGS[scoring](raw) if query.dim() == 3 else raw[0]  # [E + P]
     lengths = torch.cat((events.event_lengths().cpu(), tail.cpu()))
-    sel = select_events(scores, lengths, budget)
+    sel = select_events(scores, lengths, budget, groups)
     return Selection(sel.ids.cpu(), sel.scores.cpu())
 
 
@@ -141,6 +143,7 @@ class SelectionRecorder(RetrievalListener):
         self._spans = torch.zeros(0, 2, dtype=torch.long)
         self._tail = torch.zeros(0, dtype=torch.long)  # lengths of the tail's pieces at the last retrieval
         self._at = -1  # the engine's n_tokens when the tail was cut
+        self._groups: Tensor | None = None  # [E + P] identical spans' labels (profile distinct_events)
 
     def _cut(self) -> None:
         """Once per forward (retrievals happen before the step closes events): the events' spans
@@ -154,6 +157,7 @@ class SelectionRecorder(RetrievalListener):
         self._tail = tail_lengths(flags, pr.min_block, pr.max_block)
         ends = torch.cumsum(self._tail, 0) + eng.rem_start
         self._spans = torch.cat((events, torch.stack((ends - self._tail, ends), 1)))
+        self._groups = None  # (computed by the first retrieval that needs them)
 
     def heard(self, layer: int, sel: Selection, query: Tensor) -> None:
         self._cut()
@@ -167,8 +171,13 @@ class SelectionRecorder(RetrievalListener):
             n = int(self._tail.sum())
             if keys.shape[1] != n:
                 raise RuntimeError(f"layer {layer}: {keys.shape[1]} tokens after the events, expected {n}")
+            groups = None
+            if pr.distinct_events and query.dim() == 3:  # as the engine's question selection (`select_events`)
+                if self._groups is None:
+                    self._groups = span_groups(eng.ids.view(), self._spans)
+                groups = self._groups
             sel = tail_selection(w, query, keys, self._tail, eng.similarity_budget, pr.question_scoring,
-                                 pr.repr_normalise, sel.token_scores)
+                                 pr.repr_normalise, sel.token_scores, groups)
         self.last[layer] = sel.ids.cpu()
         self.scores[layer] = sel.scores.detach().float().cpu()
 

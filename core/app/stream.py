@@ -95,7 +95,8 @@ def create_store(path: Path, model_name: str, model: Any, tok: Any, profile: Pro
 # What a store's profile meant by keys it was written without (before they existed): the values
 # the code that wrote it used, whatever today's defaults are.
 _BEFORE_THE_KEY = {"question_centering": 0.0, "question_centering_answer": True, "representative": "attention",
-                   "repr_normalise": False, "question_scoring": "mean"}
+                   "repr_normalise": False, "question_scoring": "mean",
+                   "distinct_events": False}
 
 
 def store_profile(store: Store) -> Profile:

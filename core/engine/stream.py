@@ -21,7 +21,9 @@ from transformers import PreTrainedModel
 from emllm.math import attention
 from emllm.config import Profile
 from emllm.memory.buffers import GrowBuffer
+from emllm.memory.distinct import span_groups
 from emllm.memory.events import EventMemory
+from emllm.memory.passages import event_spans
 from emllm.memory.selection import Selection
 from emllm.models import device_of, input_device, native_bf16
 from emllm.math.rope import Rotary
@@ -145,11 +147,21 @@ class Engine:
         self.last_logits: Tensor | None = None  # [V] predicts the next token
         self.on_retrieval: Callable[[int, Selection, Tensor], None] | None = None
         self.answering = False  # a question is being read or answered (`begin_question`)
+        self._groups: tuple[tuple[int, int], Tensor] | None = None  # `event_groups`: ((events, rem_start), labels)
 
     def begin_question(self) -> None:
         """What comes next is a question and its answer: retrieval scores with the profile's
         `question_centering` from here on (where it is set)."""
         self.answering = True
+
+    def event_groups(self) -> Tensor:
+        """[E] group labels of the events: equal for events holding the same tokens
+        (`memory.distinct.span_groups`), computed once for each number of events."""
+        key = (self.n_events, self.rem_start)
+        if self._groups is None or self._groups[0] != key:
+            spans = event_spans(self.windows[0].events.event_lengths(), self.profile.n_init)
+            self._groups = key, span_groups(self.ids.view(), spans)
+        return self._groups[1]
 
     @property
     def n_tokens(self) -> int:
@@ -206,10 +218,11 @@ class Engine:
         cos, sin = self.rotary.table(max(window, pr.n_local + slack), self.device, self.dtype)
         budget = self.similarity_budget
         centering = pr.question_centering if self.answering and pr.question_centering else pr.query_centering
+        scoring = pr.question_scoring if self.answering and pr.question_scoring != "mean" and c > 1 else None
         step = StepInfo(cos, sin, pr.n_local, pr.n_init, budget, pr.n_mem - budget, pr.neighbours, centering,
                         bool(pr.query_centering or pr.question_centering), self.on_retrieval,
-                        pr.representative == "attention", slack,
-                        pr.question_scoring if self.answering and pr.question_scoring != "mean" and c > 1 else None)
+                        pr.representative == "attention", slack, scoring,
+                        self.event_groups() if scoring and pr.distinct_events else None)
         if self.model.config._attn_implementation != attention.NAME:  # someone ran the plain model meanwhile
             self.model.set_attn_implementation(attention.NAME)
         x = chunk.to(self.device)[None]
@@ -322,6 +335,7 @@ class Engine:
         if n and (int(ids.min()) < 0 or int(ids.max()) >= self.model.config.vocab_size):
             raise ValueError("token ids outside the vocabulary")
         self.rem_start = int(state["rem_start"])
+        self._groups = None  # (the events may be others now: `restore`)
         if not 0 <= self.rem_start <= max(n, self.profile.n_init):  # n_init until the stream is that long
             raise ValueError(f"rem_start {self.rem_start} outside the stream")
         self.last_logits = state.get("last_logits")

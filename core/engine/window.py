@@ -45,6 +45,9 @@ class StepInfo:
     # a question's chunk: each token scores every event, combined as profile question_scoring says
     # ("max", "lse": `selection.TOKEN_SCORINGS`); None: the chunk's mean query scores them
     token_scoring: str | None = None
+    # [E] group labels of the events for a question's token scoring (`memory.distinct`): identical
+    # events take one place in its selection (profile distinct_events); None: every event competes
+    groups: Tensor | None = None
 
 
 @dataclass
@@ -173,7 +176,7 @@ class LayerWindow:
                     scored = fold_query(self._centred(q_mem.transpose(0, 1), st.centering), self.events.repr_heads)
                 else:
                     scored = fold_query(self._centred(query, st.centering), self.events.repr_heads)
-                ids = self.retrieve(scored, st.budget, st.on_retrieval, st.token_scoring).ids.to(self.contiguity.device)
+                ids = self.retrieve(scored, st.budget, st.on_retrieval, st.token_scoring, st.groups).ids.to(self.contiguity.device)
                 if st.contiguity_budget:
                     self.contiguity = update_contiguity(
                         self.contiguity, ids, self.events.event_lengths().to(ids.device), st.neighbours,
@@ -240,15 +243,16 @@ class LayerWindow:
 
     def retrieve(self, query: Tensor, budget: int,
                  on_retrieval: Callable[[int, Selection, Tensor], None] | None = None,
-                 token_scoring: str | None = None) -> Selection:
+                 token_scoring: str | None = None, groups: Tensor | None = None) -> Selection:
         """query [H_r, D] (rotated at the memory position; H_r: the memory's representative heads)
         -> the events to attend to. query [T, H_r, D], a chunk's tokens': every event scored by
         each token, the scores combined by `token_scoring` ("max" unless given;
-        `selection.TOKEN_SCORINGS`; exact, every event scored)."""
+        `selection.TOKEN_SCORINGS`; exact, every event scored), and with `groups` [E] only the
+        best of each group of identical events competes (`select_events`)."""
         raw = None
         if query.dim() == 3:
             raw = self.events.token_scores(query)  # [T, E]
-            sel = select_events(TOKEN_SCORINGS[token_scoring or "max"](raw), self.events.event_lengths(), budget)
+            sel = select_events(TOKEN_SCORINGS[token_scoring or "max"](raw), self.events.event_lengths(), budget, groups)
         else:
             sel = self.events.select(query, budget)
         if on_retrieval is not None:  # (a listener may score more than the events: the re-read's tail)

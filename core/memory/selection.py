@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from emllm.memory.distinct import best_of_groups
 
 
 SCORE_BLOCK_BYTES = 4 << 20  # float32 bytes of representative keys scored per matrix-vector product
@@ -174,18 +175,26 @@ class Selection:
     token_scores: Tensor | None = field(default=None, repr=False, compare=False)
 
 
-def select_events(scores: Tensor, lengths: Tensor, budget: int) -> Selection:
+def select_events(scores: Tensor, lengths: Tensor, budget: int, groups: Tensor | None = None) -> Selection:
     """Similarity buffer: the best-scoring events, best first, while their tokens fit in `budget`.
 
     Filling stops at the first event that does not fit (a prefix of the ranking), so the result
     is the top of one sort, the same whichever search produced the ranking. Ties break by event
     id (earlier first): the sort is stable. The ranking is done on the host (`select_positions`);
     the ids and scores come back on the scores' device.
+
+    groups [n] (`distinct.span_groups`): only the best-scoring event of each group competes, so
+    identical events take one place (profile distinct_events).
     """
     if scores.numel() == 0 or budget <= 0:
         empty = torch.empty(0, dtype=torch.long, device=scores.device)
         return Selection(empty, scores[:0])
-    pos = select_positions(scores.detach().cpu().numpy(), lengths.cpu().numpy(), budget)
+    s, n = scores.detach().cpu().numpy(), lengths.cpu().numpy()
+    if groups is None:
+        pos = select_positions(s, n, budget)
+    else:
+        keep = best_of_groups(s, groups.cpu().numpy())
+        pos = keep[select_positions(s[keep], n[keep], budget)]
     ids = torch.from_numpy(pos).to(scores.device)
     return Selection(ids, scores[ids])
 
