@@ -91,12 +91,12 @@ class Profile:
     # centring above (without it, worse than the mean); stores keep the scoring they were made
     # with ("mean" before 2026-11-26, "max" until 2026-11-27).
     question_scoring: str = "lse"
-    # A question's selection keeps one event of each set whose tokens are the same (the best
-    # scoring; `emllm.memory.distinct`): in a conversation the template's framing and a small
-    # model's repeated replies made copies that scored alike and filled the budget (five facts
-    # over 60 exchanges: held by 74 of 150 layer-selections with the copies, more without;
-    # docs/benchmarks.md, a remembered conversation). Only where the question's tokens score every
-    # event (question_scoring "max", "lse"); stores made before keep what they were read with.
+    # Identical events (the same token ids: `emllm.memory.distinct`) take one place in a question's
+    # selection: the best scoring of each set is ranked first, the other copies only fill what is
+    # left once every set has its place. In a conversation the template's framing and a small
+    # model's repeated replies made copies that scored alike and filled the budget, crowding the
+    # facts out (docs/benchmarks.md, a remembered conversation). Only where the question's tokens
+    # score every event (question_scoring "max", "lse"); stores made before read without it.
     distinct_events: bool = True
     # Representative keys scaled to unit length per head (query or KV head, as the store keeps
     # them) when events close: an event then scores the sum over heads of |q_h| cos(q_h, r_h),

@@ -183,8 +183,10 @@ def select_events(scores: Tensor, lengths: Tensor, budget: int, groups: Tensor |
     id (earlier first): the sort is stable. The ranking is done on the host (`select_positions`);
     the ids and scores come back on the scores' device.
 
-    groups [n] (`distinct.span_groups`): only the best-scoring event of each group competes, so
-    identical events take one place (profile distinct_events).
+    groups [n] (`distinct.span_groups`): identical events take one place (profile
+    distinct_events). The best-scoring event of each group is ranked first; the other copies
+    only fill what budget is left once every group has its place, best first (a stream of few
+    distinct events, a passkey's filler, still fills its budget).
     """
     if scores.numel() == 0 or budget <= 0:
         empty = torch.empty(0, dtype=torch.long, device=scores.device)
@@ -195,6 +197,10 @@ def select_events(scores: Tensor, lengths: Tensor, budget: int, groups: Tensor |
     else:
         keep = best_of_groups(s, groups.cpu().numpy())
         pos = keep[select_positions(s[keep], n[keep], budget)]
+        if pos.size == keep.size and keep.size < s.size:  # every group has its place: copies fill the rest
+            rest = np.setdiff1d(np.arange(s.size), keep, assume_unique=True)
+            more = rest[select_positions(s[rest], n[rest], budget - int(n[keep].sum()))]
+            pos = np.sort(np.concatenate((pos, more)))
     ids = torch.from_numpy(pos).to(scores.device)
     return Selection(ids, scores[ids])
 
