@@ -93,3 +93,37 @@ def test_chat_from_an_empty_store_and_ask_remember(tiny, tmp_path):
     n = len(_stream(tmp_path / "stores" / "talk"))
     r = run_in_process("ask", "again?", "--store", "talk", "-n", "3", "--json", home=tmp_path)  # without --remember: unchanged
     assert json.loads(r.stdout)["tokens"] <= 3 and len(_stream(tmp_path / "stores" / "talk")) == n
+
+
+def test_a_message_after_an_answer_opens_its_turn_as_the_chat_template_does(tiny, tmp_path):
+    """After a remembered answer the stream ends with the template's reopening of a user turn: the
+    next message (a conversation's, `ask`'s, a document's) is that turn's text, as
+    `apply_chat_template` lays it out, with no separator; after a document a question is still set
+    apart from it (the first test)."""
+    from emllm.app.ingest import add_documents
+    from emllm.app.stream import create_store, opens_a_turn, pending_tokens, reopen_text
+    folder, prof, _, _ = tiny
+    model, tok = load_tiny(folder)
+    from emllm.config import load_profile_file
+    profile = load_profile_file(prof)
+    path = tmp_path / "talk"
+    with create_store(path, "tiny", model, tok, profile) as st:
+        st.publish_empty()
+    with Conversation(path, model, tok) as talk:
+        a1 = talk.say_all("hello there", max_new_tokens=4)
+        talk.say_all("my name is Ada", max_new_tokens=4)
+    text = tok.decode(_stream(path))
+    reopen = reopen_text(tok, True)
+    turns = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": a1},
+             {"role": "user", "content": "my name is Ada"}]
+    want = tok.apply_chat_template(turns, tokenize=False)
+    assert reopen + "my name is Ada" in text and reopen + "my name is Ada" in want
+    assert reopen + "\n\nmy name is Ada" not in text  # (as every message was laid out before 2026-11-29)
+    with Store.open(path) as st:
+        assert opens_a_turn(st, tok, pending_tokens(st))
+    with Store.open(path, writable=True) as st:
+        add_documents(st, tok, [("notes", "The pass key is 71432.")])
+    text = tok.decode(_stream(path))
+    assert text.endswith(reopen + "The pass key is 71432.")
+    with Store.open(path) as st:
+        assert not opens_a_turn(st, tok, pending_tokens(st))

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from emllm.engine.sampling import Sampling, greedy
 from emllm.engine.stream import Engine
-from emllm.app.stream import SEPARATOR, encode, encode_framing, open_engine, pending_tokens
+from emllm.app.stream import SEPARATOR, encode, encode_framing, open_engine, opens_a_turn, pending_tokens
 from emllm.models import stop_token_ids
 from emllm.store import Store, StoreError
 
@@ -39,6 +39,11 @@ class Session:
         prefix = store.manifest["stream"]["prefix"]
         self.lead: list[int] = encode_framing(tok, prefix) if self.empty and prefix else []
         self.tail = self.tail + self.lead
+        # A question opening a user turn of its own (an empty store's first, or one after a
+        # remembered answer) is the turn's text as the chat template has it; after a document it
+        # is set apart from it by SEPARATOR. (Until 2026-11-29 every question was: a conversation's
+        # messages then opened "\n\n", and their first events matched every question alike.)
+        self.turn_start = self.empty or opens_a_turn(store, tok, self.tail)
         self.store, self.model, self.tok = store, model, tok
         self.engine: Engine = open_engine(store, model, kv_cache_mb)
         self.reread = reread  # answer by re-reading what the memory selected (`app.reread`)
@@ -47,7 +52,7 @@ class Session:
     def question_ids(self, question: str) -> list[int]:
         """The question closing the user turn (without the stream's pending tail)."""
         fmt = self.store.manifest["stream"]
-        sep = "" if self.empty else SEPARATOR
+        sep = "" if self.turn_start else SEPARATOR
         if fmt["chat"]:  # the template's closing is emllm's framing: its special tokens count
             return encode(self.tok, sep + question.strip()) + encode_framing(self.tok, fmt["suffix"])
         return encode(self.tok, sep + question.strip() + fmt["suffix"])

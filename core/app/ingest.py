@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from emllm.app.stream import SEPARATOR, encode, encode_framing, pending_tokens
+from emllm.app.stream import SEPARATOR, encode, encode_framing, opens_a_turn, pending_tokens
 from emllm.app.textinput import TextSource, cut_rules, token_pieces
 from emllm.engine.stream import Engine
 from emllm.store import Store, StoreError
@@ -75,6 +75,7 @@ def add_documents(store: Store, tok: Any, docs: list[tuple[str, str | TextSource
         raise StoreError(f"{store.path} has an unfinished ingest; finish it first (resume)")
     pending = pending_tokens(store)
     first = store.tokens.rows == 0 and not pending
+    turn = first or opens_a_turn(store, tok, pending)  # the first document opens a user turn's text
     rules = cut_rules(tok)
     documents = []
     stream_pos = store.tokens.rows
@@ -84,7 +85,7 @@ def add_documents(store: Store, tok: Any, docs: list[tuple[str, str | TextSource
         for i, (name, src) in enumerate(docs):
             prefix = store.manifest["stream"]["prefix"]
             head = encode_framing(tok, prefix) if first and i == 0 and prefix else []
-            sep = [] if (first and i == 0) else encode(tok, SEPARATOR)
+            sep = [] if (turn and i == 0) else encode(tok, SEPARATOR)
             writer.append(torch.tensor(head + sep, dtype=torch.int32))
             start = writer.rows
             pieces = iter([src]) if isinstance(src, str) else src.pieces()

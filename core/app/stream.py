@@ -140,6 +140,20 @@ def pending_tokens(store: Store) -> list[int]:
     return store.job.read(job["done"], job["tokens"]).tolist() if job and store.job is not None else []
 
 
+def opens_a_turn(store: Store, tok: Any, pending: list[int]) -> bool:
+    """Whether the stream (the store's tokens, then `pending`) ends with the chat template's
+    reopening of a user turn, as a remembered exchange leaves it: what comes next is that turn's
+    text, laid out as the template lays it out, with no SEPARATOR before it."""
+    reopen = encode_framing(tok, reopen_text(tok, store.manifest["stream"]["chat"]))
+    if not reopen:
+        return False
+    k = len(reopen)
+    last = pending[-k:]
+    if len(last) < k:
+        last = store.tokens.read()[max(0, store.tokens.rows - (k - len(last))):].tolist() + last
+    return last == reopen
+
+
 def profile_dict(p: Profile) -> dict:
     d = asdict(p)
     d["aliases"] = list(d["aliases"])
@@ -194,6 +208,6 @@ def open_store(path: Path, writable: bool = False, model: str | None = None, pro
 
 
 __all__ = [
-    "SEPARATOR", "StreamFormat", "OpenStore", "open_store", "create_store", "open_engine", "pending_tokens",
+    "SEPARATOR", "StreamFormat", "opens_a_turn", "OpenStore", "open_store", "create_store", "open_engine", "pending_tokens",
     "identity_of", "geometry_of", "store_profile", "encode", "encode_framing", "reopen_text",
 ]

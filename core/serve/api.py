@@ -98,9 +98,10 @@ def conversation_ids(session: Session, messages: list[Message]) -> tuple[list[in
             if i == 0 and system:
                 text = system + "\n\n" + text
             ids += session.question_ids(text)
-            session.empty = False  # what follows continues the stream the first turn began
+            session.turn_start = False  # what follows continues the stream the first turn began
         else:
             ids += encode(tok, text.strip()) + reopen
+            session.turn_start = bool(reopen)  # the next user message opens a turn of its own
     question = _text(turns[-1])
     if len(turns) == 1 and system:
         question = system + "\n\n" + question
@@ -117,7 +118,8 @@ class Server:
         self.reread = reread  # for requests that do not say (`emllm serve --reread`)
         self.identity = None
         self.lock = threading.Lock()  # one generation at a time: the model and its attention are shared
-        self.open: dict[str, tuple] = {}  # name -> (manifest mtime, store, session, snapshot, empty)
+        # name -> (manifest mtime, store, session, snapshot, (empty, turn_start): as the session opened)
+        self.open: dict[str, tuple] = {}
 
     def store_path(self, name: str) -> Path:
         if not NAME.fullmatch(name):
@@ -128,7 +130,7 @@ class Server:
             raise ApiError(404, f"no store {name!r}: GET /v1/models lists them", param="model", code="model_not_found")
         return path
 
-    def session(self, name: str) -> tuple[Session, dict, bool]:
+    def session(self, name: str) -> tuple[Session, dict, tuple[bool, bool]]:
         """The store's session, held between requests with its pending tail already read, and the
         snapshot each request starts from (read again when a commit changed the store)."""
         path = self.store_path(name)
@@ -152,8 +154,8 @@ class Server:
         except BaseException:
             st.close()
             raise
-        self.open[name] = (mtime, st, session, snap, session.empty)
-        return session, snap, session.empty
+        self.open[name] = (mtime, st, session, snap, (session.empty, session.turn_start))
+        return session, snap, (session.empty, session.turn_start)
 
     def models(self) -> list[dict]:
         out = []
@@ -219,9 +221,9 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
 
         def run() -> Iterator[str | dict]:
             with server.lock:
-                session, snap, empty = server.session(req.model)
+                session, snap, opened = server.session(req.model)
                 session.engine.restore(snap)
-                session.empty = empty
+                session.empty, session.turn_start = opened
                 path = session.store.path
                 history, question = conversation_ids(session, req.messages)
                 session.tail = history
