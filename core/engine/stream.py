@@ -156,7 +156,7 @@ class Engine:
 
     def event_groups(self) -> Tensor:
         """[E] group labels of the events: equal for events holding the same tokens
-        (`memory.distinct.span_groups`), computed once for each number of events."""
+        (`memory.distinct.span_groups`), computed again only when events have closed since."""
         key = (self.n_events, self.rem_start)
         if self._groups is None or self._groups[0] != key:
             spans = event_spans(self.windows[0].events.event_lengths(), self.profile.n_init)

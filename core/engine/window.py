@@ -247,8 +247,8 @@ class LayerWindow:
         """query [H_r, D] (rotated at the memory position; H_r: the memory's representative heads)
         -> the events to attend to. query [T, H_r, D], a chunk's tokens': every event scored by
         each token, the scores combined by `token_scoring` ("max" unless given;
-        `selection.TOKEN_SCORINGS`; exact, every event scored), and with `groups` [E] only the
-        best of each group of identical events competes (`select_events`)."""
+        `selection.TOKEN_SCORINGS`; exact, every event scored); with `groups` [E] identical
+        events take one place (`select_events`)."""
         raw = None
         if query.dim() == 3:
             raw = self.events.token_scores(query)  # [T, E]
