@@ -118,7 +118,7 @@ class Server:
         self.reread = reread  # for requests that do not say (`emllm serve --reread`)
         self.identity = None
         self.lock = threading.Lock()  # one generation at a time: the model and its attention are shared
-        # name -> (manifest mtime, store, session, snapshot, (empty, turn_start): as the session opened)
+        # name -> (manifest mtime, store, session, snapshot, turn_start as the session opened: a request changes it)
         self.open: dict[str, tuple] = {}
 
     def store_path(self, name: str) -> Path:
@@ -130,7 +130,7 @@ class Server:
             raise ApiError(404, f"no store {name!r}: GET /v1/models lists them", param="model", code="model_not_found")
         return path
 
-    def session(self, name: str) -> tuple[Session, dict, tuple[bool, bool]]:
+    def session(self, name: str) -> tuple[Session, dict, bool]:
         """The store's session, held between requests with its pending tail already read, and the
         snapshot each request starts from (read again when a commit changed the store)."""
         path = self.store_path(name)
@@ -154,8 +154,8 @@ class Server:
         except BaseException:
             st.close()
             raise
-        self.open[name] = (mtime, st, session, snap, (session.empty, session.turn_start))
-        return session, snap, (session.empty, session.turn_start)
+        self.open[name] = (mtime, st, session, snap, session.turn_start)
+        return session, snap, session.turn_start
 
     def models(self) -> list[dict]:
         out = []
@@ -221,9 +221,9 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
 
         def run() -> Iterator[str | dict]:
             with server.lock:
-                session, snap, opened = server.session(req.model)
+                session, snap, turn_start = server.session(req.model)
                 session.engine.restore(snap)
-                session.empty, session.turn_start = opened
+                session.turn_start = turn_start
                 path = session.store.path
                 history, question = conversation_ids(session, req.messages)
                 session.tail = history
