@@ -140,6 +140,9 @@ def main() -> None:
     ap.add_argument("--paraphrase", nargs="?", const="key", choices=("key", "none"),
                     help="ask each prompt's question in other words (evals.ruler.paraphrased): the same document; "
                          "'key' (the bare flag): the needle's key and kind shared; 'none': no word of the needle")
+    ap.add_argument("--max-new-tokens", type=int, metavar="N",
+                    help="tokens each method may generate (default: the task's, `evals.ruler`; RULER's own "
+                         "generator gives its needle tasks 128)")
     ap.add_argument("--save-votes", type=Path, metavar="DIR",
                     help="keep each prompt's votes here; where they are already, read them instead of the document")
     a = ap.parse_args()
@@ -163,7 +166,7 @@ def main() -> None:
             p = build_prompt(a.task, tok, a.length, depth, random.Random(f"{a.seed}/{a.task}/{a.length}/{i}"), a.haystack)
             if a.paraphrase:
                 p = paraphrased(p, tok, shared=a.paraphrase)
-            q, n_new = p.question, p.max_new_tokens
+            q, n_new = p.question, a.max_new_tokens or p.max_new_tokens
             asked = p.needles[p.targets[0]] if p.targets else None
             t0 = time.perf_counter()
             saved = a.save_votes / f"{a.task}-{a.haystack or 'ruler'}-{a.length}-s{a.seed}-{i}-{p.digest}.safetensors" \
@@ -227,7 +230,7 @@ def main() -> None:
                 if m not in methods:
                     continue
                 t1 = time.perf_counter()
-                ans, rc = run_rag(model, tok, p, budget=span, layout=lay)
+                ans, rc = run_rag(model, tok, p, max_new_tokens=n_new, budget=span, layout=lay)
                 rows.append({"method": m, "answer": ans, "context": len(rc.ids), "passages": len(rc.spans),
                              "needle_in": needles_in(rc.spans, p.needles),
                              "asked_at": read_at(rc.spans, asked), "seconds": round(time.perf_counter() - t1, 1)})
@@ -236,6 +239,7 @@ def main() -> None:
                      "answers": p.answers, "answer": r["answer"].strip(), "score": p.score(r["answer"]),
                      "targets": list(p.targets), **{k: v for k, v in r.items() if k not in ("method", "answer")},
                      "dtype": str(model.dtype).removeprefix("torch."), "commit": commit, "prompt": p.digest,
+                     **({"max_new_tokens": n_new} if a.max_new_tokens else {}),
                      **({"question": "paraphrased" if a.paraphrase == "key" else "no word of the needle"}
                         if a.paraphrase else {})}
                 print(json.dumps(r), flush=True)
