@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from emllm.evals import ruler
-from emllm.evals.rag import build_context, chunk_spans, sentence_ends
+from emllm.evals.rag import build_context, chunk_spans, prompt_budget, sentence_ends
 from emllm.evals.ruler import TASKS, build_prompt, score
 
 NIAH = [t for t in TASKS if t.startswith("niah")]
@@ -216,6 +216,14 @@ def test_rag_retrieves_the_needle(tok):
     assert p.answers[0] in tok.decode(rc.ids)
     assert len(rc.ids) <= 400 and rc.ids[:p.head] == p.document[:p.head] and rc.ids[-len(p.question):] == p.question
     assert rc.spans == sorted(rc.spans) and best >= 0
+
+
+def test_rag_prompt_budget():
+    """A given budget is the prompt's (the span a re-read fills), whatever the answer's length;
+    without one, the model's context less the answer; never past what the context leaves."""
+    assert prompt_budget(2176, 8192, 20) == prompt_budget(2176, 8192, 128) == 2176
+    assert prompt_budget(None, 8192, 128) == 8064
+    assert prompt_budget(8192, 8192, 32) == 8160
 
 
 def test_rag_layouts(tok):

@@ -140,6 +140,13 @@ def build_context(tok, embedder: Embedder, document: list[int], question: list[i
     return RagContext(ids, [spans[i] for i in chosen], kept, len(spans))
 
 
+def prompt_budget(budget: int | None, context: int, n_new: int) -> int:
+    """Prompt tokens the baseline reads: `budget` when given (e.g. emllm's attention span, which a
+    re-read's prompt fills whatever the answer's length), else the model's context less the
+    answer; never more than the context leaves for the answer."""
+    return min(budget, context - n_new) if budget else context - n_new
+
+
 @torch.no_grad()
 def run_rag(model, tok, prompt, max_new_tokens: int | None = None, chunk_tokens: int = 128, k: int | None = None,
             budget: int | None = None, embedder: Embedder | None = None, layout: str = "stream") -> tuple[str, RagContext]:
@@ -152,7 +159,9 @@ def run_rag(model, tok, prompt, max_new_tokens: int | None = None, chunk_tokens:
     dev = input_device(model)
     emb = embedder or load_embedder(dev)
     ctx = int(getattr(model.config, "max_position_embeddings", 4096))
-    budget = min(budget or ctx, ctx) - n_new
+    # (until 2026-11-29 a given budget lost the answer's tokens too: the span-matched baseline
+    # read 16-64 tokens fewer than the re-read, 128 fewer at RULER's own answer length)
+    budget = prompt_budget(budget, ctx, n_new)
     rc = build_context(tok, emb, prompt.document, prompt.question, prompt.query, getattr(prompt, "head", 0),
                        budget, chunk_tokens, k, layout)
     model.set_attn_implementation("sdpa")
@@ -163,4 +172,4 @@ def run_rag(model, tok, prompt, max_new_tokens: int | None = None, chunk_tokens:
 
 
 __all__ = ["Embedder", "EmbedderNotFoundError", "load_embedder", "embedder_path", "chunk_spans", "retrieve",
-           "build_context", "run_rag", "sentence_ends", "RagContext"]
+           "build_context", "prompt_budget", "run_rag", "sentence_ends", "RagContext"]
