@@ -43,7 +43,9 @@ def test_length(tok, task, length):
     p = build_prompt(task, tok, length, 0.5, random.Random(length))
     assert abs(len(p.document) + len(p.question) - length) <= 4
     assert tok.decode(p.question).rstrip().endswith(("is", "are", "they are:"))
-    assert p.max_new_tokens > 0 and 0 < p.head < p.needles[0][0] + 1
+    assert 0 < p.head < p.needles[0][0] + 1
+    # the answer's room as RULER's generator gives it (tokens_to_generate): 128 a needle task, 30 vt
+    assert p.max_new_tokens == (30 if task == "vt" else ruler.NIAH_NEW_TOKENS) and ruler.NIAH_NEW_TOKENS == 128
 
 
 @pytest.mark.parametrize("task", list(TASKS))

@@ -267,8 +267,15 @@ def _encoder(tok) -> Callable[[str], list[int]]:
 
 # -- needle tasks ------------------------------------------------------------------------------------
 
+# Tokens a needle task's answer may take: RULER's generator gives its needle tasks 128
+# (`tokens_to_generate`). Until 2026-11-29 these were 16-64 a task, and a small model that repeats
+# the question's sentence before the value was cut before the value; greedy answers share their
+# first tokens, so on the same context a score at 128 is never below one at the shorter cap
+# (measured on 90 prompts at 8k: docs/benchmarks.md, re-read answers).
+NIAH_NEW_TOKENS = 128
+
 def _niah(tok, length: int, depth: float, rng: random.Random, *, task: str, kind: str, haystack: str,
-          n_keys: int = 1, n_values: int = 1, max_new_tokens: int = 32) -> Prompt:
+          n_keys: int = 1, n_values: int = 1, max_new_tokens: int = NIAH_NEW_TOKENS) -> Prompt:
     enc = _encoder(tok)
     kinds, kind_one = KINDS[kind]
     taken_k: set[str] = set()
@@ -320,28 +327,23 @@ def paraphrased(prompt: Prompt, tok, shared: str = "key") -> Prompt:
 
 
 def niah_single_words(tok, length: int, depth: float, rng: random.Random, haystack: str | None = None) -> Prompt:
-    return _niah(tok, length, depth, rng, task="niah_single_words", kind="words", haystack=haystack or "essay",
-                 max_new_tokens=16)
+    return _niah(tok, length, depth, rng, task="niah_single_words", kind="words", haystack=haystack or "essay")
 
 
 def niah_single_numbers(tok, length: int, depth: float, rng: random.Random, haystack: str | None = None) -> Prompt:
-    return _niah(tok, length, depth, rng, task="niah_single_numbers", kind="numbers", haystack=haystack or "noise",
-                 max_new_tokens=20)
+    return _niah(tok, length, depth, rng, task="niah_single_numbers", kind="numbers", haystack=haystack or "noise")
 
 
 def niah_single_uuids(tok, length: int, depth: float, rng: random.Random, haystack: str | None = None) -> Prompt:
-    return _niah(tok, length, depth, rng, task="niah_single_uuids", kind="uuids", haystack=haystack or "essay",
-                 max_new_tokens=48)
+    return _niah(tok, length, depth, rng, task="niah_single_uuids", kind="uuids", haystack=haystack or "essay")
 
 
 def niah_multikey(tok, length: int, depth: float, rng: random.Random, haystack: str | None = None) -> Prompt:
-    return _niah(tok, length, depth, rng, task="niah_multikey", kind="numbers", haystack=haystack or "essay", n_keys=4,
-                 max_new_tokens=20)
+    return _niah(tok, length, depth, rng, task="niah_multikey", kind="numbers", haystack=haystack or "essay", n_keys=4)
 
 
 def niah_multivalue(tok, length: int, depth: float, rng: random.Random, haystack: str | None = None) -> Prompt:
-    return _niah(tok, length, depth, rng, task="niah_multivalue", kind="numbers", haystack=haystack or "essay", n_values=4,
-                 max_new_tokens=64)
+    return _niah(tok, length, depth, rng, task="niah_multivalue", kind="numbers", haystack=haystack or "essay", n_values=4)
 
 
 # -- variable tracking -------------------------------------------------------------------------------
