@@ -150,7 +150,7 @@ def opens_a_turn(store: Store, tok: Any, pending: list[int]) -> bool:
     k = len(reopen)
     last = pending[-k:]
     if len(last) < k:
-        last = store.tokens.read()[max(0, store.tokens.rows - (k - len(last))):].tolist() + last
+        last = store.tokens.read(max(0, store.tokens.rows - (k - len(last)))).tolist() + last  # (its last rows only)
     return last == reopen
 
 
