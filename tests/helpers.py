@@ -32,7 +32,8 @@ def cli_env(home: Path, **extra: str) -> dict[str, str]:
     download), offline; `extra` added. Without os.environ (`run_in_process` sets only these)."""
     from emllm.home import models_dir
 
-    return {"EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1", **extra}
+    return {"EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir()), "HF_HUB_OFFLINE": "1",
+            "EMLLM_MODEL": os.environ.get("EMLLM_MODEL", ""), **extra}
 
 
 def run(*args: str, home: Path, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:

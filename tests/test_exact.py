@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from emllm.engine.stream import Engine, UnsupportedModelError
+from emllm.models import stop_token_ids
 from tests.conftest import ARCHS, tiny_model, tiny_model_dtype, tiny_profile
 from tests.helpers import TOL, engine_logits, vanilla_logits
 
@@ -38,6 +39,37 @@ def test_smollm2_equals_vanilla(smollm2, mode):
     model, tok, prof = smollm2
     ids, ref, got = smollm2_case(model, tok, prof, mode)
     assert (got - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["one-shot", "chunks", "decode"])
+def test_qwen05_equals_vanilla(qwen05, mode):
+    """The real Qwen2.5-Coder-0.5B (q/k/v biases, 14 query heads over 2 KV heads, rope base 1e6)."""
+    model, tok, prof = qwen05
+    ids, ref, got = smollm2_case(model, tok, prof, mode)
+    assert (got - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.slow
+def test_qwen05_greedy_answer_equals_vanilla(qwen05):
+    """Greedy decoding through emllm gives the plain model's answer, token for token."""
+    model, tok, prof = qwen05
+    msgs = [{"role": "user", "content": "Alice hid the key under the red stone. Where is the key? Answer briefly."}]
+    ids = torch.tensor(tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"])
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = model.generate(ids[None], max_new_tokens=24, do_sample=False, attention_mask=torch.ones(1, ids.numel(), dtype=torch.long))
+    ref_answer = ref[0, ids.numel():].tolist()
+    eng = Engine(model, prof.replace(chunk_size=ids.numel()))
+    eng.step(ids)
+    stop = set(stop_token_ids(tok, model))
+    want = []
+    for t in ref_answer:  # the plain model's answer up to its first stop token
+        if t in stop:
+            break
+        want.append(t)
+    assert "stone" in tok.decode(want) and len(want) >= 3, tok.decode(ref_answer)
+    assert eng.generate(24, stop_ids=stop) == want
 
 
 def test_surprise_equals_vanilla_log_softmax_across_chunks():

@@ -18,15 +18,16 @@ ROOT = Path(__file__).resolve().parent.parent / "core"  # installed as the packa
 ALLOWED: dict[str, set[str]] = {
     "home": set(),
     "config": set(),
-    "models": {"config", "home"},
+    "embedded": {"home"},
+    "models": {"config", "home", "embedded"},
     "math": set(),
     "memory": {"math"},
-    "engine": {"math", "memory", "config", "models"},
+    "engine": {"math", "memory", "config", "embedded", "models"},
     "store": {"memory", "math", "config"},
-    "app": {"engine", "store", "memory", "math", "config", "models", "home"},
-    "serve": {"app", "engine", "store", "memory", "math", "config", "models", "home"},
-    "evals": {"app", "engine", "store", "memory", "math", "config", "models", "home"},
-    "surface": {"app", "engine", "store", "memory", "math", "config", "models", "home", "evals", "serve"},
+    "app": {"engine", "store", "memory", "math", "config", "embedded", "models", "home"},
+    "serve": {"app", "engine", "store", "memory", "math", "config", "embedded", "models", "home"},
+    "evals": {"app", "engine", "store", "memory", "math", "config", "embedded", "models", "home"},
+    "surface": {"app", "engine", "store", "memory", "math", "config", "embedded", "models", "home", "evals", "serve"},
 }
 
 

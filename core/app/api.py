@@ -1,7 +1,7 @@
 """The library's handle on a memory: a store with its model, to ingest into, ask, and inspect.
 
     import emllm
-    with emllm.create("book-memory", model="smollm2") as mem:   # a new store (a folder)
+    with emllm.create("book-memory") as mem:                     # a new store, the default model
         mem.ingest(("book.txt", text))
     with emllm.open("book-memory") as mem:                       # its model loaded and checked
         print(mem.ask("who hid the key?"))
@@ -84,7 +84,7 @@ class Memory:
 def create(path: str | Path, model: str | None = None, profile: str | None = None, chat: bool = True,
            log: Callable[[str], None] | None = None, dtype: str | None = None, kv_format: str | None = None) -> Memory:
     """A new, empty store at `path` for `model` (a profile alias, a local folder or a cached hub id;
-    default: the embedded SmolLM2), computing in `dtype` (auto, float32, bfloat16; None: the
+    default: `emllm.models.default_model()`), computing in `dtype` (auto, float32, bfloat16; None: the
     profile's, auto by default), keeping keys and values in `kv_format` (None: the compute dtype;
     bfloat16, int8, int4). It takes its name at its first ingest."""
     src = models.resolve(model, profile, log=log)

