@@ -33,14 +33,14 @@ from emllm.evals.corpus import SNAPSHOT as CORPUS_TEXT
 ROOT = Path(__file__).resolve().parent.parent
 README_DOC = ROOT / "docs" / "store-format.md"
 README_Q = ("What does a crash in the middle of an ingest leave behind?", ("last commit",))
-LICENCE_QS = [  # (question, any of these in the answer counts as right; case-insensitive)
+LICENCE_QS = [  # (question, any of these in the answer counts as right; case-insensitive unless in capitals)
     ("Who created Python?", ("guido",)),
     ("Python was created as a successor of which language?", ("abc",)),
     ("In which town was CNRI, where Guido continued his work on Python in 1995?", ("reston",)),
     ("In what year was the Python Software Foundation formed?", ("2001",)),
-    ("Which company did the PythonLabs team move to in October 2000?", ("digital creations",)),
+    ("Which company did the PythonLabs team move to in October 2000?", ("digital creations", "zope")),  # it became Zope
     ("Under the Apache License, what is the name of the text file whose attribution notices a "
-     "redistribution must include?", ("notice",)),
+     "redistribution must include?", ("NOTICE",)),  # capitals: "notices" restates the question
 ]
 
 
@@ -71,11 +71,11 @@ def ask(mem, question: str, reread: bool, n: int) -> tuple[str, float, float]:
 
 
 def right(answer: str, expect: tuple[str, ...]) -> bool:
-    return any(e in answer.lower() for e in expect)
+    return any(e in answer if e != e.lower() else e in answer.lower() for e in expect)
 
 
-def run_model(key: str, work: Path, n: int) -> dict:
-    out: dict = {"model": key, "install_mb": install_bytes(key) / 2**20}
+def run_model(key: str, work: Path, n: int, profile: str | None = None) -> dict:
+    out: dict = {"model": key, "profile": profile, "install_mb": install_bytes(key) / 2**20}
     out["converted_mb"] = _folder_bytes(models.resolve(key).path) / 2**20
     licence = (CORPUS_TEXT / "LICENSE-python.txt").read_text() + "\n\n" + (CORPUS_TEXT / "LICENSE-transformers.txt").read_text()
     docs = {"readme": (README_DOC.name, README_DOC.read_text(), [README_Q]),
@@ -83,7 +83,7 @@ def run_model(key: str, work: Path, n: int) -> dict:
     for tag, (name, text, qs) in docs.items():
         path = work / f"{key}-{tag}"
         shutil.rmtree(path, ignore_errors=True)
-        with create(path, model=key) as mem:
+        with create(path, model=key, profile=profile) as mem:
             t0 = time.perf_counter()
             tokens = mem.ingest((name, text))
             out[f"{tag}_tokens"], out[f"{tag}_ingest_tok_s"] = tokens, tokens / (time.perf_counter() - t0)
@@ -106,26 +106,41 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
     ap.add_argument("--max-new-tokens", "-n", type=int, default=48)
+    ap.add_argument("--profile", "-p", help="a profile for every model instead of its own (a built-in name or a .yaml)")
     ap.add_argument("--out", help="append the results as one JSON line per model")
+    ap.add_argument("--rescore", metavar="FILE", help="print the table of an earlier --out file, scored by today's checks")
     a = ap.parse_args()
+    if a.rescore:
+        results = [json.loads(line) for line in open(a.rescore)]
+        for r in results:
+            for key in ("readme_reread", "readme_own", "licence_reread", "licence_own"):
+                qs = dict([README_Q] if key.startswith("readme") else LICENCE_QS)
+                for x in r[key]:
+                    x["right"] = right(x["answer"], qs[x["q"]])
+        table(results)
+        return
     torch.manual_seed(0)
     results = []
     with tempfile.TemporaryDirectory(prefix="emllm-default-") as work:
         for key in a.models.split(","):
-            results.append(run_model(key, Path(work), a.max_new_tokens))
+            results.append(run_model(key, Path(work), a.max_new_tokens, a.profile))
+    table(results)
+    if a.out:
+        with open(a.out, "a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+
+
+def table(results: list[dict]) -> None:
     print(f"\n{'model':<22}{'readme':>8}{'licence':>10}{'ingest tok/s':>14}{'first tok s':>12}{'s/token':>9}"
           f"{'install MB':>11}{'converted MB':>13}")
     for r in results:
         rd = sum(x["right"] for x in r["readme_reread"]), sum(x["right"] for x in r["readme_own"])
         lc = sum(x["right"] for x in r["licence_reread"]), sum(x["right"] for x in r["licence_own"])
-        print(f"{r['model']:<22}{f'{rd[0]}/{rd[1]}':>8}{f'{lc[0]}/{lc[1]} of {len(LICENCE_QS)}':>10}"
+        print(f"{r['model'] + (' ' + Path(r['profile']).stem if r.get('profile') else ''):<22}{f'{rd[0]}/{rd[1]}':>8}{f'{lc[0]}/{lc[1]} of {len(LICENCE_QS)}':>10}"
               f"{r['licence_ingest_tok_s']:>14.0f}{r['first_token_s']:>12.2f}{r['decode_s_per_token']:>9.3f}"
               f"{r['install_mb']:>11.0f}{r['converted_mb']:>13.0f}")
     print("(right answers: re-read / emllm's own reading)")
-    if a.out:
-        with open(a.out, "a") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

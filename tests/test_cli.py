@@ -50,7 +50,7 @@ def test_version_and_help(tmp_path):
         r = run(cmd, "--help", home=tmp_path)
         assert r.returncode == 0 and opt in r.stdout and "Examples" in r.stdout, cmd
     r = run("ingest", "--help", home=tmp_path)  # an example and its comment stay on one line
-    assert any("emllm ingest book.txt" in line and "# store 'book', model smollm2" in line for line in r.stdout.splitlines())
+    assert any("emllm ingest book.txt" in line and "# store 'book', the default model" in line for line in r.stdout.splitlines())
     r = run(home=tmp_path)  # bare: the help, and the usage error's code
     assert r.returncode == 2 and r.stdout.startswith("Usage: emllm") and "Commands:" in r.stdout and not r.stderr
 
