@@ -45,75 +45,49 @@ class Profile:
     neighbours: int = 1
     refine_from_layer: int | None = None  # None: the last third of the layers
     # Events per layer from which an engine in RAM searches a faiss graph (approximate candidates,
-    # re-scored exactly) instead of scoring every event. Null, the default: always exact. The graph
-    # missed the 256k passkey twice where exact search found it, and was not faster there
-    # (docs/benchmarks.md, re-read answers); it remains for reads in RAM past ~1M tokens on a CPU.
+    # re-scored exactly) instead of scoring every event; null: always exact, the default (the graph
+    # lost passkeys that exact search found: docs/benchmarks.md).
     faiss_threshold: int | None = None
-    # events per layer from which a store keeps a sketch of its representative keys (its readers'
-    # selections stay exact; null: never). Unset in a profile that sets faiss_threshold: the same,
-    # as profiles and stores written before the two were separate meant.
+    # Events per layer from which a store keeps a sketch of its representative keys (its readers'
+    # selections stay exact; null: never). Unset where faiss_threshold is set: the same value, as
+    # profiles and stores written before the two keys were separate meant.
     sketch_threshold: int | None = 20000
-    # RAM for recently read events' keys and values, all layers (stores; 0: none). Off by default:
-    # a layer keeps the last step's events anyway (engine/window.py), and for the rest the page
-    # cache serves preads faster than this cache's bookkeeping (measured: docs/benchmarks.md, decoding)
+    # RAM for recently read events' keys and values, all layers (stores; 0: none): the page cache
+    # serves most re-reads, and a layer keeps its last step's events anyway (engine/window.py).
     kv_cache_mb: int = 0
-    # RAM for every event's representative key (a half store's in its dtype, else float32), all layers (stores): retrieval then
-    # estimates all scores with one matrix-vector product and scores exactly only the events that
-    # can be selected (memory/prune.py; the same selection). Past it: the exact scan of the files.
+    # RAM for every event's representative key, all layers (stores): retrieval then estimates all
+    # scores with one matrix-vector product and scores exactly only the events that can be
+    # selected (memory/prune.py; the same selection). Past it: the exact scan of the files.
     repr_cache_mb: int = 2048
     # Retrieval scores each event against the query minus this share of the layer's running mean
-    # query (0: the paper's plain inner product). An event that wins for any query ("hub": one that
-    # aligns with the mean query) loses that advantage: the score becomes (q - a mean_q) . repr.
+    # query (0: the paper's plain inner product): an event that aligns with the mean query (a
+    # "hub", selected for any query) loses that advantage.
     query_centering: float = 0.0
     # The same, only while a question is read and answered (after `Engine.begin_question`; 0: as
-    # query_centering): the document is read with the paper's scoring, and only the question's
-    # retrieval is taken away from the hubs. The running mean is kept whenever either is > 0.
-    # On by default since 2026-11-26 (the needle in 77-93% of layers instead of 58-83%, the
-    # passkey unchanged: docs/benchmarks.md, recall); stores made before keep the paper's scoring
-    # (`emllm.app.stream.store_profile`).
+    # query_centering): the document is read with the paper's scoring, the question's retrieval
+    # is taken away from the hubs. Stores keep the scoring they were made with.
     question_centering: float = 1.0
-    # Whether the answer's tokens score with question_centering too (false: only the question's
-    # chunks do; the answer's tokens score as the document's did: centring them lost answers,
-    # digits drifting while a retrieved needle is copied).
+    # Whether the answer's tokens score with question_centering too; false: only the question's
+    # chunks do (centring the answer made digits drift while a retrieved needle was copied).
     question_centering_answer: bool = False
-    # How a question's chunk scores events. "mean" (the paper's): its tokens' mean query. "max":
-    # every token scores every event, each token's scores are standardised over the events
-    # (z-scores), and an event takes its best token's: the one token that singles a needle out (a
-    # name, a key) is not averaged away by the rest of the question, in early layers above all.
-    # The needle in 99.5% of layers at 32k instead of 95.9%, above the retrieval baseline's 98.9%
-    # (docs/benchmarks.md, recall: scoring the question token by token). "lse" (the default since
-    # 2026-11-27): a soft maximum of those z-scores (`selection.token_lse`, temperature 0.5), so
-    # an event several tokens find also gains: the same recall as "max" within a needle, and the
-    # passkey's first answer token less close to a tie (found at 1M, where "max" answers the
-    # filler; docs/benchmarks.md, recall). Only while a question is read
-    # (`Engine.begin_question`) and only for chunks of several tokens: a generated token's
-    # z-score ranks as its score does, and the document's chunks score as before. It needs the
-    # centring above (without it, worse than the mean); stores keep the scoring they were made
-    # with ("mean" before 2026-11-26, "max" until 2026-11-27).
+    # How a question's chunk scores events: "mean" (the paper's), its tokens' mean query; "max",
+    # every token scores every event, each token's scores standardised over the events (z-scores),
+    # an event taking its best token's, so that the one token that singles a needle out is not
+    # averaged away; "lse", a soft maximum of those z-scores (`selection.token_lse`), so that an
+    # event several tokens find also gains. Only while a question is read and for chunks of several
+    # tokens; it needs the centring above. Stores keep the scoring they were made with.
     question_scoring: str = "lse"
     # Identical events (the same token ids: `emllm.memory.distinct`) take one place in a question's
-    # selection: the best scoring of each set is ranked first, the other copies only fill what is
-    # left once every set has its place. In a conversation the template's framing and a small
-    # model's repeated replies made copies that scored alike and filled the budget, crowding the
-    # facts out (docs/benchmarks.md, a remembered conversation). Only where the question's tokens
-    # score every event (question_scoring "max", "lse"); stores made before read without it.
+    # selection: the best scoring of each set first, the other copies only fill what is left (a
+    # conversation's template framing and repeated replies made copies that crowded facts out).
+    # Only where the question's tokens score every event ("max", "lse").
     distinct_events: bool = True
-    # Representative keys scaled to unit length per head (query or KV head, as the store keeps
-    # them) when events close: an event then scores the sum over heads of |q_h| cos(q_h, r_h),
-    # and keys that are long win no more often. True by default since 2026-11-26 (evening): the
-    # needle in more layers at 8k (mean of four haystacks 90.3% against 88.2%; chat logs 90.7
-    # against 86.3%, code 89.3 against 86.3%, prose equal) and at 32k (96.8 against 95%), the
-    # passkey 15/15 at 16k, 64k and 256k (docs/benchmarks.md, recall); stores made before keep
-    # what they were made with.
+    # Representative keys scaled to unit length per head when events close: an event then scores
+    # the sum over heads of |q_h| cos(q_h, r_h), and long keys win no more often.
     repr_normalise: bool = True
-    # What an event's representative key is, per query head: "attention" (the paper's), the mean
-    # pre-RoPE key of the repr_topk tokens that drew the most attention while in the local window;
-    # "mean", the mean key of all its tokens: no attention mass is computed then. "mean" by default
-    # since 2026-11-26: the needle in more layers on RULER's haystacks, prose and chat at 8k (97 /
-    # 83 / 86% against 93 / 77 / 82%; code 86 against 88%), answers the same within noise, the
-    # passkey 15/15 at 16k-256k, ingest 1.19x the window's time instead of 1.47x
-    # (docs/benchmarks.md, representative keys); stores made before keep "attention"
-    # (`emllm.app.stream.store_profile`).
+    # What an event's representative key is: "attention" (the paper's), the mean pre-RoPE key of
+    # the repr_topk tokens that drew the most attention in the local window; "mean", the mean key
+    # of all its tokens, which needs no attention mass (docs/benchmarks.md compares them).
     representative: str = "mean"
     # compute dtype: auto is bfloat16 where the device computes it natively (CUDA, CPUs with
     # AVX-512 BF16 or AMX), else float32. A store records the dtype it was computed in.

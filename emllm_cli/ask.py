@@ -20,7 +20,7 @@ def ask(
     store: str = typer.Option(None, "--store", "-s", help="Store name or path; default: the most recently written.", autocompletion=complete_store_names),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Longest answer, in tokens."),
     show_retrieval: bool = typer.Option(False, "--show-retrieval", help="Draw what each layer retrieved, on stderr."),
-    kv_cache_mb: int = typer.Option(None, "--kv-cache-mb", min=0, help="RAM for the keys and values of recently retrieved events, all layers (default: the store's kv_cache_mb: 0, none, for stores made since 2026-11-25; the page cache serves reads). Helps only where the store's files are not in the page cache: without it a reader indexes a map of the files (faster; their pages count in its RSS as file pages). Does not change results."),
+    kv_cache_mb: int = typer.Option(None, "--kv-cache-mb", min=0, help="RAM for the keys and values of recently retrieved events, all layers (default: the profile's kv_cache_mb, 0: none; the page cache serves reads). Helps only where the store's files are not in the page cache: without it a reader indexes a map of the files (faster; their pages count in its RSS as file pages). Does not change results."),
     temperature: float = TemperatureOpt,
     top_p: float = TopPOpt,
     top_k: int = TopKOpt,
@@ -29,7 +29,7 @@ def ask(
     stop: list[str] = StopOpt,
     remember: bool = typer.Option(False, "--remember", help="Append this exchange (question and answer) to the store, as `emllm chat` does."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
-    reread: bool = typer.Option(True, "--reread/--no-reread", help="How the answer is read. --reread, the default: the question is read against the memory as usual, then the stream's passages (~128 tokens) that the most layers retrieved, fused with the four whose words best match the question's, are taken up to emllm's attention span and the model reads them as one ordinary context with the question, those whose words best match it last. The last tokens before the question (the local window, 1,024 for SmolLM2) compete as if they were in memory. Costs one more forward over that span (~2k tokens for SmolLM2). --no-reread: emllm's own answer, the paper's method, each answer token attending to the events its layers retrieve. Measured on SmolLM2 (docs/benchmarks.md, re-read answers): 73 of 90 hard questions at 8k re-read, 21 by emllm's own reading, 74 by a retrieval pipeline (MiniLM) at the same span; the passkey found by both from 16k to 1M. The store is not changed either way."),
+    reread: bool = typer.Option(True, "--reread/--no-reread", help="How the answer is read. --reread, the default: the question is read against the memory, then the passages (~128 tokens each) that the most layers retrieved and those whose words best match the question are read again with it as one ordinary prompt of emllm's attention span, the best matches last; costs one more forward over that span. --no-reread: emllm's own answer, the paper's method, each answer token attending to the events its layers retrieve. The store is not changed either way (docs/benchmarks.md compares them)."),
 ) -> None:
     """Answer from a stored document. The store is not changed: every question sees the same memory.
 

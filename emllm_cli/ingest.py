@@ -26,7 +26,7 @@ def ingest(
     resume: bool = typer.Option(False, "--resume", help="Finish an interrupted ingest (needs no files)."),
     raw: bool = typer.Option(False, "--raw", help="Do not wrap the stream in the model's chat template."),
     commit_every: int = typer.Option(4, "--commit-every", min=1, help="Commit the store every N chunks."),
-    kv_cache_mb: int = typer.Option(None, "--kv-cache-mb", min=0, help="RAM for the keys and values of recently retrieved events, all layers (default: the store's kv_cache_mb: 0, none, for stores made since 2026-11-25; the page cache serves reads). Helps only where the store's files are not in the page cache. Does not change results."),
+    kv_cache_mb: int = typer.Option(None, "--kv-cache-mb", min=0, help="RAM for the keys and values of recently retrieved events, all layers (default: the profile's kv_cache_mb, 0: none; the page cache serves reads). Helps only where the store's files are not in the page cache. Does not change results."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout. Progress goes to stderr on a terminal; elsewhere set EMLLM_PROGRESS=60 for a line a minute."),
 ) -> None:
     """Read documents into an episodic memory on disk: ingest once, ask many times, append later.

@@ -41,8 +41,7 @@ class Session:
         self.tail = self.tail + self.lead
         # A question opening a user turn of its own (an empty store's first, or one after a
         # remembered answer) is the turn's text as the chat template has it; after a document it
-        # is set apart from it by SEPARATOR. (Until 2026-11-29 every question but an empty store's
-        # was: a conversation's messages opened "\n\n", which the template never writes.)
+        # is set apart from it by SEPARATOR.
         self.turn_start = self.empty or opens_a_turn(store, tok, self.tail)
         self.store, self.model, self.tok = store, model, tok
         self.engine: Engine = open_engine(store, model, kv_cache_mb)

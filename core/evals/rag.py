@@ -159,8 +159,6 @@ def run_rag(model, tok, prompt, max_new_tokens: int | None = None, chunk_tokens:
     dev = input_device(model)
     emb = embedder or load_embedder(dev)
     ctx = int(getattr(model.config, "max_position_embeddings", 4096))
-    # (until 2026-11-29 a given budget lost the answer's tokens too: the span-matched baseline
-    # read 16-64 tokens fewer than the re-read, 128 fewer at RULER's own answer length)
     budget = prompt_budget(budget, ctx, n_new)
     rc = build_context(tok, emb, prompt.document, prompt.question, prompt.query, getattr(prompt, "head", 0),
                        budget, chunk_tokens, k, layout)

@@ -268,10 +268,7 @@ def _encoder(tok) -> Callable[[str], list[int]]:
 # -- needle tasks ------------------------------------------------------------------------------------
 
 # Tokens a needle task's answer may take: RULER's generator gives its needle tasks 128
-# (`tokens_to_generate`). Until 2026-11-29 these were 16-64 a task, and a small model that repeats
-# the question's sentence before the value was cut before the value; greedy answers share their
-# first tokens, so on the same context a score at 128 is never below one at the shorter cap
-# (measured on 90 prompts at 8k: docs/benchmarks.md, re-read answers).
+# (`tokens_to_generate`); fewer cut a small model that repeats the question before the value.
 NIAH_NEW_TOKENS = 128
 
 def _niah(tok, length: int, depth: float, rng: random.Random, *, task: str, kind: str, haystack: str,
