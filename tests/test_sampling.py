@@ -73,3 +73,12 @@ def test_ask_takes_the_sampling_options(tiny, tmp_path):
     assert json.loads(one.stdout)["answer"] == json.loads(two.stdout)["answer"]
     r = run("ask", QUESTION, "--top-p", "2", home=tmp_path)
     assert r.returncode == 2 and "--top-p" in r.stderr
+    r = run_in_process("ask", QUESTION, "--store", "s", "--temperature", "1", "--seed", str(2**70), home=tmp_path)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == ["emllm: error: seed must be an integer in [0, 2**64), got " + str(2**70)], r.stderr
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**64, 2**70, 10**40])
+def test_seeds_the_sampler_cannot_take_are_refused(seed):
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+        Sampling(temperature=1.0, seed=seed)
+    assert Sampling(temperature=1.0, seed=2**64 - 1).chooser()([], torch.tensor([0.0, 1.0])) in (0, 1)

@@ -127,6 +127,9 @@ def test_chat_completions_through_the_openai_client(server, tiny):
     with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
         client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}],
                                        extra_body={"repetition_penalty": -1})
+    for seed in (-1, 2**64, 2**70, 10**40):  # what the sampler cannot take: a 4xx, not a 500
+        with pytest.raises(openai.BadRequestError, match="seed"):
+            client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}], seed=seed)
     assert store_files(home / "stores" / "book") == before  # not remembered: unchanged
     # errors: OpenAI-style bodies, 4xx
     with pytest.raises(openai.NotFoundError) as e:

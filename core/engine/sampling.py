@@ -18,6 +18,9 @@ from torch import Tensor
 Chooser = Callable[[list[int], Tensor], int]  # (ids chosen so far in this answer, logits [V]) -> id
 
 
+SEED_LIMIT = 2**64  # what torch's generators take
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0  # 0: greedy
@@ -35,6 +38,8 @@ class Sampling:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not (self.repetition_penalty > 0 and self.repetition_penalty < float("inf")):
             raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty}")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

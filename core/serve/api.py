@@ -38,7 +38,7 @@ from starlette.middleware.base import BaseHTTPMiddleware
 from emllm.app.ask import Session
 from emllm.app.conversation import exchange_ids, remember_exchange
 from emllm.app.stream import encode, encode_framing, identity_of, reopen_text
-from emllm.engine.sampling import Sampling
+from emllm.engine.sampling import SEED_LIMIT, Sampling
 from emllm.store import Store, StoreError, StoreLockedError
 from emllm.store.manifest import MANIFEST
 
@@ -65,7 +65,7 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
     top_k: int | None = Field(default=None, ge=0)  # beyond OpenAI's fields, as llama.cpp's server takes them
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
