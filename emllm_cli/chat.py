@@ -91,6 +91,8 @@ def chat(
     from emllm.app.conversation import Conversation
     from emllm.store import is_store
 
+    if sys.stdin is None or sys.stdin.closed:  # `emllm chat <&-`: nothing to read messages from
+        raise UserError("standard input is closed: chat reads its messages from it (a terminal, or a pipe)")
     if store is None:
         path = existing_store(None) if list_stores() else store_path("chat")
     else:

@@ -2,39 +2,32 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 from . import render
 from .errors import UserError
 
 
-def read_text(path: str) -> str:
-    """The text of `path` ('-' for stdin). Invalid UTF-8 is decoded with replacement characters
-    and a warning (the rest of the text stays usable); binary files and empty files are refused."""
-    if path == "-":
-        if sys.stdin is None or sys.stdin.closed:
-            raise UserError("stdin is closed: pipe the text in, or give a file")
-        data = sys.stdin.buffer.read()
-        name = "stdin"
-    else:
-        p = Path(path)
-        try:
-            if not p.exists():
-                raise UserError(f"{path}: no such file")
-            if p.is_dir():
-                raise UserError(f"{path}: is a directory, not a text file")
-            data = p.read_bytes()
-        except OSError as e:
-            raise UserError(f"{path}: cannot read: {e.strerror}") from None
-        name = path
-    if not data.strip():
-        raise UserError(f"{name}: is empty: nothing to read")
-    if b"\x00" in data[:65536]:
-        raise UserError(f"{name}: looks like a binary file (NUL bytes); give a text file")
+# `segment` holds the whole text and its tokens: far past what it reads in reasonable time on a
+# CPU, and an endless stream (`yes | emllm segment -`) ends here instead of filling memory.
+SEGMENT_MAX_CHARS = 64 << 20
+
+
+def read_text(path: str, max_chars: int = SEGMENT_MAX_CHARS) -> str:
+    """The text of `path` ('-' for stdin), read as `emllm ingest` reads it (`TextSource`): devices,
+    binary and empty input refused, invalid UTF-8 replaced with a warning; at most max_chars."""
+    from emllm.app.textinput import InputError, TextSource
+
+    warn = lambda m: render.err.print(f"[yellow]warning:[/yellow] {render.shown(m)}")  # noqa: E731
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        render.err.print(f"[yellow]warning:[/yellow] {name} is not valid UTF-8 (byte {e.start}); "
-                         "undecodable bytes were replaced with U+FFFD")
-        return data.decode("utf-8", errors="replace")
+        src = TextSource.open(path, warn=warn)
+        parts, n = [], 0
+        for piece in src.pieces():
+            parts.append(piece)
+            n += len(piece)
+            if n > max_chars:
+                src.close()
+                raise UserError(f"{src.name}: longer than {max_chars >> 20} Mi characters: segment a part of it "
+                                "(emllm ingest reads any length)")
+    except InputError as e:
+        raise UserError(str(e)) from None
+    return "".join(parts)

@@ -321,3 +321,21 @@ def test_progress_off_a_terminal_is_silent_unless_asked(monkeypatch):
     for bad in ("soon", "-5", "inf", "nan"):
         with pytest.raises(UserError, match="EMLLM_PROGRESS"):
             log(bad)
+
+
+def test_chat_with_standard_input_closed_is_one_line(tmp_path):
+    env = {**os.environ, **cli_env(tmp_path)}
+    r = subprocess.run(f"{EMLLM} chat --store c <&-", shell=True, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "emllm: error: standard input is closed: chat reads its messages from it (a terminal, or a pipe)"], r.stderr
+    assert not (tmp_path / "stores" / "c").exists()
+
+
+def test_segment_refuses_devices_and_ends_an_endless_stream(tmp_path):
+    r = run("segment", "/dev/zero", home=tmp_path)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == ["emllm: error: /dev/zero: is a device, not a text file"]
+    env = {**os.environ, **cli_env(tmp_path)}
+    r = subprocess.run(f"yes 'a line of text' | {EMLLM} segment -", shell=True, capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "emllm: error: stdin: longer than 64 Mi characters: segment a part of it (emllm ingest reads any length)"], r.stderr
