@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+_UNSAFE = re.compile(r"[^\w.-]+")  # \w: letters and digits of any script, and "_"
 
 
 def home() -> Path:
@@ -23,3 +26,11 @@ def models_dir() -> Path:
 
 def stores_dir() -> Path:
     return home() / "stores"
+
+
+def store_name_for(document: str) -> str:
+    """The name of the store a document makes when none is given: its file name without the
+    extension, keeping letters, digits, "_", "." and "-" (any other run becomes "-": no control
+    characters or markup reach a terminal or a path), never starting with a dot."""
+    name = _UNSAFE.sub("-", Path(document).stem).strip("-.")
+    return name or "document"

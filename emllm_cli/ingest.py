@@ -42,6 +42,7 @@ def ingest(
     from emllm.app import ingest as ing
     from emllm.app import stream
     from emllm import models
+    from emllm.home import store_name_for
     from emllm.store import Store, is_store, read_manifest
     from emllm.app.textinput import TextSource, file_sha256
 
@@ -59,7 +60,7 @@ def ingest(
             raise typer.BadParameter("say which store with --store", param_hint="--store")
         if paths[0] == "-":
             raise typer.BadParameter("reading stdin: name the store with --store", param_hint="--store")
-        store = Path(paths[0]).stem
+        store = store_name_for(paths[0])
 
     path = store_path(store)
     existing = is_store(path)
