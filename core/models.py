@@ -90,8 +90,9 @@ def resolve(model: str | None = None, profile: str | None = None, log: Callable[
                 f"model {name!r} is not in the Hugging Face cache and emllm never downloads; fetch it first: hf download {name}"
             )
     else:
+        origin = " (from $EMLLM_MODEL)" if model is None else ""
         raise ModelNotFoundError(
-            f"unknown model {name!r}: give a profile alias ({', '.join(builtin_profile_names())}), "
+            f"unknown model {name!r}{origin}: give a profile alias ({', '.join(builtin_profile_names())}), "
             "a local model folder, or a hub id already in the Hugging Face cache"
         )
     if prof is None:

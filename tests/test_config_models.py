@@ -80,3 +80,18 @@ def test_faiss_and_sketch_thresholds_are_separate_keys_and_old_profiles_keep_the
     bad.write_text("sketch_threshold: 0\n")
     with pytest.raises(Exception, match="sketch_threshold"):
         load_profile_file(bad)
+
+
+def test_the_default_model_and_emllm_model(monkeypatch):
+    from emllm.models import DEFAULT_MODEL, default_model
+
+    monkeypatch.delenv("EMLLM_MODEL", raising=False)
+    assert default_model() == DEFAULT_MODEL == "qwen2.5-coder-0.5b"
+    assert load_profile(DEFAULT_MODEL).model == "embedded:qwen2.5-coder-0.5b"
+    monkeypatch.setenv("EMLLM_MODEL", "")  # empty: unset
+    assert default_model() == DEFAULT_MODEL
+    monkeypatch.setenv("EMLLM_MODEL", "smollm2")
+    assert resolve().name == "smollm2" and resolve("qwen2.5-coder-0.5b").name == "qwen2.5-coder-0.5b"
+    monkeypatch.setenv("EMLLM_MODEL", "no such model")
+    with pytest.raises(ModelNotFoundError, match=r"unknown model 'no such model' \(from \$EMLLM_MODEL\)"):
+        resolve()
