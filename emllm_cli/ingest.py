@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 import typer
-from rich.markup import escape
 
 from . import render
 from .errors import UserError, guarded
@@ -79,7 +78,7 @@ def ingest(
                             f"read): finish it first with `emllm ingest --resume --store {store}`")
         elif not (append or resume):
             if ing.is_empty(m):  # an earlier emllm's create, interrupted before its text was saved
-                render.err.print(f"[yellow]note:[/yellow] {escape(str(path))} held an empty store (an interrupted "
+                render.err.print(f"[yellow]note:[/yellow] {render.shown(str(path))} held an empty store (an interrupted "
                                  f"create): it is made anew")
                 Store.remove_empty(path)
                 existing = False
@@ -89,10 +88,10 @@ def ingest(
         elif resume and not unfinished and ing.is_empty(m):
             raise UserError(f"store {store!r} holds nothing: the ingest that created it was interrupted before its "
                             f"text was saved; run it again: emllm ingest FILE --store {store}")
-    warn = lambda m: render.err.print(f"[yellow]warning:[/yellow] {escape(m)}")  # noqa: E731
+    warn = lambda m: render.err.print(f"[yellow]warning:[/yellow] {render.shown(m)}")  # noqa: E731
     docs = [(p if p != "-" else "stdin", TextSource.open(p, warn)) for p in paths]  # bad files fail before any work
 
-    log = lambda m: render.err.print(f"[dim]{escape(m)}[/dim]")  # noqa: E731
+    log = lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]")  # noqa: E731
     if existing:
         if raw and m.get("stream", {}).get("chat"):  # the layout is the store's, fixed when it was made
             raise typer.BadParameter("this store's stream is in the model's chat template (set when it was "
@@ -127,8 +126,8 @@ def ingest(
                 st.discard()
                 raise
             for doc_name, was in ing.duplicates(held, docs):  # allowed (it may be meant), but rarely what one wants
-                render.err.print(f"[yellow]note:[/yellow] {escape(doc_name)}: the store held this text already "
-                                 f"(as {escape(was)}); it was added again")
+                render.err.print(f"[yellow]note:[/yellow] {render.shown(doc_name)}: the store held this text already "
+                                 f"(as {render.shown(was)}); it was added again")
         job = st.manifest["job"]
         t0, done0, was_complete = time.perf_counter(), job["done"], job["complete"]
         if not docs and not was_complete:  # a resume: what is left of the job must fit too
@@ -145,7 +144,7 @@ def ingest(
         except KeyboardInterrupt:
             j = st.manifest["job"]
             render.err.print(f"emllm: interrupted: the store keeps {j['done']} of {j['tokens']} tokens of this job; "
-                             f"finish with: emllm ingest --resume --store {escape(store)} (or the same command again)")
+                             f"finish with: emllm ingest --resume --store {render.shown(store)} (or the same command again)")
             raise typer.Exit(130)
         summary = ing.run_summary(st, before, done0, was_complete, bool(docs), time.perf_counter() - t0)
     if as_json:
@@ -154,10 +153,10 @@ def ingest(
     pending, read = summary["pending_tokens"], summary["read_tokens"]
     where = f"{summary['tokens']} tokens, {summary['events']} events in {path} ({summary['bytes'] / 2**20:.1f} MiB"
     if resume and was_complete:
-        render.err.print(f"nothing to resume: the last ingest finished; {escape(where)}). An --append interrupted "
+        render.err.print(f"nothing to resume: the last ingest finished; {render.shown(where)}). An --append interrupted "
                          "before its text was saved leaves no trace: run that append again")
     elif read:
-        render.err.print(f"[green]stored[/green] {where}, {summary['tokens_per_second']:.0f} tok/s)")
+        render.err.print(f"[green]stored[/green] {render.shown(where)}, {summary['tokens_per_second']:.0f} tok/s)")
     else:  # an append shorter than what completes a chunk: nothing for the model to read yet
-        render.err.print(f"[green]stored[/green] {where}; {pending} tokens wait for the next append or question)")
+        render.err.print(f"[green]stored[/green] {render.shown(where)}; {pending} tokens wait for the next append or question)")
 

@@ -190,15 +190,20 @@ def metrics_table(table: dict, tokens: int) -> Table:
     return t
 
 
-def shown(text: object) -> str:
-    """Text from a store or a user (a document's name, a model's), safe to print: control
-    characters (escape sequences) written as escapes, Rich markup shown as the characters it is."""
-    from rich.markup import escape
-
+def printable(text: object) -> str:
+    """Text with its control characters (escape sequences, bidi overrides) written as escapes."""
     t = str(text)
     if not t.isprintable():
         t = "".join(c if c.isprintable() else repr(c)[1:-1] for c in t)
-    return escape(t)
+    return t
+
+
+def shown(text: object) -> str:
+    """Text from a store or a user (a document's name, a model's), safe to print through Rich:
+    control characters written as escapes, markup shown as the characters it is."""
+    from rich.markup import escape
+
+    return escape(printable(text))
 
 
 def _size(n: int) -> str:
@@ -220,7 +225,7 @@ def print_stores(rows: list[dict]) -> None:
     for r in rows:
         cells = (r["name"], r["status"], r["model"] or "-", r.get("format") or "-", r["tokens"],
                  "-" if r["events"] is None else r["events"], _size(r["bytes"]), str(r["updated"] or "-")[:19])
-        sys.stdout.write("\t".join(str(c).replace("\t", " ").replace("\n", " ") for c in cells) + "\n")
+        sys.stdout.write("\t".join(printable(c) for c in cells) + "\n")  # a tab or newline in a name: escaped
     sys.stdout.flush()
 
 

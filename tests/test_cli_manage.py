@@ -138,3 +138,30 @@ def test_slow_steps_say_what_they_do(tiny, tmp_path):
     env = {**os.environ, **cli_env(tmp_path, EMLLM_PROGRESS="1")}
     r = subprocess.run([EMLLM, "ask", QUESTION, "-n", "1", "--store", "s"], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "loading the model of s and opening it" in r.stderr, r.stderr
+
+
+def test_names_with_escape_sequences_and_markup_reach_no_terminal_raw(tiny, tmp_path):
+    """A store or document named with control characters (ESC sequences that clear or retitle a
+    terminal, C1 controls, a bidi override) or Rich markup is shown escaped by every command."""
+    import re
+
+    folder, prof, _, _ = tiny
+    hostile = "\x1b[2J\x1b]0;owned\x07\x9b31m\u202e[red]x[/red]"
+    doc = tmp_path / f"doc{hostile.replace('/', '')}.txt"
+    doc.write_text(words(5, 300))
+    controls = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+    r = run("ingest", str(doc), "-m", str(folder), "--profile", str(prof), home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert not controls.search(r.stderr) and not controls.search(r.stdout), r.stderr
+    (name,) = os.listdir(tmp_path / "stores")  # named after the document: safe characters only
+    assert name.isprintable() and not controls.search(name) and "[" not in name, name
+    r = run("ingest", str(doc), "-m", str(folder), "--profile", str(prof), "--store", "s" + hostile.replace("/", ""),
+            home=tmp_path)  # a name the user typed is kept as typed, and shown escaped
+    assert r.returncode == 0, r.stderr
+    assert not controls.search(r.stderr) and "\\x1b[2J" in r.stderr, r.stderr
+    for args in (("list",), ("show", "s" + hostile.replace("/", "")), ("list", "--json"), ("inspect",)):
+        r = run(*args, home=tmp_path)
+        assert r.returncode == 0, (args, r.stderr)
+        assert not controls.search(r.stdout) and not controls.search(r.stderr), (args, r.stdout)
+    shown = run("show", "s" + hostile.replace("/", ""), home=tmp_path, env={"COLUMNS": "400"}).stdout
+    assert "\\x1b[2J\\x1b]0;owned\\x07\\x9b31m\\u202e[red]x[red]" in shown, shown  # markup shown, not applied
