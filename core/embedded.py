@@ -36,7 +36,6 @@ class EmbeddedModel:
     size: int | None = None  # the assembled file's bytes and sha256, checked before conversion
     sha256: str | None = None
     save_dtype: str = "float32"  # what the converted folder stores
-    seconds: int = 30  # about how long the conversion takes on 2 cores (said once, before it starts)
 
     @property
     def install(self) -> str:
@@ -60,26 +59,25 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         EmbeddedModel("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", *_Q05,
                       size=491_400_064,
                       sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                      save_dtype="bfloat16", seconds=60),
+                      save_dtype="bfloat16"),
         EmbeddedModel("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", *_Q15,
                       size=1_117_320_768,
                       sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                      save_dtype="bfloat16", seconds=150),
+                      save_dtype="bfloat16"),
     )
 }
 
 
 def _part_paths(m: EmbeddedModel) -> list[Path]:
-    paths = []
-    missing = [req for (mod, _), req in zip(m.parts, m.requirements) if importlib.util.find_spec(mod) is None]
+    specs = [importlib.util.find_spec(mod) for mod, _ in m.parts]
+    missing = [req for spec, req in zip(specs, m.requirements) if spec is None]
     if missing:
         raise ModelNotFoundError(
             f"the model {m.key!r} needs {'its packages' if len(m.parts) > 1 else 'the package'} "
             f"({len(missing)} of {len(m.parts)} missing): {m.install}"
         )
-    for (mod, rel), req in zip(m.parts, m.requirements):
-        spec = importlib.util.find_spec(mod)
-        assert spec is not None
+    paths = []
+    for spec, (_, rel), req in zip(specs, m.parts, m.requirements):
         base = Path(spec.origin).parent if spec.origin else Path(next(iter(spec.submodule_search_locations)))
         p = base / rel
         if not p.is_file():
@@ -130,7 +128,7 @@ def embedded_folder(key: str, log: Callable[[str], None] | None = None) -> Path:
         return target
     paths = _part_paths(m)
     if log:
-        log(f"converting {m.filename} to safetensors under {target} (once, about {m.seconds} s)")
+        log(f"converting {m.filename} to safetensors under {target} (once)")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
     try:
