@@ -87,10 +87,6 @@ def main() -> None:
         tokens, events = s.manifest["rows"]["tokens"], s.manifest["rows"]["events"]
         ids = s.tokens.read().tolist() + pending_tokens(s)  # (a short conversation may have committed no chunk)
         at = fact_position(ids, tok, a.fact, a.expect)
-        # A model that repeats the fact in its replies keeps it in every turn, the window's
-        # included: the answer then says nothing of the memory.
-        # (the stream ends with the question's answer, remembered: not counted)
-        mentions = tok.decode(ids).lower().count(a.expect.lower()) - answer.lower().count(a.expect.lower())
         report = retrieval_report(s, model, tok, a.question, top=events)  # every event: the fact's rank however low
         control = plain_answer(s, model, tok, a.question) if a.control else None
     spans = [(r, e) for r, e in enumerate(report["top_events"]) if e["tokens"][0] <= at < e["tokens"][1]]
@@ -99,8 +95,13 @@ def main() -> None:
     above = report["top_events"][: rank - 1] if rank else []
     prefix_above = sum(1 for e in above if a.prefix.strip() and a.prefix.strip()[:12] in e["preview"])
     in_window = at >= report["window_start"] or at < report["initial_tokens"]
+    # A model that repeats the fact in its replies keeps it in later turns, the window's too: the
+    # answer then says nothing of the memory. (The stream ends with the remembered answer: not counted.)
+    count = lambda t: t.lower().count(a.expect.lower())  # noqa: E731
+    mentions = count(tok.decode(ids)) - count(answer)
+    in_window_mentions = count(tok.decode(ids[report["window_start"]:])) - count(answer)
     row = {"exchanges": a.exchanges, "prefix": a.prefix, "repetition_penalty": a.repetition_penalty, "tokens": tokens, "events": events, "fact_at": at, "answer": answer,
-           "fact": a.fact, "question": a.question, "found": a.expect.lower() in answer.lower(), "fact_event_layers": layers, "fact_event_rank": rank, "prefix_events_above": prefix_above, "fact_in_window_or_initial": in_window, "expect_mentions": mentions,
+           "fact": a.fact, "question": a.question, "found": a.expect.lower() in answer.lower(), "fact_event_layers": layers, "fact_event_rank": rank, "prefix_events_above": prefix_above, "fact_in_window_or_initial": in_window, "expect_mentions": mentions, "expect_in_window": in_window_mentions,
            "seconds": round(time.perf_counter() - t0, 1)}
     if reread is not None:
         row.update(reread_answer=reread, reread_found=a.expect.lower() in reread.lower(),
@@ -109,9 +110,9 @@ def main() -> None:
     if control is not None:
         row.update(control_answer=control, control_found=a.expect.lower() in control.lower())
     print(json.dumps(row))
-    if mentions > 1:
-        print(f"warning: {a.expect!r} occurs {mentions} times in the stream (the model's replies repeat it): "
-              "the answer does not measure the memory; try another --prefix", flush=True)
+    if in_window_mentions > 0:
+        print(f"warning: {a.expect!r} is in the window at the question ({in_window_mentions} times: the model's "
+              "replies repeat it): the answer does not measure the memory; try another --prefix", flush=True)
     if a.out:
         with open(a.out, "a") as f:
             f.write(json.dumps({"date": time.strftime("%Y-%m-%d"), **row}) + "\n")
