@@ -132,12 +132,14 @@ def main() -> None:
 
 
 def table(results: list[dict]) -> None:
-    print(f"\n{'model':<22}{'readme':>8}{'licence':>10}{'ingest tok/s':>14}{'first tok s':>12}{'s/token':>9}"
+    print(f"\n{'model':<40}{'readme':>8}{'licence':>10}{'ingest tok/s':>14}{'first tok s':>12}{'s/token':>9}"
           f"{'install MB':>11}{'converted MB':>13}")
     for r in results:
         rd = sum(x["right"] for x in r["readme_reread"]), sum(x["right"] for x in r["readme_own"])
         lc = sum(x["right"] for x in r["licence_reread"]), sum(x["right"] for x in r["licence_own"])
-        print(f"{r['model'] + (' ' + Path(r['profile']).stem if r.get('profile') else ''):<22}{f'{rd[0]}/{rd[1]}':>8}{f'{lc[0]}/{lc[1]} of {len(LICENCE_QS)}':>10}"
+        prof = r.get("profile") or ""
+        prof = Path(prof).stem if prof.endswith((".yaml", ".yml")) else prof
+        print(f"{r['model'] + (' ' + prof if prof else ''):<40}{f'{rd[0]}/{rd[1]}':>8}{f'{lc[0]}/{lc[1]} of {len(LICENCE_QS)}':>10}"
               f"{r['licence_ingest_tok_s']:>14.0f}{r['first_token_s']:>12.2f}{r['decode_s_per_token']:>9.3f}"
               f"{r['install_mb']:>11.0f}{r['converted_mb']:>13.0f}")
     print("(right answers: re-read / emllm's own reading)")

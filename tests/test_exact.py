@@ -35,17 +35,11 @@ def smollm2_case(model, tok, prof, mode: str):
 
 
 @pytest.mark.parametrize("mode", ["one-shot", "chunks", "decode"])
-def test_smollm2_equals_vanilla(smollm2, mode):
-    model, tok, prof = smollm2
-    ids, ref, got = smollm2_case(model, tok, prof, mode)
-    assert (got - ref).abs().max().item() <= TOL
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["one-shot", "chunks", "decode"])
-def test_qwen05_equals_vanilla(qwen05, mode):
-    """The real Qwen2.5-Coder-0.5B (q/k/v biases, 14 query heads over 2 KV heads, rope base 1e6)."""
-    model, tok, prof = qwen05
+@pytest.mark.parametrize("real", ["smollm2", pytest.param("qwen05", marks=pytest.mark.slow)])
+def test_real_models_equal_vanilla(real, mode, request):
+    """SmolLM2-135M (Llama), and the default Qwen2.5-Coder-0.5B (q/k/v biases, 14 query heads over
+    2 KV heads, rope base 1e6)."""
+    model, tok, prof = request.getfixturevalue(real)
     ids, ref, got = smollm2_case(model, tok, prof, mode)
     assert (got - ref).abs().max().item() <= TOL
 
