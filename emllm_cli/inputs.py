@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from . import render
 from .errors import UserError
 
