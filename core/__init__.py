@@ -1,13 +1,17 @@
 """emllm: episodic memory for Hugging Face causal language models (EM-LLM), kept on disk.
 
-The public surface, loaded on first use (so `import emllm` and the CLI's --help stay light):
+The public surface (`emllm.__all__`), loaded on first use so `import emllm` and the CLI's --help
+stay light; the CLI and the server use nothing else (tests/test_layers.py holds them to it):
 
-    emllm.create(path, model=...)  -> Memory    a new store with its model
-    emllm.open(path)               -> Memory    a store with the model it was written with
-    Memory.ingest(...) / .ask(...) / .retrieval(...) / .summary()
+    emllm.create(path, model=...) -> Memory     a new store with its model
+    emllm.open(path)              -> Memory     a store with the model it was written with
+    emllm.load(model)             -> Model      a model loaded once, for several stores
+    Memory.ingest / .resume / .answer / .ask / .reply / .remember / .conversation / .retrieval / .summary
+    emllm.plan_ingest                           the rules of `emllm ingest` (create, append, resume)
+    emllm.segment                               a text's event boundaries
+    emllm.store_path, list_stores, store_summary, remove_store, move_store: the stores under the home
+    emllm.EmllmError                            the base of every error a user can fix
     emllm.Engine                                the in-RAM engine over a model (no store)
-    emllm.Store, emllm.StoreError               the store itself
-    emllm.load_profile, emllm.resolve_model, emllm.load_model
 
 Layers (each subpackage's docstring says what it owns and may import; tests/test_layers.py
 holds the table): math -> memory -> engine; store (over memory); app (use cases over engine and
@@ -21,10 +25,27 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+_API = "emllm.app.api"
+_STORES = "emllm.app.stores"
 _SURFACE = {
-    "create": "emllm.app.api", "open": "emllm.app.api", "Memory": "emllm.app.api",
-    "Engine": "emllm.engine.stream", "Store": "emllm.store", "StoreError": "emllm.store",
-    "load_profile": "emllm.config", "Profile": "emllm.config",
+    # a store with its model
+    "create": _API, "open": _API, "load": _API, "Memory": _API, "Model": _API, "Answer": _API,
+    "IngestPlan": _API, "IngestReport": _API, "plan_ingest": _API, "segment": _API, "sampling": _API,
+    "REREAD_QUESTIONS": _API, "REREAD_CONVERSATION": _API,
+    "Progress": "emllm.app.ingest", "DiskSpaceError": "emllm.app.ingest",
+    "TextSource": "emllm.app.textinput", "InputError": "emllm.app.textinput", "file_sha256": "emllm.app.textinput",
+    # the stores under the home
+    "store_path": _STORES, "is_store": _STORES, "list_stores": _STORES, "folder_bytes": _STORES,
+    "store_summary": (_STORES, "summary"), "remove_store": _STORES, "move_store": _STORES,
+    "stores_dir": "emllm.home", "store_name_for": "emllm.home",
+    # errors a user can cause
+    "EmllmError": "emllm.errors", "UsageError": "emllm.errors", "StoreError": "emllm.store",
+    "StoreLockedError": "emllm.store", "ModelMismatchError": "emllm.store", "ProfileError": "emllm.config",
+    "ProfileMismatchError": "emllm.config", "ModelNotFoundError": "emllm.models",
+    # below the front door: the engine without a store, the store itself, models and profiles
+    "Engine": "emllm.engine.stream", "Store": "emllm.store", "Sampling": "emllm.engine.sampling",
+    "SEED_LIMIT": "emllm.engine.sampling",
+    "load_profile": "emllm.config", "Profile": "emllm.config", "default_model": "emllm.models",
     "resolve_model": ("emllm.models", "resolve"), "load_model": ("emllm.models", "load"),
 }
 

@@ -12,12 +12,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from emllm.errors import EmllmError
+
 import yaml
 
 SEGMENTATIONS = ("F", "S", "SM", "SC", "FM", "FC")
 
 
-class ProfileError(ValueError):
+class ProfileError(EmllmError, ValueError):
     """A profile that cannot be used; the message is meant for the user."""
 
 

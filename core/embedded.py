@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from emllm.errors import EmllmError
 from emllm.home import models_dir
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(EmllmError, FileNotFoundError):
     """The model is not on this machine; the message says what to install or download."""
 
 

@@ -7,6 +7,8 @@ import time
 
 import typer
 
+import emllm
+
 from . import render
 from .errors import UserError, guarded
 from .options import (RepetitionPenaltyOpt, SeedOpt, StopOpt, TemperatureOpt, TopKOpt, TopPOpt,
@@ -29,7 +31,7 @@ def ask(
     stop: list[str] = StopOpt,
     remember: bool = typer.Option(False, "--remember", help="Append this exchange (question and answer) to the store, as `emllm chat` does."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
-    reread: bool = typer.Option(True, "--reread/--no-reread", help="How the answer is read. --reread, the default: the question is read against the memory, then the passages (~128 tokens each) that the most layers retrieved and those whose words best match the question are read again with it as one ordinary prompt of emllm's attention span, the best matches last; costs one more forward over that span. --no-reread: emllm's own answer, the paper's method, each answer token attending to the events its layers retrieve. The store is not changed either way (docs/benchmarks.md compares them)."),
+    reread: bool = typer.Option(None, "--reread/--no-reread", show_default=False, help="How the answer is read. --reread, the default (emllm.REREAD_QUESTIONS): the question is read against the memory, then the passages (~128 tokens each) that the most layers retrieved and those whose words best match the question are read again with it as one ordinary prompt of emllm's attention span, the best matches last; costs one more forward over that span. --no-reread: emllm's own answer, the paper's method, each answer token attending to the events its layers retrieve. The store is not changed either way (docs/benchmarks.md compares them)."),
 ) -> None:
     """Answer from a stored document. The store is not changed: every question sees the same memory.
 
@@ -41,10 +43,6 @@ def ask(
       emllm ask "list the characters" --temperature 0.7 --top-p 0.9 --repetition-penalty 1.2 --seed 1
       emllm ask "what is the key for the blue door?" --no-reread   # emllm's own reading (the paper's)
     """
-    from emllm.app.ask import Session
-    from emllm.app.conversation import exchange_ids, remember_exchange
-    from emllm.app.stream import open_store
-
     if question == "-":
         question = sys.stdin.read()
     if not question.strip():
@@ -52,25 +50,20 @@ def ask(
     path = existing_store(store)
     t0 = time.perf_counter()
     with render.status(f"loading the model of {render.shown(path.name)} and opening it"):
-        o = open_store(path, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
-    with o:
-        st, tok = o.store, o.tok
-        sampling = sampling_of(o.model, temperature, top_p, top_k, repetition_penalty, seed)
+        mem = emllm.open(path, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
+    with mem:
+        opts = sampling_of(mem.loaded, temperature, top_p, top_k, repetition_penalty, seed)
         with render.status("reading the question"):
-            session = Session(st, o.model, tok, kv_cache_mb, reread=reread)
-        if session.unfinished:
-            done, total = session.unfinished
+            answer = mem.answer(question, max_new_tokens, stop, reread=reread, trace=show_retrieval, sampling=opts,
+                                kv_cache_mb=kv_cache_mb)
+        if answer.unfinished:
+            done, total = answer.unfinished
             render.err.print(f"[yellow]note:[/yellow] the store's last ingest is unfinished ({done} of {total} tokens read: "
                              "being written, or interrupted); answering from its last commit")
-        trace = None
-        if show_retrieval:
-            from emllm.app.trace import Trace
-
-            trace = Trace.attach(session.engine)
         first = None
         parts: list[str] = []
         try:
-            for piece in session.answer_text(question, max_new_tokens, sampling, stop):
+            for piece in answer:
                 if first is None:
                     first = time.perf_counter() - t0
                 parts.append(piece)
@@ -84,25 +77,21 @@ def ask(
             raise
         if first is None:  # the first token chosen was a stop token: that choice is the "first token"
             first = time.perf_counter() - t0
-        answer = "".join(parts)
-        remembered = exchange_ids(session, question) if remember else None
-        if trace is not None:
-            from emllm.app.report import retrieval_doc
-
-            retrieval = retrieval_doc(trace, st, tok, question, window_start=session.engine.window_start)
-    if not as_json:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-    if remembered is not None:
-        with render.status("remembering the exchange"):
-            remember_exchange(path, o.model, o.tok, remembered, kv_cache_mb)
-    if trace is not None and not as_json:  # with --json the retrieval is in the document
-        render.err.print(render.retrieval_view(retrieval, st.manifest["rows"]["tokens"]))
+        if not as_json:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        if remember:
+            with render.status("remembering the exchange"):
+                mem.remember(answer)
+        span = mem.store.manifest["rows"]["tokens"]
+    if answer.retrieval is not None and not as_json:  # with --json the retrieval is in the document
+        render.err.print(render.retrieval_view(answer.retrieval, span))
     if as_json:
+        reread_used = emllm.REREAD_QUESTIONS if reread is None else reread
         render.print_json({
-            "store": str(path), "question": question, "answer": answer.strip(), "tokens": session.tokens,
+            "store": str(path), "question": question, "answer": "".join(parts).strip(), "tokens": answer.tokens,
             "seconds_to_first_token": round(first or 0.0, 3), "seconds": round(time.perf_counter() - t0, 3),
-            **({"retrieval": retrieval} if trace is not None else {}),
-            **({"reread": {"passages": [list(p) for p in session.passages],
-                           "tokens": sum(e - s for s, e in session.passages)}} if reread else {}),
+            **({"retrieval": answer.retrieval} if answer.retrieval is not None else {}),
+            **({"reread": {"passages": [list(p) for p in answer.passages],
+                           "tokens": sum(e - s for s, e in answer.passages)}} if reread_used else {}),
         })

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import typer
+
+import emllm
 
 from . import render
 from .errors import UserError, guarded
 from .options import (DtypeOpt, ModelOpt, ProfileOpt, RepetitionPenaltyOpt, SeedOpt, StopOpt, TemperatureOpt, TopKOpt,
                       TopPOpt, sampling_of)
-from .stores import complete_store_names, existing_store, list_stores, store_path
+from .stores import complete_store_names, existing_store, store_path
 
 HELP = """commands:
   /help        this list
@@ -73,7 +74,7 @@ def chat(
     repetition_penalty: float = RepetitionPenaltyOpt,
     seed: int = SeedOpt,
     stop: list[str] = StopOpt,
-    reread: bool = typer.Option(False, "--reread", help="Answer as `emllm ask --reread` does: the question is read against the memory, and the model answers from the passages the most layers chose and the few whose words best match the question (the recent turns among them), read as one ordinary context, those whose words best match the question last. Costs one more forward over emllm's attention span per answer. /reread switches it during the conversation."),
+    reread: bool = typer.Option(None, "--reread/--no-reread", show_default=False, help="--reread: answer as `emllm ask --reread` does: the question is read against the memory, and the model answers from the passages the most layers chose and the few whose words best match the question (the recent turns among them), read as one ordinary context, those whose words best match the question last. Costs one more forward over emllm's attention span per answer. Default (emllm.REREAD_CONVERSATION): emllm's own reading. /reread switches it during the conversation."),
 ) -> None:
     """Talk with a store: each exchange is answered from its memory and appended to it, so later
     questions (today or days later) recall it, however long the conversation grows.
@@ -86,40 +87,30 @@ def chat(
       emllm chat --store book --no-remember    # the store stays as it is
       emllm chat --store book --reread         # answers read again from the passages retrieved
     """
-    from emllm import models
-    from emllm.app import stream
-    from emllm.app.conversation import Conversation
-    from emllm.store import is_store
-
     if sys.stdin is None or sys.stdin.closed:  # `emllm chat <&-`: nothing to read messages from
         raise UserError("standard input is closed: chat reads its messages from it (a terminal, or a pipe)")
     if store is None:
-        path = existing_store(None) if list_stores() else store_path("chat")
+        path = existing_store(None) if emllm.list_stores() else store_path("chat")
     else:
         path = store_path(store)
     log = lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]")  # noqa: E731
-    if is_store(path):
+    if emllm.is_store(path):
         with render.status(f"loading the model of {render.shown(path.name)}"):
-            o = stream.open_store(path, model=model, profile=profile, log=log, dtype=dtype)
-        o.close()
-        mdl, tok = o.model, o.tok
+            mem = emllm.open(path, model=model, profile=profile, log=log, dtype=dtype)
     else:
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise UserError(f"{path} exists and is not a store")
         if not remember:
             raise UserError(f"no store at {path}: with --no-remember a conversation needs a store to talk with")
-        src = models.resolve(model, profile, log=log)
-        with render.status(f"loading {render.shown(src.name)}"):
-            mdl, tok = models.load(src, dtype=dtype)
-        name = str(src.path.resolve()) if Path(src.name).exists() else src.name
-        st = stream.create_store(path, name, mdl, tok, src.profile)
-        st.publish_empty()
-        st.close()
+        with render.status(f"loading {render.shown(model or emllm.default_model())}"):
+            loaded = emllm.load(model, profile, dtype, log)
+        mem = emllm.create(path, loaded, publish=True)
         render.err.print(f"[dim]new store {render.shown(path)}[/dim]")
-    sampling = sampling_of(mdl, temperature, top_p, top_k, repetition_penalty, seed)
+    mem.close()  # the conversation opens the store for each exchange
+    sampling = sampling_of(mem.loaded, temperature, top_p, top_k, repetition_penalty, seed)
     render.err.print(f"[dim]talking with {render.shown(path.name)}"
                      f"{'' if remember else ' (not remembered)'}; /help for commands, Ctrl-D to leave[/dim]")
-    with Conversation(path, mdl, tok, remember=remember, reread=reread) as talk:
+    with mem.conversation(remember=remember, reread=reread) as talk:
         while True:
             msg = read_message()
             if msg is None:

@@ -25,24 +25,18 @@ class UserError(Exception):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from emllm.config import ProfileError
-    from emllm.engine.stream import UnsupportedModelError
-    from emllm.models import ModelNotFoundError
-    from emllm.store.files import UnsafePath
-    from emllm.store import StoreError
-    from emllm.app.textinput import InputError
+    import emllm
 
-    return (UserError, StoreError, ProfileError, ModelNotFoundError, UnsupportedModelError, InputError, UnsafePath,
-            FileNotFoundError, IsADirectoryError)
+    return (UserError, emllm.EmllmError, FileNotFoundError, IsADirectoryError)
 
 
 def _hint(e: BaseException) -> str:
-    """What to type next, for library errors that name no flags themselves. (Their modules are
-    loaded if such an error was raised: looked up, not imported, so an error costs no torch import.)"""
-    errs, cfg = sys.modules.get("emllm.store.errors"), sys.modules.get("emllm.config")
-    if errs is not None and isinstance(e, errs.ModelMismatchError):
+    """What to type next, for library errors that name no flags themselves."""
+    import emllm
+
+    if isinstance(e, emllm.ModelMismatchError):
         return f": use -m {e.store_model} or another --store"
-    if cfg is not None and isinstance(e, cfg.ProfileMismatchError):
+    if isinstance(e, emllm.ProfileMismatchError):
         return " (omit --profile)"
     return ""
 

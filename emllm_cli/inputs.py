@@ -14,7 +14,7 @@ SEGMENT_MAX_CHARS = 64 << 20
 def read_text(path: str, max_chars: int = SEGMENT_MAX_CHARS) -> str:
     """The text of `path` ('-' for stdin), read as `emllm ingest` reads it (`TextSource`): devices,
     binary and empty input refused, invalid UTF-8 replaced with a warning; at most max_chars."""
-    from emllm.app.textinput import InputError, TextSource
+    from emllm import InputError, TextSource
 
     warn = lambda m: render.err.print(f"[yellow]warning:[/yellow] {render.shown(m)}")  # noqa: E731
     try:

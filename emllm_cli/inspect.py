@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import typer
 
+import emllm
+
 from . import render
 from .errors import UserError, guarded
 from .stores import complete_store_names, existing_store
-
 
 
 @guarded
@@ -42,33 +43,22 @@ def inspect(
 
         list_cmd(as_json)
         return
-    from emllm.app.report import store_summary
-    from emllm.store import Store
-
     path = existing_store(store)
-    with Store.open(path) as st:
-        summary = store_summary(st)
-        if query is None:
-            if as_json:
-                render.print_json(summary)
-            else:
-                render.out.print(render.store_summary(summary))
-            return
-        retrieval = _retrieval(st, query, layer, top)
+    summary = emllm.store_summary(path)
+    if query is None:
+        if as_json:
+            render.print_json(summary)
+        else:
+            render.out.print(render.store_summary(summary))
+        return
+    n_layers = summary["layers"]
+    if layer is not None and layer >= n_layers:
+        raise UserError(f"--layer {layer}: the model has {n_layers} layers (0..{n_layers - 1})")
+    with render.status(f"loading the model of {render.shown(path.name)}"):
+        mem = emllm.open(path, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
+    with mem, render.status("reading the query"):
+        retrieval = mem.retrieval(query, layer, top)
     if as_json:
         render.print_json({**summary, "retrieval": retrieval})
     else:
         render.out.print(render.retrieval_view(retrieval, summary["processed_tokens"]))  # the span the bins cover
-
-
-def _retrieval(st, query: str, layer: int | None, top: int) -> dict:
-    from emllm.app.report import retrieval_report
-    from emllm.app.stream import open_store
-
-    n_layers = st.geometry.layers
-    if layer is not None and layer >= n_layers:
-        raise UserError(f"--layer {layer}: the model has {n_layers} layers (0..{n_layers - 1})")
-    with render.status(f"loading the model of {render.shown(st.path.name)}"):
-        o = open_store(st.path, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
-    with o, render.status("reading the query"):
-        return retrieval_report(o.store, o.model, o.tok, query, layer, top)

@@ -3,36 +3,13 @@ models (`list`, `show`, `rm`) and a shell moves files (`mv`). Nothing here loads
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
+
+import emllm
 
 from . import render
 from .errors import UserError, guarded
-from .stores import complete_store_names, existing_store, folder_bytes, list_stores, store_path
-
-
-def store_rows() -> list[dict]:
-    """One row per store under the home, most recently updated first."""
-    from emllm.store.manifest import pending_count
-
-    rows = []
-    for path, m in list_stores():
-        if "error" in m:
-            status = "damaged"
-        else:
-            job = m.get("job") or {}
-            status = "complete" if job.get("complete", True) else "incomplete"
-        rows.append({
-            "name": path.name, "path": str(path), "status": status,
-            "model": (m.get("identity") or {}).get("model"), "dtype": (m.get("geometry") or {}).get("dtype"),
-            "format": m.get("kv_format") or (m.get("geometry") or {}).get("dtype"),
-            "tokens": (m.get("rows") or {}).get("tokens", 0) + (pending_count(m) if status != "damaged" else 0),
-            "events": (m.get("rows") or {}).get("events"),
-            "bytes": folder_bytes(path), "updated": m.get("updated"),
-            **({"error": m["error"]} if "error" in m else {}),
-        })
-    return rows
+from .stores import complete_store_names, existing_store, store_path
 
 
 @guarded
@@ -42,13 +19,11 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print one JSON 
     An incomplete store has an ingest that stopped before its end (`emllm ingest --resume`); a
     damaged one is refused when opened (the error says why).
     """
-    rows = store_rows()
+    rows = emllm.list_stores()
     if as_json:
         render.print_json({"stores": rows})
     elif not rows:
-        from emllm.home import stores_dir
-
-        render.err.print(f"no stores under {render.shown(stores_dir())}; create one with `emllm ingest FILE`")
+        render.err.print(f"no stores under {render.shown(emllm.stores_dir())}; create one with `emllm ingest FILE`")
     else:
         render.print_stores(rows)
 
@@ -66,11 +41,7 @@ def show(
       emllm show book
       emllm show book --json
     """
-    from emllm.app.report import store_summary
-    from emllm.store import Store
-
-    with Store.open(existing_store(store)) as st:
-        summary = store_summary(st)
+    summary = emllm.store_summary(existing_store(store))
     if as_json:
         render.print_json(summary)
     else:
@@ -92,19 +63,17 @@ def rm(
       emllm rm book
       emllm rm old-notes draft --yes
     """
-    from emllm.store.store import remove_store
-
     paths = [existing_store(s) for s in stores]  # every name checked before anything is removed
     if not yes:
         if not render.err.is_terminal:
             raise UserError("not removing without a terminal to ask in: add --yes")
         what = ", ".join(render.shown(p.name) for p in paths)
-        size = sum(folder_bytes(p) for p in paths)
+        size = sum(emllm.folder_bytes(p) for p in paths)
         if not typer.confirm(f"remove {what} ({size / 2**20:.1f} MiB)?", default=False, err=True):
             raise typer.Exit(1)
     removed = []
     for p in paths:
-        remove_store(p)
+        emllm.remove_store(p)
         removed.append(str(p))
         if not as_json:
             render.err.print(f"removed {render.shown(p)}")
@@ -126,15 +95,13 @@ def mv(
       emllm mv book book-v1
       emllm mv book /data/stores/book
     """
-    from emllm.store.store import move_store
-
     src = existing_store(store)
     dst = store_path(new)
-    move_store(src, dst)
+    emllm.move_store(src, dst)
     if as_json:
         render.print_json({"from": str(src), "to": str(dst)})
     else:
         render.err.print(f"moved {render.shown(src)} to {render.shown(dst)}")
 
 
-__all__ = ["list_cmd", "show", "rm", "mv", "store_rows", "Path"]
+__all__ = ["list_cmd", "show", "rm", "mv"]

@@ -41,7 +41,7 @@ DtypeOpt = typer.Option(
     "else float32), float32, bfloat16. Default: the profile's (auto). A store keeps the dtype it was made in.",
 )
 
-# Sampling, shared by ask and chat (emllm.engine.sampling.Sampling; unset: the model's generation config).
+# Sampling, shared by ask and chat (`emllm.sampling`; unset: the model's generation config).
 TemperatureOpt = typer.Option(None, "--temperature", min=0.0, help="Sample at this temperature (0: greedy). Default: the model's generation config, else greedy.")
 TopPOpt = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Sample from the smallest set of tokens holding this probability.")
 TopKOpt = typer.Option(None, "--top-k", min=0, help="Sample from the k likeliest tokens (0: all).")
@@ -51,13 +51,8 @@ StopOpt = typer.Option(None, "--stop", help="End the answer before this text (re
 
 
 def sampling_of(model, temperature, top_p, top_k, repetition_penalty, seed):  # type: ignore[no-untyped-def]
-    """The Sampling the options ask for (a bad combination: one line, exit 1)."""
-    from emllm.engine.sampling import Sampling
+    """The sampling the options ask for (a bad combination: one line, exit 1, as the library's errors)."""
+    import emllm
 
-    from .errors import UserError
-
-    try:
-        return Sampling.from_model(model, temperature=temperature, top_p=top_p, top_k=top_k,
-                                   repetition_penalty=repetition_penalty, seed=seed)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    return emllm.sampling(model, temperature=temperature, top_p=top_p, top_k=top_k,
+                          repetition_penalty=repetition_penalty, seed=seed)

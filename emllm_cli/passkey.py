@@ -70,9 +70,8 @@ def passkey(
       emllm passkey -l 4k -d 0.5 -t 1 --json
       emllm passkey -l 1m -d 0.5 -t 1 --memory-dir /var/tmp --resume
     """
-    from emllm import models
+    import emllm
     from emllm.evals import results_log
-    from emllm.engine.stream import Engine
     from emllm.evals.passkey import read_plan, run_grid
     from emllm.evals.scratch import TrunkStores
 
@@ -80,21 +79,21 @@ def passkey(
     if resume and memory_dir is None:
         raise typer.BadParameter("needs --memory-dir, the folder that keeps the progress", param_hint="'--resume'")
     log = lambda m: render.err.print(f"[dim]{m}[/dim]")  # noqa: E731
-    src = models.resolve(model, profile, log=log)
-    with render.status(f"loading {render.shown(src.name)}"):
-        mdl, tok = models.load(src, dtype=dtype)
+    with render.status(f"loading {render.shown(model or emllm.default_model())}"):
+        src = emllm.load(model, profile, dtype, log)
+    mdl, tok, name = src.model, src.tokenizer, src.given
     methods = ["emllm"] + (["reread"] if reread else []) + (["baseline"] if baseline else [])
     n_trials = len(ls) * len(ds) * trials * len(methods)
     if memory_dir and not resume and (memory_dir / TrunkStores.KEPT).exists():
         log(f"{memory_dir / TrunkStores.KEPT} holds the progress of a run with --resume: add --resume to carry it on")
     if kv_format not in (None, "auto") and memory_dir is None:
         raise typer.BadParameter("a store format needs stores: add --memory-dir", param_hint="'--format'")
-    engines = TrunkStores(mdl, tok, src.profile, memory_dir, src.name, log=log, keep=resume,
+    engines = TrunkStores(mdl, tok, src.profile, memory_dir, name, log=log, keep=resume,
                           kv_format=None if kv_format == "auto" else kv_format) if memory_dir else None
     # With --resume, every answer is on disk before the next trial starts, in the folder the stores
     # are kept in (locked: ours alone), and a later run of the same grid takes them.
     journal = engines.folder / "passkey-results.jsonl" if resume else None
-    grid = {"model": src.name, "profile": asdict(src.profile), "dtype": str(mdl.dtype).removeprefix("torch."),
+    grid = {"model": name, "profile": asdict(src.profile), "dtype": str(mdl.dtype).removeprefix("torch."),
             "kv_format": kv_format or "auto", "seed": seed, "lengths": ls, "depths": ds,
             "trials": trials, "baseline": baseline, **({"reread": True} if reread else {})}
     interrupted, finished = False, False
@@ -139,12 +138,12 @@ def passkey(
 
         try:
             with live:
-                run_grid(mdl, tok, engines or (lambda: Engine(mdl, src.profile)), ls, ds, trials, seed, baseline,
+                run_grid(mdl, tok, engines or (lambda: emllm.Engine(mdl, src.profile)), ls, ds, trials, seed, baseline,
                          on_result, skip=skip, reread=reread)
         except KeyboardInterrupt:
             interrupted = True  # keep what finished: print it below
         doc = {
-            "model": src.name, "profile": asdict(src.profile), "lengths": ls, "depths": ds, "trials": trials,
+            "model": name, "profile": asdict(src.profile), "lengths": ls, "depths": ds, "trials": trials,
             "seed": seed, "seconds": round(time.perf_counter() - t0, 1), "complete": not interrupted, "results": done,
             "resumed_trials": len(skip),
             "accuracy": {m: {str(n): _acc(done, m, n) for n in ls} for m in methods},

@@ -30,7 +30,7 @@ def serve(
     profile: str = ProfileOpt,
     dtype: str = DtypeOpt,
     max_tokens: int = typer.Option(2048, "--max-tokens", min=1, help="The most tokens a request may ask for."),
-    reread: bool = typer.Option(False, "--reread", help="Answer requests that do not say otherwise as `emllm ask` does, re-reading the passages the memory chose (a request's \"reread\": true or false decides for itself). Off: emllm's own reading, which follows a conversation's last turns in its window; on suits questions about a document."),
+    reread: bool = typer.Option(None, "--reread/--no-reread", show_default=False, help="Answer requests that do not say otherwise as `emllm ask` does, re-reading the passages the memory chose (a request's \"reread\": true or false decides for itself). Default (emllm.REREAD_CONVERSATION): emllm's own reading, which follows a conversation's last turns in its window; --reread suits questions about a document."),
 ) -> None:
     """Serve the stores under the emllm home through an OpenAI-compatible API: a request names a
     store as its model; its messages continue that store's memory (on a copy, unless the request
@@ -48,15 +48,15 @@ def serve(
         raise UserError(f"--host {host} is reachable from other machines: give --api-key (or EMLLM_API_KEY)")
     import uvicorn
 
-    from emllm import models
-    from emllm.home import stores_dir
+    import emllm
     from emllm.serve.api import Server, create_app
 
-    src = models.resolve(model, profile, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
-    with render.status(f"loading {render.shown(src.name)}"):
-        mdl, tok = models.load(src, dtype=dtype)
-    server = Server(stores_dir(), mdl, tok, src.name, max_tokens=max_tokens, api_key=api_key, reread=reread)
-    render.err.print(f"serving the stores under {render.shown(stores_dir())} at http://{host}:{port}/v1 "
-                     f"(model {render.shown(src.name)}{', API key required' if api_key else ''}); Ctrl-C stops")
+    log = lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]")  # noqa: E731
+    with render.status(f"loading {render.shown(model or emllm.default_model())}"):
+        loaded = emllm.load(model, profile, dtype, log)
+    root = emllm.stores_dir()
+    server = Server(root, loaded, max_tokens=max_tokens, api_key=api_key, reread=reread)
+    render.err.print(f"serving the stores under {render.shown(root)} at http://{host}:{port}/v1 "
+                     f"(model {render.shown(server.model_name)}{', API key required' if api_key else ''}); Ctrl-C stops")
     os.environ.setdefault("UVICORN_NO_COLOR", "1")
     uvicorn.run(create_app(server), host=host, port=port, log_level="warning")

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent / "core"  # installed as the packa
 
 # layer -> the layers it may import (besides itself). Foundations first, evaluation last.
 ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
     "home": set(),
     "config": set(),
     "embedded": {"home"},
@@ -25,10 +26,13 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"math", "memory", "config", "embedded", "models"},
     "store": {"memory", "math", "config"},
     "app": {"engine", "store", "memory", "math", "config", "embedded", "models", "home"},
-    "serve": {"app", "engine", "store", "memory", "math", "config", "embedded", "models", "home"},
+    "serve": {"surface"},  # the server calls the public API, as the CLI does
     "evals": {"app", "engine", "store", "memory", "math", "config", "embedded", "models", "home"},
     "surface": {"app", "engine", "store", "memory", "math", "config", "embedded", "models", "home", "evals", "serve"},
 }
+for _layer, _deps in ALLOWED.items():  # every layer may raise the base of the user's errors
+    if _layer != "errors":
+        _deps.add("errors")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -136,3 +140,45 @@ def test_the_checks_fail_on_an_added_arrow(tmp_path, arrow):
         assert upward(g) == ["emllm.math.rope -> emllm.store.rows (math may not import store)"]
     else:
         assert upward(g) == [] and circles(g) == [["emllm.math.attention", "emllm.math.rope", "emllm.math.attention"]]
+
+
+CLI = ROOT.parent / "emllm_cli"
+
+
+def front_door_breaches(root: Path, allowed_packages: tuple[str, ...]) -> list[str]:
+    """Imports of the library in the files under `root` that do not go through its public surface
+    (`emllm` and the names in `emllm.__all__`), or one of `allowed_packages`."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                mods = [node.module or ""]
+            else:
+                continue
+            for mod in mods:
+                if mod.split(".")[0] == "emllm" and mod != "emllm" and not mod.startswith(allowed_packages):
+                    bad.append(f"{path.name}: {mod}")
+    return bad
+
+
+def test_the_cli_and_the_server_go_through_the_front_door():
+    """The CLI and the server call the library's public surface only (the evaluations and the
+    HTTP app are commands of their own); each name they import from `emllm` is in its __all__."""
+    import emllm
+
+    assert front_door_breaches(CLI, ("emllm.evals.", "emllm.evals", "emllm.serve.")) == []
+    assert front_door_breaches(ROOT / "serve", ()) == []
+    for root in (CLI, ROOT / "serve"):
+        for path in root.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module == "emllm":
+                    assert {a.name for a in node.names} <= set(emllm.__all__), path
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "emllm":
+                    assert node.attr in emllm.__all__, (path.name, node.attr)
+
+
+def test_the_front_door_check_fails_on_an_internal_import(tmp_path):
+    (tmp_path / "cmd.py").write_text("def f():\n    from emllm.app.ask import Session\n")
+    assert front_door_breaches(tmp_path, ()) == ["cmd.py: emllm.app.ask"]

@@ -377,8 +377,8 @@ def test_a_reread_answer_is_the_plain_models_on_its_context(tiny, tmp_path, word
 
 
 def test_ask_rereads_by_default_from_the_command_line_and_the_library(tiny, tmp_path, monkeypatch):
-    """`emllm ask --json` answers as the library's re-read session does (the default since
-    2026-11-28), says which passages it read, and leaves the store as it was; `--no-reread` gives
+    """`emllm ask --json` answers as the library's re-read session does (the default,
+    `emllm.REREAD_QUESTIONS`), says which passages it read, and leaves the store as it was; `--no-reread` gives
     emllm's own answer and no passages. `emllm.open(...).ask` has the same default."""
     import json
 
@@ -406,13 +406,12 @@ def test_ask_rereads_by_default_from_the_command_line_and_the_library(tiny, tmp_
     assert doc["answer"] == want and doc["reread"]["passages"] == [list(p) for p in passages]
     assert doc["reread"]["tokens"] == sum(e - a for a, e in passages) > 0
     assert own["answer"] == want_own and "reread" not in own
-    from emllm.app import api
-
-    made = []  # the tiny model may answer alike both ways: the sessions say which way they read
-    monkeypatch.setattr(api, "Session", lambda *a, **k: made.append(Session(*a, **k)) or made[-1])
-    with emllm.open(path) as mem:
-        assert mem.ask(QUESTION, 5) == want and mem.ask(QUESTION, 5, reread=False) == want_own
-    assert [m.reread for m in made] == [True, False] and made[0].passages == passages
+    with emllm.open(path) as mem:  # the tiny model may answer alike both ways: the answers say how they read
+        a = mem.answer(QUESTION, 5)
+        assert a.text == want and a.reread and a.passages == passages
+        b = mem.answer(QUESTION, 5, reread=False)
+        assert b.text == want_own and not b.reread and b.passages == []
+        assert mem.ask(QUESTION, 5) == want  # asked again, from the same memory: the same answer
     assert store_files(path) == before
 
 

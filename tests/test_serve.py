@@ -211,11 +211,11 @@ def test_binding_beyond_loopback_needs_a_key_and_the_key_is_checked(tiny, tmp_pa
 def test_a_requests_earlier_turns_are_laid_out_as_the_chat_template_lays_them_out(tiny, tmp_path):
     """A request's messages (user, assistant, user) on an empty store continue the stream exactly
     as `apply_chat_template` writes the conversation, each user message opening its turn with no
-    separator, as a remembered conversation lays them out (unit: `conversation_ids`, no server)."""
+    separator, as a remembered conversation lays them out (unit: `messages_ids`, no server)."""
     from emllm.app.ask import Session
     from emllm.app.stream import create_store
     from emllm.config import load_profile_file
-    from emllm.serve.api import Message, conversation_ids
+    from emllm.app.conversation import messages_ids
 
     folder, prof, _, _ = tiny
     model, tok = load_tiny(folder)
@@ -225,6 +225,6 @@ def test_a_requests_earlier_turns_are_laid_out_as_the_chat_template_lays_them_ou
              {"role": "user", "content": "my name is Ada"}]
     with Store.open(tmp_path / "empty") as st:
         s = Session(st, model, tok)
-        ids, question = conversation_ids(s, [Message(**t) for t in turns])
+        ids, question = messages_ids(s, turns)
         requested = tok.decode(s.lead + ids + s.question_ids(question))
     assert requested == tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)

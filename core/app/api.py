@@ -1,78 +1,439 @@
-"""The library's handle on a memory: a store with its model, to ingest into, ask, and inspect.
+"""The library's front door: a store with its model, to ingest into, ask, talk with and inspect.
+The CLI and the server call only this (through `emllm`'s names), so every default is decided here.
 
     import emllm
     with emllm.create("book-memory") as mem:                     # a new store, the default model
         mem.ingest(("book.txt", text))
     with emllm.open("book-memory") as mem:                       # its model loaded and checked
         print(mem.ask("who hid the key?"))
+        for piece in mem.answer("and why?"): print(piece, end="")  # streamed
         mem.retrieval("who hid the key?")["top_events"]           # what the layers retrieved
 
-Paths are folders; `emllm.home.stores_dir()` is where the CLI keeps named stores.
+    model = emllm.load("qwen2.5-coder-0.5b")                     # loaded once, for several stores
+    with emllm.open("a", model=model) as a, emllm.open("b", model=model) as b: ...
+
+Paths are folders; `emllm.store_path(name)` is where the CLI keeps a named store.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from emllm import models
+from emllm.app import ingest as ing
 from emllm.app.ask import Session
-from emllm.app.ingest import Progress, add_documents, run_job
-from emllm.app.report import retrieval_report, store_summary
-from emllm.app.stream import OpenStore, create_store, open_engine, open_store
-from emllm.app.textinput import TextSource
+from emllm.app.conversation import Conversation, exchange_ids, messages_ids, remember_exchange
+from emllm.app.report import retrieval_doc, retrieval_report, store_summary
+from emllm.app.stream import create_store, identity_of, open_engine, open_store, pending_tokens, store_profile
+from emllm.app.textinput import TextSource, file_sha256
+from emllm.app.trace import Trace
+from emllm.config import Profile, ProfileMismatchError
 from emllm.engine.sampling import Sampling
-from emllm.store import Store
+from emllm.errors import UsageError
+from emllm.store import Identity, Store, StoreError, is_store, read_manifest
+from emllm.store.manifest import MANIFEST
+
+# The re-read's defaults, decided here only (docs/benchmarks.md measures both readings): a question
+# about a document is answered better from the passages read again; a conversation's recent turns
+# lie in emllm's own window, which answers at once, without a second forward over the span.
+REREAD_QUESTIONS = True
+REREAD_CONVERSATION = False
+
+
+@dataclass
+class Model:
+    """A model loaded once (`load`), to create stores with or to open several with."""
+
+    name: str  # as a store records it: an alias, a hub id, or a local folder's absolute path
+    model: Any
+    tokenizer: Any
+    profile: Profile
+    given: str = ""  # as the user named it (an alias, a folder as typed): for messages and reports
+    _identity: Identity | None = None
+
+    def identity(self) -> Identity:
+        """Its config, weights and tokenizer hashes (computed once: the weights take a moment)."""
+        if self._identity is None:
+            self._identity = identity_of(self.name, self.model, self.tokenizer)
+        return self._identity
+
+
+def load(model: str | None = None, profile: str | None = None, dtype: str | None = None,
+         log: Callable[[str], None] | None = None) -> Model:
+    """A model by alias, local folder or cached hub id (None: `emllm.models.default_model()`), with
+    its profile (or `profile`: a built-in name or a YAML file), computing in `dtype` (auto, float32,
+    bfloat16; None: the profile's)."""
+    src = models.resolve(model, profile, log=log)
+    mdl, tok = models.load(src, dtype=dtype)
+    name = str(src.path.resolve()) if Path(src.name).exists() else src.name
+    return Model(name, mdl, tok, src.profile, src.name)
+
+
+def sampling(model: Model | Any, **given: Any) -> Sampling:
+    """The sampling of an answer: greedy, or temperature=, top_p=, top_k=, repetition_penalty=,
+    seed= (unset: the model's generation config). Values out of bounds: UsageError."""
+    try:
+        return Sampling.from_model(model.model if isinstance(model, Model) else model, **given)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+class Answer:
+    """An answer as it is generated: iterate for its text, a piece at a time (or read `.text`,
+    which generates it all). Afterwards: `.tokens` generated, `.finish_reason` ("stop" or
+    "length"), `.passages` (with the re-read: the stream spans read again), `.retrieval` (with
+    trace: what each layer retrieved, as `Memory.retrieval` reports it)."""
+
+    def __init__(self, session: Session, question: str, max_new_tokens: int, opts: Sampling | None,
+                 stop: list[str] | None, trace: bool, history: list[int] | None = None,
+                 current: Callable[[], bool] | None = None) -> None:
+        self.question, self.max_new_tokens = question, max_new_tokens
+        self._session, self._opts, self._stop = session, opts, stop
+        self._current = current  # False once a later answer of the same memory took its session
+        self._trace = Trace.attach(session.engine) if trace else None
+        self._history = history or []  # a request's earlier turns, read before the question
+        self._parts: list[str] | None = None
+        self.retrieval: dict | None = None
+        self.tokens = 0
+        # the last commit of a store whose ingest is unfinished: (tokens read, tokens of the job)
+        self.unfinished: tuple[int, int] | None = session.unfinished
+
+    def __iter__(self) -> Iterator[str]:
+        if self._parts is not None:
+            yield from self._parts
+            return
+        if self._current is not None and not self._current():
+            raise UsageError("a later answer of this memory started before this one was read: read each answer "
+                             "before asking the next")
+        parts: list[str] = []
+        s = self._session
+        for piece in s.answer_text(self.question, self.max_new_tokens, self._opts, self._stop):
+            parts.append(piece)
+            yield piece
+        self.tokens = s.tokens
+        if self._trace is not None:
+            self._trace.detach()
+            self.retrieval = retrieval_doc(self._trace, s.store, s.tok, self.question, window_start=s.engine.window_start)
+        self._parts = parts
+
+    @property
+    def text(self) -> str:
+        return "".join(self).strip()
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if self.tokens >= self.max_new_tokens else "stop"
+
+    @property
+    def reread(self) -> bool:
+        """Whether it was answered by re-reading the passages the memory chose."""
+        return self._session.reread
+
+    @property
+    def passages(self) -> list[tuple[int, int]]:
+        return list(self._session.passages)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens the request's turns and the question added to the stream."""
+        return len(self._history) + len(self._session.question_ids(self.question))
+
+    def exchange_ids(self) -> list[int]:
+        """The tokens remembering this exchange adds to the stream (its turns, the answer, framing)."""
+        if self._parts is None:
+            raise UsageError("the answer is not complete: read it before remembering it")
+        if self._current is not None and not self._current():
+            raise UsageError("a later answer of this memory started: remember an answer before asking the next")
+        s = self._session
+        ids = exchange_ids(s, self.question)
+        return s.lead + self._history + ids[len(s.lead):]
+
+
+@dataclass
+class IngestPlan:
+    """What `emllm ingest` does with a store (`plan_ingest`): "create", "append" or "resume", and
+    the notes to show the user (an interrupted ingest continued, an empty store made anew)."""
+
+    mode: str
+    notes: list[str]
+
+
+def plan_ingest(path: Path, documents: list[str], append: bool = False, resume: bool = False,
+                name: str | None = None, chat: bool = True, kv_format: str | None = None) -> IngestPlan:
+    """The rules of an ingest of the files `documents` ("-": stdin) into the store at `path`: a
+    new store is created; an existing one is appended to or resumed only when asked,
+    except that the texts of its interrupted ingest, given again, continue it; an empty store
+    left by an interrupted create is made anew. Refusals are StoreError or UsageError, with the
+    command that would work. `name`: the store as the user named it (in messages)."""
+    path = Path(path)
+    name = name or str(path)
+    if resume and documents:
+        raise UsageError("resume continues the interrupted job: give no documents")
+    if resume and append:
+        raise UsageError("resume or append, not both")
+    if not is_store(path):
+        if append or resume:
+            raise StoreError(f"no store at {path} to {'append to' if append else 'resume'}; create it with "
+                             f"`emllm ingest FILE --store {name}`")
+        return IngestPlan("create", [])
+    m = read_manifest(path)
+    job = m.get("job")
+    unfinished = bool(job and not job["complete"])
+    notes: list[str] = []
+    mode = "append" if append else "resume" if resume else "create"
+    if documents and unfinished and ing.continues_job(m, [file_sha256(d) for d in documents]):
+        notes.append(f"continuing the interrupted ingest of these documents ({job['done']} of {job['tokens']} tokens read)")
+        mode = "resume"
+    elif append and unfinished:
+        raise StoreError(f"store {name!r} has an unfinished ingest ({job['done']} of {job['tokens']} tokens "
+                         f"read): finish it first with `emllm ingest --resume --store {name}`")
+    elif mode == "create":
+        if not ing.is_empty(m):
+            where = f"{name!r}" + (f" ({path})" if str(path) != name else "")
+            raise StoreError(f"store {where} already exists: add with --append, or choose another --store")
+        notes.append(f"{path} held an empty store (an interrupted create): it is made anew")
+        Store.remove_empty(path)
+        return IngestPlan("create", notes)
+    elif resume and not unfinished and ing.is_empty(m):
+        raise StoreError(f"store {name!r} holds nothing: the ingest that created it was interrupted before its "
+                         f"text was saved; run it again: emllm ingest FILE --store {name}")
+    if not chat and m.get("stream", {}).get("chat"):  # the layout is the store's, fixed when it was made
+        raise UsageError("this store's stream is in the model's chat template (set when it was created): omit "
+                         "--raw, or ingest into a new store")
+    held = m.get("kv_format") or m["geometry"]["dtype"]
+    if kv_format not in (None, "auto", held):
+        raise StoreError(f"store {name!r} keeps keys and values in {held} (fixed when it was created): omit "
+                         f"--format, or ingest into a new store")
+    return IngestPlan(mode, notes)
+
+
+@dataclass
+class IngestReport:
+    """What an ingest run did: `summary` is `emllm ingest --json`'s document (tokens, events, what
+    this run read and left pending, seconds, bytes); `nothing_to_resume`: a resume of a job that
+    had finished."""
+
+    summary: dict
+    nothing_to_resume: bool = False
 
 
 class Memory:
-    """A store opened with its model. Writable when made by `create` or opened with writable=True."""
+    """A store opened with its model (`create`, `open`). Writable when made by `create` or opened
+    with writable=True; questions never change the store, remembering an exchange does."""
 
-    def __init__(self, opened: OpenStore) -> None:
-        self._o = opened
+    def __init__(self, store: Store, model: Model) -> None:
+        self._store, self._model = store, model
+        self._writable = store.writable
+        self._opened = self._manifest_mtime()
+        # a question's starting point, kept between questions: the session with the store's pending
+        # tail read, and the engine's snapshot there (dropped when the store changes)
+        self._ready: tuple[int, Session, dict, bool] | None = None
+        self._epoch = 0  # questions begun: an answer reads only while its question is the last begun
+        self._queued: tuple[Any, int] | None = None  # documents `add` queued: their engine, the stream's length before
+
+    # -- what it is -------------------------------------------------------------------------
+    @property
+    def path(self) -> Path:
+        return self._store.path
 
     @property
     def store(self) -> Store:
-        return self._o.store
+        return self._store
 
     @property
     def model(self) -> Any:
-        return self._o.model
+        return self._model.model
 
     @property
     def tokenizer(self) -> Any:
-        return self._o.tok
+        return self._model.tokenizer
 
-    def ingest(self, *docs: str | tuple[str, str | TextSource], commit_every: int = 4,
-               progress: Callable[[Progress], None] | None = None) -> int:
-        """Append documents (text, or (name, text or TextSource)) to the stream and read them;
-        committed every few chunks (a crash keeps the last commit). Returns the tokens added."""
-        named = [d if isinstance(d, tuple) else (f"text-{i}", d) for i, d in enumerate(docs)]
-        engine = open_engine(self.store, self.model)
-        n = add_documents(self.store, self.tokenizer, named)
-        run_job(self.store, engine, commit_every, progress)
-        return n
+    @property
+    def loaded(self) -> Model:
+        return self._model
 
-    def ask(self, question: str, max_new_tokens: int = 256, stop: list[str] | None = None, reread: bool = True,
-            **sampling: Any) -> str:
-        """An answer from the memory (on a copy of its state: the store is unchanged): greedy, or
-        sampled with temperature=, top_p=, top_k=, repetition_penalty=, seed= (unset: the model's
-        generation config); it ends before any of the `stop` strings. reread (the default, as
-        `emllm ask`): answer by reading again the passages the memory chose (`emllm.app.reread`);
-        False: emllm's own answer, the paper's method."""
-        session = Session(self.store, self.model, self.tokenizer, reread=reread)
-        opts = Sampling.from_model(self.model, **sampling)
-        return "".join(session.answer_text(question, max_new_tokens, opts, stop)).strip()
+    @property
+    def job(self) -> dict | None:
+        """The store's last ingest job: {"tokens", "done", "complete", ...} (None: nothing ingested)."""
+        return self._store.manifest.get("job")
 
-    def retrieval(self, query: str, layer: int | None = None, top: int = 8) -> dict:
-        """What each layer retrieves for `query` read as a question (see `report.retrieval_report`)."""
-        return retrieval_report(self.store, self.model, self.tokenizer, query, layer, top)
+    @property
+    def chat(self) -> bool:
+        """Whether the stream is laid out in the model's chat template."""
+        return bool(self._store.manifest.get("stream", {}).get("chat"))
 
     def summary(self) -> dict:
-        return store_summary(self.store)
+        return store_summary(self._store)
+
+    # -- ingesting --------------------------------------------------------------------------
+    def ingest(self, *docs: str | tuple[str, str | TextSource], commit_every: int = 4,
+               progress: Callable[[ing.Progress], None] | None = None, check_space: bool = False,
+               kv_cache_mb: int | None = None) -> IngestReport:
+        """Append documents (text, or (name, text or TextSource)) to the stream and read them:
+        `add`, then `resume`. Committed every `commit_every` chunks: a crash keeps the last commit,
+        and `resume` continues from it."""
+        self.add(*docs, check_space=check_space, kv_cache_mb=kv_cache_mb)
+        return self.resume(commit_every, progress)
+
+    def add(self, *docs: str | tuple[str, str | TextSource], check_space: bool = False,
+            kv_cache_mb: int | None = None) -> list[tuple[str, str]]:
+        """Queue documents after the stream as its next job, unread (`resume` reads it). Nothing is
+        kept of documents that fail to read, or are interrupted, before they are all saved.
+        check_space: refuse (DiskSpaceError) a job whose store would not fit the disk. Returns
+        (name, name held under) for each document whose text the store held already."""
+        named = [d if isinstance(d, tuple) else (f"text-{i}", d) for i, d in enumerate(docs)]
+        if not named:
+            raise UsageError("no documents to ingest")
+        st = self._writable_store()
+        engine = open_engine(st, self.model, kv_cache_mb)  # a store that cannot continue fails before any write
+        before = st.tokens.rows + len(pending_tokens(st))  # the stream's length before this job
+        held = list(st.manifest["documents"])
+        try:
+            ing.add_documents(st, self.tokenizer, named, check_space=check_space)
+        except BaseException:
+            st.discard()  # a store never published is removed; one that was is left as it was
+            raise
+        self._queued = (engine, before)
+        return ing.duplicates(held, named)
+
+    def resume(self, commit_every: int = 4, progress: Callable[[ing.Progress], None] | None = None,
+               kv_cache_mb: int | None = None) -> IngestReport:
+        """Read the store's job: the documents `add` queued, or what an interrupted ingest left
+        (which must fit the disk). Committed every `commit_every` chunks and at the end."""
+        st = self._writable_store()
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            engine, before = queued
+        else:
+            engine = open_engine(st, self.model, kv_cache_mb)
+            before = st.tokens.rows + len(pending_tokens(st))
+            job = st.manifest.get("job")
+            if job and not job["complete"]:
+                ing.check_disk(st, job["tokens"] - job["done"])
+        job = st.manifest.get("job")
+        done0, was_complete = (job["done"], job["complete"]) if job else (0, True)
+        t0 = time.perf_counter()
+        ing.run_job(st, engine, commit_every, progress)
+        self._ready = None
+        summary = ing.run_summary(st, before, done0, was_complete, queued is not None, time.perf_counter() - t0)
+        return IngestReport(summary, nothing_to_resume=queued is None and was_complete)
+
+    def _writable_store(self) -> Store:
+        if not self._writable:
+            raise UsageError(f"{self.path} is open for reading: open it with writable=True to ingest into it")
+        return self._store
+
+    # -- asking -----------------------------------------------------------------------------
+    def answer(self, question: str, max_new_tokens: int = 256, stop: list[str] | None = None,
+               reread: bool | None = None, trace: bool = False, sampling: Sampling | None = None,
+               kv_cache_mb: int | None = None, **sampling_options: Any) -> Answer:
+        """The answer to `question`, streamed as it is iterated (on a copy of the memory's state:
+        the store is unchanged). Greedy, or sampled (`sampling`, or temperature=, top_p=, top_k=,
+        repetition_penalty=, seed=; unset: the model's generation config); it ends before any of
+        the `stop` strings. reread (None: REREAD_QUESTIONS): answer by reading again the
+        passages the memory chose (`emllm.app.reread`); False: emllm's own answer, the paper's.
+        trace: record what each layer retrieved (`Answer.retrieval`)."""
+        if not question.strip():
+            raise UsageError("the question is empty")
+        opts = sampling if sampling is not None else self._sampling(sampling_options)
+        current = None
+        if trace or kv_cache_mb is not None:  # a session of its own: the trace sees the pending tail read too
+            session = Session(self._store, self.model, self.tokenizer, kv_cache_mb)
+        else:
+            session, current = self._session()
+        session.reread = REREAD_QUESTIONS if reread is None else reread
+        return Answer(session, question, max_new_tokens, opts, stop, trace, current=current)
+
+    def ask(self, question: str, max_new_tokens: int = 256, stop: list[str] | None = None,
+            reread: bool | None = None, **sampling_options: Any) -> str:
+        """The whole answer to `question` as text (see `answer`)."""
+        return self.answer(question, max_new_tokens, stop, reread, **sampling_options).text
+
+    def reply(self, messages: list[dict], max_new_tokens: int = 256, stop: list[str] | None = None,
+              reread: bool | None = None, sampling: Sampling | None = None, **sampling_options: Any) -> Answer:
+        """The answer to a conversation given whole, as OpenAI's chat messages ({"role": "system",
+        "user" or "assistant", "content": text or text parts}): its turns continue the store's
+        stream, the last (the user's) is the question. reread None: REREAD_CONVERSATION."""
+        opts = sampling if sampling is not None else self._sampling(sampling_options)
+        session, current = self._session()
+        history, question = messages_ids(session, messages)
+        session.tail = history
+        session.reread = REREAD_CONVERSATION if reread is None else reread
+        return Answer(session, question, max_new_tokens, opts, stop, False, history, current)
+
+    def remember(self, answer: Answer, commit_every: int = 4) -> None:
+        """Append an answered exchange (its turns, the answer, the chat template's framing) to the
+        stream and commit it: later questions recall it. The store must not have another writer."""
+        ids = answer.exchange_ids()
+        writable, path = self._writable, self.path
+        self._ready = None
+        self._store.close()
+        try:
+            remember_exchange(path, self.model, self.tokenizer, ids, commit_every=commit_every)
+        finally:
+            self._store = Store.open(path, writable=writable)
+            self._opened = self._manifest_mtime()
+
+    def conversation(self, remember: bool = True, reread: bool | None = None, commit_every: int = 4) -> Conversation:
+        """Exchanges with this store, each remembered as it completes (or none, remember=False), with
+        `undo` of the last. reread None: REREAD_CONVERSATION; the conversation's `reread` may change
+        between exchanges."""
+        return Conversation(self.path, self.model, self.tokenizer, remember=remember, commit_every=commit_every,
+                            reread=REREAD_CONVERSATION if reread is None else reread)
+
+    def retrieval(self, query: str, layer: int | None = None, top: int = 8) -> dict:
+        """What each layer retrieves for `query` read as a question (coverage per layer, the most
+        retrieved events, one layer's steps): `report.retrieval_report`."""
+        if layer is not None and not 0 <= layer < self._store.geometry.layers:
+            n = self._store.geometry.layers
+            raise UsageError(f"layer {layer}: the model has {n} layers (0..{n - 1})")
+        return retrieval_report(self._store, self.model, self.tokenizer, query, layer, top)
+
+    def _sampling(self, given: dict) -> Sampling:
+        return sampling(self._model, **given)
+
+    def _session(self) -> tuple[Session, Callable[[], bool]]:
+        """A question's session, its pending tail read once and the engine restored to that point
+        for each question (read again when a commit changed the store), and a test that it is
+        still this question's (no later question has taken it)."""
+        self._epoch += 1
+        epoch = self._epoch
+        current = lambda: self._epoch == epoch  # noqa: E731
+        mtime = self._manifest_mtime()
+        if self._ready is not None and self._ready[0] == mtime:
+            _, session, snap, turn_start = self._ready
+            session.engine.restore(snap)
+            session.turn_start, session.tail, session.passages = turn_start, [], []
+            return session, current
+        if mtime != self._opened and not self._writable:  # another process committed: see its commit
+            self._reopen()
+            mtime = self._opened
+        session = Session(self._store, self.model, self.tokenizer)
+        session.feed_pending()
+        self._ready = (mtime, session, session.engine.snapshot(), session.turn_start)
+        return session, current
+
+    def _manifest_mtime(self) -> int:
+        """When the store last committed (-1: not published yet)."""
+        try:
+            return (self.path / MANIFEST).stat().st_mtime_ns
+        except FileNotFoundError:
+            return -1
+
+    def _reopen(self) -> None:
+        self._ready = None
+        path, writable = self.path, self._writable
+        self._store.close()
+        self._store = Store.open(path, writable=writable)
+        self._opened = self._manifest_mtime()
 
     def close(self) -> None:
-        self._o.close()
+        self._ready = None
+        self._store.close()
 
     def __enter__(self) -> "Memory":
         return self
@@ -81,23 +442,88 @@ class Memory:
         self.close()
 
 
-def create(path: str | Path, model: str | None = None, profile: str | None = None, chat: bool = True,
-           log: Callable[[str], None] | None = None, dtype: str | None = None, kv_format: str | None = None) -> Memory:
-    """A new, empty store at `path` for `model` (a profile alias, a local folder or a cached hub id;
-    default: `emllm.models.default_model()`), computing in `dtype` (auto, float32, bfloat16; None: the
-    profile's, auto by default), keeping keys and values in `kv_format` (None: the compute dtype;
-    bfloat16, int8, int4). It takes its name at its first ingest."""
-    src = models.resolve(model, profile, log=log)
-    mdl, tok = models.load(src, dtype=dtype)
-    name = str(src.path.resolve()) if Path(src.name).exists() else src.name
-    st = create_store(Path(path), name, mdl, tok, src.profile, chat=chat, kv_format=kv_format)
-    return Memory(OpenStore(st, mdl, tok, src))
+def segment(text: str, model: Model, methods: list[str] | tuple[str, ...] = ("S",), gamma: float | None = None,
+            seed: int = 0, metrics: bool = False, progress: Callable[[int, int], None] | None = None) -> dict[str, dict]:
+    """The event boundaries of `text` by each of `methods` (F, S, SM, SC, FM, FC, random: fixed
+    blocks or surprise, refined by modularity or conductance), one document each (`document.events_doc`);
+    gamma: the surprise threshold (None: the profile's). metrics: each document also scores its
+    segmentation ("metrics") against a random one with as many events ("random_metrics").
+    progress(tokens read, tokens): as the model reads the text."""
+    import torch
+
+    from emllm.app import document
+    from emllm.engine.stream import Engine
+
+    unknown = [m for m in methods if m not in document.METHODS]
+    if unknown or not methods:
+        raise UsageError(f"{unknown[0] if unknown else ''!r}: choose one of {', '.join(document.METHODS)}")
+    tok = model.tokenizer
+    if not getattr(tok, "is_fast", False):
+        raise UsageError(f"the tokenizer of {model.name} has no fast (Rust) version: segment needs its character offsets")
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    if not ids:
+        raise UsageError("no tokens in the text")
+    prof = model.profile.replace(segmentation="S", **({"gamma": gamma} if gamma is not None else {}))
+    report = None if progress is None else (lambda r: progress(r.tokens_done, len(ids)))
+    a = document.analyse(Engine(model.model, prof), torch.tensor(ids), progress=report)
+    args = (prof.min_block, prof.max_block, prof.chunk_size)
+    docs = {}
+    for m in methods:
+        starts = document.boundaries(a, m, *args, seed=seed)
+        docs[m] = document.events_doc(model.given or model.name, m, prof, text, ids, offsets, starts, a)
+        if metrics:  # against random segmentation with the same number of events
+            rand = document.random_like(len(ids), starts.numel(), prof.min_block, seed)
+            docs[m]["metrics"] = document.metrics(a, starts, prof.chunk_size)
+            docs[m]["random_metrics"] = document.metrics(a, rand, prof.chunk_size)
+    return docs
 
 
-def open(path: str | Path, writable: bool = False, model: str | None = None,  # noqa: A001 - emllm.open
-         log: Callable[[str], None] | None = None) -> Memory:
-    """The store at `path` with the model it was written with, loaded and checked."""
-    return Memory(open_store(Path(path), writable=writable, model=model, log=log))
+def create(path: str | Path, model: str | Model | None = None, profile: str | None = None, chat: bool = True,
+           log: Callable[[str], None] | None = None, dtype: str | None = None, kv_format: str | None = None,
+           publish: bool = False) -> Memory:
+    """A new, empty store at `path` for `model` (a `Model`, or an alias, local folder or cached hub
+    id; default: `emllm.models.default_model()`), computing in `dtype` (auto, float32, bfloat16;
+    None: the profile's), keeping keys and values in `kv_format` (None: the compute dtype;
+    bfloat16, int8, int4), laid out in the model's chat template unless chat=False. It appears
+    at its first ingest, or at once with publish=True (a conversation that starts from nothing)."""
+    if isinstance(model, Model):
+        if profile is not None or dtype is not None:
+            raise UsageError("a loaded model has its profile and dtype: give them to emllm.load")
+        m = model
+    else:
+        m = load(model, profile, dtype, log)
+    st = create_store(Path(path), m.name, m.model, m.tokenizer, m.profile, chat=chat, kv_format=kv_format)
+    if publish:
+        try:
+            st.publish_empty()
+        except BaseException:
+            st.discard()
+            raise
+    return Memory(st, m)
 
 
-__all__ = ["Memory", "create", "open"]
+def open(path: str | Path, writable: bool = False, model: str | Model | None = None,  # noqa: A001 - emllm.open
+         log: Callable[[str], None] | None = None, profile: str | None = None, dtype: str | None = None) -> Memory:
+    """The store at `path` with the model it was written with, loaded and checked against the
+    store (config, weights, tokenizer), computing in the store's dtype. `model`: another name for
+    the same weights (a moved folder), or a `Model` already loaded (checked, not reloaded);
+    `profile` and `dtype`, if given, must be the store's."""
+    path = Path(path)
+    if not isinstance(model, Model):
+        o = open_store(path, writable=writable, model=model, profile=profile, log=log, dtype=dtype)
+        name = o.store.manifest["identity"]["model"]
+        return Memory(o.store, Model(name, o.model, o.tok, store_profile(o.store), o.source.name))
+    st = Store.open(path, writable=writable)
+    try:
+        st.check_identity(dataclasses.replace(model.identity(), model=st.manifest["identity"]["model"]))
+        if profile is not None and models.load_profile(profile) != store_profile(st):
+            raise ProfileMismatchError(f"the store uses profile {st.manifest['profile']['name']!r}; a store keeps one profile")
+    except BaseException:
+        st.close()
+        raise
+    return Memory(st, model)
+
+
+__all__ = ["Memory", "Model", "Answer", "segment", "IngestPlan", "IngestReport", "create", "open", "load", "sampling",
+           "plan_ingest", "REREAD_QUESTIONS", "REREAD_CONVERSATION"]

@@ -68,11 +68,11 @@ class Session:
 
     def read_question_ids(self, ids: list[int]) -> Tensor:
         """As `read_question`, for a question already tokenized (benchmarks with their own form)."""
-        self._feed_pending()
+        self.feed_pending()
         self.engine.begin_question()
         return self.engine.feed(ids)
 
-    def _feed_pending(self) -> None:
+    def feed_pending(self) -> None:
         """The stream's pending tail (tokens after the store's last chunk), once."""
         if self.tail:
             self.engine.feed(self.tail)
@@ -99,7 +99,7 @@ class Session:
         passages the layers voted for and the question (`app.reread`)."""
         from emllm.app.reread import reread
 
-        self._feed_pending()  # first, unrecorded: its chunks' retrievals are not the question's
+        self.feed_pending()  # first, unrecorded: its chunks' retrievals are not the question's
         eng, rr = reread(self.engine, ids, self.tok, max_new_tokens)
         self.passages = rr.passages
         return eng

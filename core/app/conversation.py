@@ -19,8 +19,9 @@ from emllm.app.ask import Session
 from emllm.app.ingest import add_tokens, run_job
 from emllm.app.report import retrieval_doc
 from emllm.app.trace import Trace
-from emllm.app.stream import encode_framing, open_engine, reopen_text
+from emllm.app.stream import encode, encode_framing, open_engine, reopen_text
 from emllm.engine.sampling import Sampling
+from emllm.errors import UsageError
 from emllm.store import Store, StoreError, cut_back, save_mark
 
 
@@ -113,4 +114,40 @@ def remember_exchange(path: Path, model: Any, tok: Any, ids: list[int], kv_cache
         run_job(st, engine, commit_every)
 
 
-__all__ = ["Conversation", "exchange_ids", "remember_exchange"]
+def _text(m: dict) -> str:
+    content = m.get("content")
+    if isinstance(content, list):  # OpenAI's content parts: the text ones
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content or ""
+
+
+def messages_ids(session: Session, messages: list[dict]) -> tuple[list[int], str]:
+    """The token ids that continue the store's stream with OpenAI-style `messages` up to the last
+    user message (which is returned as the question, laid out by the session as `ask` lays out a
+    question). System messages are read as the start of the first user message; earlier user and
+    assistant turns are laid out as a remembered conversation lays them out."""
+    if not messages or messages[-1].get("role") != "user":
+        raise UsageError("the last message must be the user's")
+    tok = session.tok
+    fmt = session.store.manifest["stream"]
+    reopen = encode_framing(tok, reopen_text(tok, fmt["chat"]))
+    ids: list[int] = []
+    system = "\n\n".join(_text(m) for m in messages if m.get("role") in ("system", "developer"))
+    turns = [m for m in messages if m.get("role") in ("user", "assistant")]
+    for i, m in enumerate(turns[:-1]):
+        text = _text(m)
+        if m["role"] == "user":
+            if i == 0 and system:
+                text = system + "\n\n" + text
+            ids += session.question_ids(text)
+            session.turn_start = False  # what follows continues the stream the first turn began
+        else:
+            ids += encode(tok, text.strip()) + reopen
+            session.turn_start = bool(reopen)  # the next user message opens a turn of its own
+    question = _text(turns[-1])
+    if len(turns) == 1 and system:
+        question = system + "\n\n" + question
+    return ids, question
+
+
+__all__ = ["Conversation", "exchange_ids", "remember_exchange", "messages_ids"]

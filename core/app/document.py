@@ -111,3 +111,25 @@ def char_ranges(offsets: list[tuple[int, int]], starts: list[int], text_len: int
     for i in range(1, len(cs)):  # tokens that split a character share offsets: keep ranges ordered
         cs[i] = max(cs[i], cs[i - 1])
     return [(cs[i], cs[i + 1] if i + 1 < len(cs) else text_len) for i in range(len(cs))]
+
+
+PREVIEW = 60  # characters of an event's text in a segmentation's document
+
+
+def events_doc(model: str, method: str, prof, text: str, ids: list[int], offsets: list[tuple[int, int]],
+               starts: Tensor, a: Analysis) -> dict:
+    """A segmentation as data (`emllm segment --json`): each event's tokens, characters, surprise
+    at its start and the beginning of its text, with the parameters that cut it."""
+    st = starts.tolist()
+    ends = st[1:] + [len(ids)]
+    chars = char_ranges(offsets, st, len(text))
+    events = []
+    for i, (s, e, (c0, c1)) in enumerate(zip(st, ends, chars)):
+        sup = a.surprise[s]
+        events.append({"index": i, "tokens": [s, e], "chars": [c0, c1],
+                       "surprise": None if sup != sup else round(float(sup), 3),
+                       "preview": text[c0:c1][:PREVIEW]})
+    return {"model": model, "method": method,
+            "parameters": {"gamma": prof.gamma, "tau": prof.surprise_window, "min_block": prof.min_block,
+                           "max_block": prof.max_block, "chunk_size": prof.chunk_size, "n_local": prof.n_local},
+            "tokens": len(ids), "characters": len(text), "events": events}

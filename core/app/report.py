@@ -34,7 +34,8 @@ def store_summary(st: Store) -> dict:
     return {
         "store": str(st.path), "format_version": m["version"], "model": m["identity"]["model"],
         "identity": m["identity"], "profile": m["profile"], "created": m["created"], "updated": m["updated"],
-        "dtype": st.geometry.dtype, "format": st.kv_format.name, "key_equaliser": st.key_equalised,
+        "layers": st.geometry.layers, "dtype": st.geometry.dtype, "format": st.kv_format.name,
+        "key_equaliser": st.key_equalised,
         # how an event is found: its key (a profile without the key predates it: the paper's) and its heads
         "representative": m["profile"].get("representative", "attention"), "representative_heads": st.repr_heads,
         "tokens": m["rows"]["tokens"] + pending_count(m),

@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Iterator
 
+from emllm.errors import EmllmError
+
 PIECE = 1 << 16  # bytes read (and about the characters tokenized) at a time: the tokenizer's allocations for
 # a megabyte at once fragment the heap; 64 KiB keeps RSS flat (docs/benchmarks.md, reading input)
 _PROBES = ("Hello world\nNext line, with words.", "a b\n\nc d", "x = 1\n    y = 2\nz", "über\nœuvre 12 34\n5",
@@ -26,7 +28,7 @@ _PROBES = ("Hello world\nNext line, with words.", "a b\n\nc d", "x = 1\n    y = 
            "a  b   c\td\r\ne\r\n\r\nf", "x1 y2 z3 4a 5 b6c", "naïve café — “quoted” text…\nÉcole")
 
 
-class InputError(Exception):
+class InputError(EmllmError):
     """Input that cannot be read as text; the message says what is wrong."""
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from emllm.errors import EmllmError
 from emllm.math import attention
 from emllm.config import Profile
 from emllm.memory.buffers import GrowBuffer
@@ -36,7 +37,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 TOKEN_SLACK = 256  # generated tokens between two rotations of a layer's whole window
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(EmllmError, ValueError):
     """The architecture cannot run under emllm (yet); the message says why."""
 
 

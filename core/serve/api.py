@@ -35,12 +35,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.middleware.base import BaseHTTPMiddleware
 
-from emllm.app.ask import Session
-from emllm.app.conversation import exchange_ids, remember_exchange
-from emllm.app.stream import encode, encode_framing, identity_of, reopen_text
-from emllm.engine.sampling import SEED_LIMIT, Sampling
-from emllm.store import Store, StoreError, StoreLockedError
-from emllm.store.manifest import MANIFEST
+import emllm
+from emllm import SEED_LIMIT, EmllmError, Memory, Model, StoreLockedError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a store's name: never a path
 
@@ -73,96 +69,40 @@ class ChatRequest(BaseModel):
     reread: bool | None = None  # emllm's own: answer by re-reading the passages the memory chose (`ask --reread`); unset: the server's default
 
 
-def _text(m: Message) -> str:
-    if isinstance(m.content, list):  # OpenAI's content parts: the text ones
-        return "".join(p.get("text", "") for p in m.content if isinstance(p, dict) and p.get("type") == "text")
-    return m.content or ""
-
-
-def conversation_ids(session: Session, messages: list[Message]) -> tuple[list[int], str]:
-    """The token ids that continue the store's stream with `messages` up to the last user message
-    (which is returned as the question, laid out by the session as `ask` lays out a question).
-    System messages are read as the start of the first user message; earlier user and assistant
-    turns are laid out as a remembered conversation lays them out."""
-    if messages[-1].role != "user":
-        raise ApiError(400, "the last message must be the user's", param="messages")
-    tok = session.tok
-    fmt = session.store.manifest["stream"]
-    reopen = encode_framing(tok, reopen_text(tok, fmt["chat"]))
-    ids: list[int] = []
-    system = "\n\n".join(_text(m) for m in messages if m.role in ("system", "developer"))
-    turns = [m for m in messages if m.role in ("user", "assistant")]
-    for i, m in enumerate(turns[:-1]):
-        text = _text(m)
-        if m.role == "user":
-            if i == 0 and system:
-                text = system + "\n\n" + text
-            ids += session.question_ids(text)
-            session.turn_start = False  # what follows continues the stream the first turn began
-        else:
-            ids += encode(tok, text.strip()) + reopen
-            session.turn_start = bool(reopen)  # the next user message opens a turn of its own
-    question = _text(turns[-1])
-    if len(turns) == 1 and system:
-        question = system + "\n\n" + question
-    return ids, question
-
-
 class Server:
     """The loaded model and the stores it serves."""
 
-    def __init__(self, root: Path, model: Any, tok: Any, model_name: str, max_tokens: int = 2048,
-                 api_key: str | None = None, reread: bool = False) -> None:
-        self.root, self.model, self.tok, self.model_name = Path(root), model, tok, model_name
+    def __init__(self, root: Path, model: Model, max_tokens: int = 2048, api_key: str | None = None,
+                 reread: bool | None = None) -> None:
+        self.root, self.model, self.model_name = Path(root), model, model.given or model.name
         self.max_tokens, self.api_key = max_tokens, api_key
-        self.reread = reread  # for requests that do not say (`emllm serve --reread`)
-        self.identity = None
+        self.reread = reread  # for requests that do not say (`emllm serve --reread`; None: the library's default)
         self.lock = threading.Lock()  # one generation at a time: the model and its attention are shared
-        # name -> (manifest mtime, store, session, snapshot, turn_start as the session opened: a request changes it)
-        self.open: dict[str, tuple] = {}
+        self.open: dict[str, Memory] = {}  # held between requests: each keeps its stream's tail read
 
     def store_path(self, name: str) -> Path:
         if not NAME.fullmatch(name):
             raise ApiError(400, f"model {name[:80]!r} is not a store name (letters, digits, . _ -; no paths)",
                            param="model", code="invalid_model")
         path = self.root / name
-        if path.is_symlink() or not (path / MANIFEST).is_file():
+        if path.is_symlink() or not emllm.is_store(path):
             raise ApiError(404, f"no store {name!r}: GET /v1/models lists them", param="model", code="model_not_found")
         return path
 
-    def session(self, name: str) -> tuple[Session, dict, bool]:
-        """The store's session, held between requests with its pending tail already read, and the
-        snapshot each request starts from (read again when a commit changed the store)."""
+    def memory(self, name: str) -> Memory:
+        """The store `name`, opened with the server's model (checked against it) and held."""
         path = self.store_path(name)
-        mtime = (path / MANIFEST).stat().st_mtime_ns
         held = self.open.get(name)
-        if held is not None and held[0] == mtime:
-            return held[2], held[3], held[4]
-        if held is not None:
-            held[1].close()
-            del self.open[name]
-        st = Store.open(path)
-        try:
-            if self.identity is None:  # hashing the weights once, not per store
-                self.identity = identity_of(self.model_name, self.model, self.tok)
-            st.check_identity(dataclasses.replace(self.identity, model=st.manifest["identity"]["model"]))
-            session = Session(st, self.model, self.tok)
-            if session.tail:
-                session.engine.feed(session.tail)
-            session.tail = []
-            snap = session.engine.snapshot()
-        except BaseException:
-            st.close()
-            raise
-        self.open[name] = (mtime, st, session, snap, session.turn_start)
-        return session, snap, session.turn_start
+        if held is None:
+            held = self.open[name] = emllm.open(path, model=self.model)
+        return held
 
     def models(self) -> list[dict]:
         out = []
         if self.root.is_dir():
             for p in sorted(self.root.iterdir()):
-                if NAME.fullmatch(p.name) and not p.is_symlink() and (p / MANIFEST).is_file():
-                    out.append({"id": p.name, "object": "model", "created": int((p / MANIFEST).stat().st_mtime),
+                if NAME.fullmatch(p.name) and not p.is_symlink() and emllm.is_store(p):
+                    out.append({"id": p.name, "object": "model", "created": int((p / "manifest.json").stat().st_mtime),
                                 "owned_by": "emllm"})
         return out
 
@@ -193,8 +133,8 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         where = ".".join(str(x) for x in first.get("loc", ())[1:])
         return _error(ApiError(400, f"{where}: {first.get('msg', 'invalid request')}", param=where or None))
 
-    @app.exception_handler(StoreError)
-    async def store_error(_request: Request, e: StoreError) -> JSONResponse:
+    @app.exception_handler(EmllmError)
+    async def user_error(_request: Request, e: EmllmError) -> JSONResponse:
         return _error(ApiError(409 if isinstance(e, StoreLockedError) else 400, str(e)))
 
     @app.get("/health")
@@ -213,32 +153,22 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
-        sampling = Sampling.from_model(server.model, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                       top_k=req.top_k, repetition_penalty=req.repetition_penalty)
+        sampling = emllm.sampling(server.model, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                     top_k=req.top_k, repetition_penalty=req.repetition_penalty)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-
-        reread = server.reread if req.reread is None else req.reread
+        messages = [m.model_dump() for m in req.messages]
 
         def run() -> Iterator[str | dict]:
             with server.lock:
-                session, snap, turn_start = server.session(req.model)
-                session.engine.restore(snap)
-                session.turn_start = turn_start
-                path = session.store.path
-                history, question = conversation_ids(session, req.messages)
-                session.tail = history
-                session.reread = reread
-                pieces = []
-                for piece in session.answer_text(question, limit, sampling, stop):
-                    pieces.append(piece)
-                    yield piece
-                finish = "length" if session.tokens >= limit else "stop"
-                ids = exchange_ids(session, question)
+                mem = server.memory(req.model)
+                answer = mem.reply(messages, limit, stop, reread=server.reread if req.reread is None else req.reread,
+                                   sampling=sampling)
+                yield from answer
                 if req.remember:
-                    remember_exchange(path, server.model, server.tok, session.lead + history + ids[len(session.lead):])
-                yield {"finish_reason": finish, "completion_tokens": session.tokens,
-                       "prompt_tokens": len(history) + len(session.question_ids(question)),
-                       "passages": [list(p) for p in session.passages] if reread else None}
+                    mem.remember(answer)
+                yield {"finish_reason": answer.finish_reason, "completion_tokens": answer.tokens,
+                       "prompt_tokens": answer.prompt_tokens,
+                       "passages": [list(p) for p in answer.passages] if answer.reread else None}
 
         if not req.stream:
             parts, end = [], {}
@@ -289,4 +219,4 @@ def _error(e: ApiError) -> JSONResponse:
                                                                  "param": e.param, "code": e.code}})
 
 
-__all__ = ["Server", "create_app", "ApiError", "conversation_ids"]
+__all__ = ["Server", "create_app", "ApiError"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from emllm.errors import EmllmError
 
-class StoreError(Exception):
+
+class StoreError(EmllmError):
     """A store that cannot be used as asked; the message says what is wrong and what to do."""
 
 

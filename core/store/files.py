@@ -16,10 +16,12 @@ import os
 import stat
 from pathlib import Path
 
+from emllm.errors import EmllmError
+
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class UnsafePath(OSError):
+class UnsafePath(EmllmError, OSError):
     """A name or a file that would take emllm outside the folder, or is no regular file."""
 
 

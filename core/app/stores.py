@@ -1,0 +1,114 @@
+"""The stores under the emllm home, managed as ollama manages models: found by name or path,
+listed, summarised, renamed, removed. Nothing here loads torch (a listing stays instant).
+
+    store_path("book")          # ~/.local/share/emllm/stores/book (a name), or the path as given
+    list_stores()               # one row per store, most recently updated first
+    summary(path)               # what one store holds
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from emllm.errors import UsageError
+from emllm.home import stores_dir
+
+
+def store_path(name: str) -> Path:
+    """A store as a user names it: a path when it looks like one or exists, else a name under the
+    home's stores folder."""
+    if not name.strip():  # Path("") is the current folder: never a store by accident
+        raise UsageError("an empty store name")
+    p = Path(name).expanduser()
+    if "/" in name or name.startswith(".") or p.exists():
+        return p
+    return stores_dir() / name
+
+
+def is_store(path: Path) -> bool:
+    from emllm.store.manifest import is_store as has_manifest
+
+    return has_manifest(Path(path))
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the regular files under path (links are not followed)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            st = os.lstat(os.path.join(root, f))
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
+
+def _manifests() -> list[tuple[Path, dict]]:
+    """(path, manifest) of every store under the home, most recently updated first; a store whose
+    manifest is refused comes with {"error": why} instead. A link under the home is not followed."""
+    from emllm.store import StoreError, read_manifest
+    from emllm.store.manifest import MANIFEST
+
+    out = []
+    root = stores_dir()
+    if root.is_dir():
+        for p in root.iterdir():
+            if not p.is_symlink() and is_store(p):
+                try:
+                    out.append((p, read_manifest(p)))
+                except StoreError as e:
+                    out.append((p, {"error": str(e)}))
+    return sorted(out, key=lambda x: (str(x[1].get("updated", "")), (x[0] / MANIFEST).lstat().st_mtime), reverse=True)
+
+
+def list_stores() -> list[dict]:
+    """One row per store under the home, most recently updated first: name, path, status
+    (complete, incomplete: an ingest stopped before its end, damaged: refused when opened, with
+    "error" saying why), model, dtype, format, tokens, events, bytes, updated."""
+    from emllm.store.manifest import pending_count
+
+    rows = []
+    for path, m in _manifests():
+        if "error" in m:
+            status = "damaged"
+        else:
+            job = m.get("job") or {}
+            status = "complete" if job.get("complete", True) else "incomplete"
+        rows.append({
+            "name": path.name, "path": str(path), "status": status,
+            "model": (m.get("identity") or {}).get("model"), "dtype": (m.get("geometry") or {}).get("dtype"),
+            "format": m.get("kv_format") or (m.get("geometry") or {}).get("dtype"),
+            "tokens": (m.get("rows") or {}).get("tokens", 0) + (pending_count(m) if status != "damaged" else 0),
+            "events": (m.get("rows") or {}).get("events"),
+            "bytes": folder_bytes(path), "updated": m.get("updated"),
+            **({"error": m["error"]} if "error" in m else {}),
+        })
+    return rows
+
+
+def summary(path: Path) -> dict:
+    """What the store at `path` holds (opened read-only, validated): identity, profile, sizes,
+    event sizes, documents, bytes on disk (`report.store_summary`)."""
+    from emllm.app.report import store_summary
+    from emllm.store import Store
+
+    with Store.open(Path(path)) as st:
+        return store_summary(st)
+
+
+def remove_store(path: Path) -> None:
+    """Delete a store (refused while a writer holds it, and for a folder that is not a store)."""
+    from emllm.store import remove_store as remove
+
+    remove(Path(path))
+
+
+def move_store(src: Path, dst: Path) -> None:
+    """Rename or move a store to `dst`, which must not exist (refused while a writer holds it)."""
+    from emllm.store import move_store as move
+
+    move(Path(src), Path(dst))
+
+
+__all__ = ["store_path", "is_store", "folder_bytes", "list_stores", "summary", "remove_store", "move_store"]
