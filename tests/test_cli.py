@@ -32,6 +32,7 @@ from .helpers import EMLLM, cli_env, run
     (["ask", " "], 1, "the question is empty"),
     (["inspect", "nope"], 1, "no store 'nope'"),
 ])
+@pytest.mark.slow
 def test_bad_input(tmp_path, args, code, needle):
     r = run(*args, home=tmp_path)
     assert r.returncode == code
@@ -63,6 +64,7 @@ def test_bad_profile_value(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "stores").exists()
 
 
+@pytest.mark.slow
 def test_passkey_json(tmp_path, smollm2):  # smollm2: the converted model exists before the subprocess
     r = run("passkey", "-l", "1k", "-d", "0,1", "-t", "1", "--baseline", "--reread", "--json", home=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -129,6 +131,7 @@ def test_segment_bad_method(tmp_path):
     (["segment", "README.md", "--method", "F", "--gamma", "1"], "--gamma applies to S, SM and SC"),
     (["segment", "README.md", "--gamma", "nan"], "nan is not a finite number"),
 ])
+@pytest.mark.slow
 def test_usage_errors_are_one_line(tmp_path, args, needle):
     r = run(*args, home=tmp_path)
     lines = r.stderr.strip().splitlines()
@@ -140,6 +143,7 @@ TEXT = ("The old lighthouse keeper climbed the stairs every night. Ünïcödé �
         "def f(x):\n    return x * 2  # code in the middle\n") * 12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["S", "SM", "F"])
 def test_segment_json_round_trips_and_slices_text(tmp_path, smollm2, method):
     src = tmp_path / "doc.txt"
@@ -157,6 +161,7 @@ def test_segment_json_round_trips_and_slices_text(tmp_path, smollm2, method):
     assert max(sizes) <= doc["parameters"]["max_block"] and min(sizes[:-1]) >= doc["parameters"]["min_block"]
 
 
+@pytest.mark.slow
 def test_segment_stdin_and_metrics_json(tmp_path, smollm2):
     env = {**os.environ, **cli_env(tmp_path)}
     r = subprocess.run([EMLLM, "segment", "-", "--metrics", "--method", "all", "--json"], input=TEXT,
@@ -169,6 +174,7 @@ def test_segment_stdin_and_metrics_json(tmp_path, smollm2):
             assert doc["difference_to_random"][m][k] == pytest.approx(d[k] - doc["random"][m][k])
 
 
+@pytest.mark.slow
 def test_passkey_memory_dir_reads_the_shared_filler_once(tmp_path, smollm2):
     """--memory-dir: trials run on stores under the folder, in the order of their needle, the second
     continuing the filler the first read (tests/test_store.py: same logits as reading it all); the
@@ -188,6 +194,7 @@ def test_passkey_memory_dir_reads_the_shared_filler_once(tmp_path, smollm2):
     assert list(mem.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_passkey_resume_carries_on_after_ctrl_c(tmp_path, smollm2, monkeypatch):
     """--resume: Ctrl-C before the second trial keeps the first answer and the filler's store in
     --memory-dir; the same command again asks only the second, continues that store, and gives the

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from emllm.store.manifest import checksum
 
 from .helpers import EMLLM, QUESTION, cli_env, ingest_store, run, run_in_process, words
@@ -91,6 +93,7 @@ def test_list_show_mv_rm(tiny, tmp_path):
     assert r.returncode == 1 and "not an emllm store" in r.stderr and not_a_store.exists()
 
 
+@pytest.mark.slow
 def test_ask_without_store_says_which_and_a_closed_pipe_is_no_error(tiny, tmp_path):
     _store(tiny, tmp_path)
     r = run("ask", QUESTION, "-n", "2", home=tmp_path)
@@ -109,6 +112,7 @@ def test_usage_lines_and_short_flags(tmp_path):
     assert r.returncode == 2 and "No such option: -l" in r.stderr
 
 
+@pytest.mark.slow
 def test_retrieval_view_marks_the_window_and_the_initial_tokens(tiny, tmp_path):
     _store(tiny, tmp_path)
     r = run("inspect", "s", "--query", QUESTION, home=tmp_path)
@@ -133,6 +137,7 @@ def test_segment_metrics_are_printed(tiny, tmp_path):
     assert "difference to random" in r.stdout and "modularity" in r.stdout
 
 
+@pytest.mark.slow
 def test_slow_steps_say_what_they_do(tiny, tmp_path):
     _store(tiny, tmp_path)
     env = {**os.environ, **cli_env(tmp_path, EMLLM_PROGRESS="1")}
@@ -140,6 +145,7 @@ def test_slow_steps_say_what_they_do(tiny, tmp_path):
     assert r.returncode == 0 and "loading the model of s and opening it" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_names_with_escape_sequences_and_markup_reach_no_terminal_raw(tiny, tmp_path):
     """A store or document named with control characters (ESC sequences that clear or retitle a
     terminal, C1 controls, a bidi override) or Rich markup is shown escaped by every command."""

@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from emllm.app.conversation import Conversation
 from emllm.app.stream import encode, encode_framing
 from emllm.store import Store
@@ -72,6 +74,7 @@ def test_a_reread_exchange_answers_as_ask_reread_and_is_remembered(tiny, tmp_pat
         assert talk.say_all(q, max_new_tokens=6) == own and talk.last_passages == []
 
 
+@pytest.mark.slow
 def test_chat_from_an_empty_store_and_ask_remember(tiny, tmp_path):
     folder, prof, _, _ = tiny
     env = {**os.environ, **cli_env(tmp_path)}

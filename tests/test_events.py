@@ -69,6 +69,7 @@ def test_refinement_moves_some_boundaries():
     assert runs["S"] != runs["SM"]
 
 
+@pytest.mark.slow
 def test_s_boundaries_are_deterministic_and_causal_on_smollm2(smollm2):
     model, tok, prof = smollm2
     prof = prof.replace(n_local=256, chunk_size=64, n_mem=128, n_init=16)

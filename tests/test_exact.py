@@ -113,6 +113,7 @@ def test_bf16_models_close_to_vanilla(arch, mode):
     assert (got - ref).abs().mean().item() <= 2**-8 * scale / 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["one-shot", "chunks", "decode"])
 def test_smollm2_in_bf16_close_to_vanilla_in_bf16(smollm2, mode):
     """The real model computing in bfloat16 (as --dtype auto does on this project's CPU): emllm

@@ -178,6 +178,7 @@ def test_a_store_keeps_its_format_and_a_reader_decodes_as_the_writer_stored(tiny
         assert list(Session(st, model, tok).answer(QUESTION, 12)) == answer  # deterministic
 
 
+@pytest.mark.slow
 def test_format_through_the_executable(tiny, tmp_path):
     folder, prof, _, _ = tiny
     doc = tmp_path / "doc.txt"
@@ -229,6 +230,7 @@ def test_auto_dtype_follows_the_cpu_flags(monkeypatch, tmp_path):
         models.compute_dtype("float64")
 
 
+@pytest.mark.slow
 def test_a_store_opens_in_its_dtype(tiny, tmp_path):
     """A store made in bfloat16 is continued in bfloat16 whatever the default; --dtype float32 on it
     is one clear line; EMLLM_DTYPE with a bad value too."""

@@ -184,6 +184,7 @@ def _args(cmd: str, store: Path, doc: Path) -> list[str]:
             INSPECT: ["inspect", str(store)]}[cmd]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_hostile_store_is_refused_and_nothing_outside_it_is_touched(case, request, tmp_path):
     damage, commands, needle, *kind = CASES[case]

@@ -53,6 +53,7 @@ def old_code(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_store_written_by_the_old_layout_opens_and_answers_the_same(tiny, old_code, tmp_path):
     folder, prof, _, _ = tiny
     text = words(21, 400)
@@ -148,6 +149,7 @@ def old_int_code(tmp_path_factory) -> Path:
     return _old_package(tmp_path_factory, OLD_INT, "old-int")
 
 
+@pytest.mark.slow
 def test_an_int4_store_of_version_5_opens_answers_and_goes_on_without_an_equaliser(tiny, old_int_code, tmp_path):
     """An int4 store written before key equalisers (per token alone) decodes as it was written: the
     same answer; today's writer continues it in its own way, byte for byte what the old code
@@ -193,6 +195,7 @@ def old_mean_code(tmp_path_factory) -> Path:
     return _old_package(tmp_path_factory, OLD_MEAN, "old-mean", profiles=True)
 
 
+@pytest.mark.slow
 def test_a_mean_store_with_a_key_per_query_head_opens_answers_and_goes_on_alike(tiny, old_mean_code, tmp_path):
     """A store of mean keys kept per query head (before version 7) is scored as it was written: the
     same answer, and today's writer continues it byte for byte as the old code writes the whole

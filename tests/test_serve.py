@@ -87,6 +87,7 @@ def test_serve_reread_sets_the_default_a_request_can_override(tiny, tmp_path):
         assert r.choices[0].message.content == own and r.model_extra.get("emllm") is None
 
 
+@pytest.mark.slow
 def test_chat_completions_through_the_openai_client(server, tiny):
     url, home = server
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -164,6 +165,7 @@ def test_chat_completions_through_the_openai_client(server, tiny):
     assert store_files(home / "stores" / "book") == before
 
 
+@pytest.mark.slow
 def test_a_remembered_exchange_is_seen_by_the_next_request(server, tiny):
     url, home = server
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)

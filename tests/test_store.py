@@ -61,6 +61,7 @@ def _sketching(prof: Path, tmp_path: Path) -> Path:
 
 
 
+@pytest.mark.slow
 def test_ask_equals_the_in_ram_engine_in_this_and_a_new_process(tiny, tmp_path):
     folder, prof, _, _ = tiny
     doc = words(0, 700)
@@ -277,6 +278,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_store_errors(case, tiny, tuned, stored, tmp_path):
     damage, args, needle = CASES[case]
@@ -354,6 +356,7 @@ def _check(doc: dict, schema: dict) -> None:
         assert isinstance(doc[k], t), (k, doc[k])
 
 
+@pytest.mark.slow
 def test_ingest_ask_inspect_through_the_executable(tiny, tmp_path):
     folder, prof, _, _ = tiny
     doc = tmp_path / "a.txt"
@@ -557,6 +560,7 @@ def test_scratch_stores_equal_the_in_ram_engine_and_leave_nothing(tiny, tmp_path
     assert list((tmp_path / "mem").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_trunk_stores_share_the_prefix_and_equal_separate_engines(tiny, tmp_path, monkeypatch):
     """`passkey --memory-dir` reads the filler a grid's haystacks share once: each engine continues
     a copy of the trunk, and its logits and greedy tokens are those of an engine that read the whole
@@ -704,6 +708,7 @@ def _interrupt(*_args, **_kw):
     raise KeyboardInterrupt
 
 
+@pytest.mark.slow
 def test_a_marked_trunk_is_cut_back_after_a_killed_process(tiny, tmp_path, monkeypatch):
     """At 1M tokens the disk holds no copy of a 768k trunk beside the engine that continues it:
     that engine takes the trunk with a mark. Killed while it reads, it carries on in the next

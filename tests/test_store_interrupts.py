@@ -50,6 +50,7 @@ def test_a_create_interrupted_before_its_text_was_saved_leaves_the_name_free(tin
         assert s.manifest["job"]["complete"] and s.manifest["documents"][0]["name"] == "doc"
 
 
+@pytest.mark.slow
 def test_an_empty_store_left_by_an_older_emllm_is_made_anew_and_resume_says_what_to_do(tiny, tmp_path):
     folder, prof, _, _ = tiny
     model, tok = load_tiny(folder)
@@ -89,6 +90,7 @@ def _partial(tiny, path: Path, text: str) -> None:
         st.close()
 
 
+@pytest.mark.slow
 def test_the_same_command_again_continues_an_interrupted_ingest(tiny, tmp_path):
     folder, prof, _, _ = tiny
     text = words(3, 300)
@@ -107,6 +109,7 @@ def test_the_same_command_again_continues_an_interrupted_ingest(tiny, tmp_path):
     assert r.returncode == 1 and "unfinished ingest" in r.stderr and "--resume --store p" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_resume_after_a_complete_ingest_says_an_append_that_left_no_trace_must_run_again(tiny, tmp_path):
     folder, prof, _, _ = tiny
     ingest_store(tmp_path / "stores" / "s", folder, prof, [("a", words(5, 60))])
@@ -114,6 +117,7 @@ def test_resume_after_a_complete_ingest_says_an_append_that_left_no_trace_must_r
     assert r.returncode == 0 and "nothing to resume" in r.stderr and "run that append again" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_a_reader_answers_from_the_last_commit_while_a_writer_holds_the_store(tiny, tmp_path):
     text = words(6, 300)
     path = tmp_path / "stores" / "s"
@@ -203,6 +207,7 @@ def test_input_is_checked_in_its_first_piece_and_read_as_a_stream(tmp_path):
     (["ingest", "-", "--store", "z"], "closed", "stdin is closed"),
     (["passkey", "-l", "999999999999k"], None, "at most"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_line(tmp_path, args, stdin, needle):
     env = {**os.environ, **cli_env(tmp_path)}
 
@@ -213,6 +218,7 @@ def test_bad_input_is_one_line(tmp_path, args, stdin, needle):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr and "internal error" not in r.stderr
 
 
+@pytest.mark.slow
 def test_an_unsupported_model_folder_is_one_line(tmp_path):
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
@@ -236,6 +242,7 @@ def _committed_tokens(store: Path) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_too_little_disk_is_refused_before_and_a_disk_that_fills_anyway_keeps_the_last_commit(tiny, tmp_path):
     folder, prof, _, _ = tiny
     home = tmp_path / "home"
