@@ -41,7 +41,7 @@ from emllm.evals.passkey import parse_length, run_baseline
 from emllm.evals.rag import run_rag
 from emllm.evals.ruler import HAYSTACKS, TASKS, build_prompt, needle_only, run_task
 
-METHODS = ("emllm-S", "emllm-SM", "emllm-F", "emllm-S-reread", "emllm-S-reread-window", "baseline", "rag", "oracle")
+METHODS = ("emllm-S", "emllm-SM", "emllm-F", "emllm-S-reread", "baseline", "rag", "oracle")
 
 
 def _order(cell: tuple[str, int]) -> tuple:
@@ -230,8 +230,8 @@ def main() -> None:
     src = models.resolve(a.model, log=lambda s: print(s, file=sys.stderr))
     model, tok = models.load(src, dtype=a.dtype)
     factories = {f"emllm-{s}": (lambda s=s: Engine(model, src.profile.replace(segmentation=s))) for s in ("S", "SM", "F")}
-    # answered by re-reading the passages chosen (app.reread); -window: the window's passages first
-    factories["emllm-S-reread"] = factories["emllm-S-reread-window"] = factories["emllm-S"]
+    # answered by re-reading the passages chosen (app.reread)
+    factories["emllm-S-reread"] = factories["emllm-S"]
     import tempfile
 
     from emllm.evals.scratch import ScratchStores
@@ -274,8 +274,7 @@ def main() -> None:
                     extra = {}
                     if m in factories:
                         found: list = []
-                        answer = run_task(factories[m], tok, prompt, recall=found, reread=m.startswith("emllm-S-reread"),
-                                          reread_window=m == "emllm-S-reread-window")
+                        answer = run_task(factories[m], tok, prompt, recall=found, reread=m == "emllm-S-reread")
                         extra = recall_fields([found[j] for j in prompt.targets])
                     elif m == "baseline":
                         answer = run_baseline(model, tok, prompt, max_new_tokens=prompt.max_new_tokens)

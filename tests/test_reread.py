@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from emllm.app.ask import Session
-from emllm.app.reread import LAYOUT, SelectionRecorder, passage_spans, reread_context, sentence_ends
+from emllm.app.reread import SelectionRecorder, passage_spans, reread_context, sentence_ends
 from emllm.memory.passages import choose_passages, chunk_spans, event_spans, event_votes, passage_order, token_votes
 from emllm.store import Store
 
@@ -54,14 +54,11 @@ def test_votes_and_the_order_of_passages_against_brute_force():
         sels = [torch.tensor(sorted(rng.sample(range(len(spans_e)), rng.randint(0, len(spans_e))))) for _ in range(layers)]
         votes = event_votes(sels, len(spans_e))
         assert votes.tolist() == [sum(int(e in s.tolist()) for s in sels) for e in range(len(spans_e))]
-        window = (max(n_init, n - rng.randint(0, 60)), n)
-        tv = token_votes(spans_e, votes, n, attended=[window], layers=layers)
+        tv = token_votes(spans_e, votes, n)
         want = [0.0] * n
         for (a, b), v in zip(spans_e.tolist(), votes.tolist()):
             for t in range(a, b):
                 want[t] = float(v)
-        for t in range(*window):
-            want[t] = float(layers)
         assert tv.tolist() == want
         spans = chunk_spans(n, rng.randint(4, 40), n_init)
         keys = [(-max(want[s:e]), -sum(want[s:e]) / (e - s), i) for i, (s, e) in enumerate(spans)]
@@ -75,46 +72,6 @@ def test_votes_and_the_order_of_passages_against_brute_force():
                 used += e - s
         assert choose_passages(passage_order(tv, spans), spans, room) == sorted(kept)
     assert event_votes([], 3).tolist() == [0, 0, 0] and passage_order(torch.zeros(4), []) == []
-
-
-def test_reciprocal_rank_fusion_against_brute_force():
-    """event_rrf: per layer, each selected event's rank by score (0 first, ties: the earlier id),
-    1 / (60 + rank) summed over the layers, whatever order the ids come in."""
-    from emllm.memory.passages import event_rrf
-    rng = random.Random(2)
-    for _ in range(50):
-        n_ev, layers = rng.randint(1, 30), rng.randint(0, 6)
-        sels, scores, want = [], [], [0.0] * n_ev
-        for _ in range(layers):
-            ids = rng.sample(range(n_ev), rng.randint(0, n_ev))
-            sc = [float(rng.choice((0.5, 1.0, rng.random()))) for _ in ids]  # ties too
-            by_rank = sorted(zip(ids, sc), key=lambda p: (-p[1], p[0]))
-            for r, (e, _) in enumerate(by_rank):
-                want[e] += 1.0 / (60 + r)
-            sels.append(torch.tensor(ids, dtype=torch.long))
-            scores.append(torch.tensor(sc))
-        got = event_rrf(sels, scores, n_ev)
-        assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-15)
-
-
-def test_votes_with_ties_broken_by_rank_fusion():
-    """event_votes_rrf orders events as (votes, then reciprocal rank fusion) does, lexicographically,
-    whatever the number of layers (up to 120: the fusion stays below one vote)."""
-    from emllm.memory.passages import event_rrf, event_votes_rrf
-    rng = random.Random(3)
-    for _ in range(40):
-        n_ev, layers = rng.randint(2, 12), rng.choice((1, 3, 30, 120))
-        sels, scores = [], []
-        for _ in range(layers):
-            ids = rng.sample(range(n_ev), rng.randint(1, n_ev))
-            sels.append(torch.tensor(ids, dtype=torch.long))
-            scores.append(torch.tensor([rng.random() for _ in ids]))
-        votes, rrf = event_votes(sels, n_ev).tolist(), event_rrf(sels, scores, n_ev).tolist()
-        got = event_votes_rrf(sels, scores, n_ev).tolist()
-        for i in range(n_ev):
-            for j in range(n_ev):
-                assert ((votes[i], rrf[i]) > (votes[j], rrf[j])) == (got[i] > got[j])
-        assert [int(g) for g in got] == votes  # the fusion never adds a vote
 
 
 def test_lexical_scores_against_brute_force():
@@ -168,12 +125,11 @@ def test_rank_fusion_of_passage_orders_against_brute_force():
 
 
 def test_passages_chosen_by_votes_and_words(tiny):
-    """choice "votes+words": the passages taken by the fusion of the votes' ranking (passages with
-    a vote) and the question's BM25 ranking (passages with one of its words), checked step by step;
-    a passage the votes passed over but that alone holds the question's word is read (only the
-    WORDS_TOP best by BM25 take part); a question
-    none of whose words is in the stream chooses as the votes do."""
-    from emllm.app.reread import CHOICES, WORDS_TOP, context_from_votes
+    """The passages read: those taken by the fusion of the votes' ranking (passages with a vote) and
+    the question's BM25 ranking (passages with one of its words), checked step by step; a passage
+    the votes passed over but that alone holds the question's word is read (only the WORDS_TOP
+    best by BM25 take part); a question none of whose words is in the stream chooses as the votes do."""
+    from emllm.app.reread import WORDS_TOP, context_from_votes
     from emllm.memory.passages import fuse_orders, lexical_scores, passage_votes
     from emllm.config import load_profile_file
     from emllm.engine.stream import Engine
@@ -193,31 +149,27 @@ def test_passages_chosen_by_votes_and_words(tiny):
     rec.detach()
     votes, st = rec.votes(), torch.tensor(stream)
     room = len(stream) // 3
-    ctx = lambda **kw: context_from_votes(st, votes, tok, prof.n_init, prof.n_local, room, len(eng.windows), **kw)
-    by_votes = ctx(layout="rank")
+    ctx = lambda q: context_from_votes(st, votes, tok, prof.n_init, room, q)  # noqa: E731
     spans = passage_spans(tok, st, prof.n_init, room)
     tv = token_votes(votes.spans, event_votes(list(votes.selections.values()), len(votes.spans)), len(stream))
     order = passage_order(tv, spans)
     most = passage_votes(tv, spans)[0]
-    left_out = [i for i in order if spans[i] not in by_votes.passages]
+    voted = [i for i in order if most[i] > 0]
+    by_votes = choose_passages(voted, spans, room)
+    left_out = [i for i in order if i not in by_votes]
     # a planted id in a passage the votes did not choose: the question asks for it
     rare = next((t, i) for i in reversed(left_out) for t in planted if t in stream[spans[i][0]:spans[i][1]])
     for q in ([rare[0]], [rare[0]] + stream[spans[order[0]][0]:spans[order[0]][0] + 3]):
         bm25 = lexical_scores(st, spans, q)
-        voted = [i for i in order if most[i] > 0]
         worded = [i for i in sorted(range(len(spans)), key=lambda i: -float(bm25[i])) if bm25[i] > 0][:WORDS_TOP]
         fused = fuse_orders([voted, worded], len(spans))
         want = choose_passages(fused, spans, room)
-        got = ctx(layout="lexical", question=q, choice="votes+words")
+        got = ctx(q)
         assert sorted(got.passages) == [spans[i] for i in want] and spans[rare[1]] in got.passages
-        best = max(want, key=lambda i: (float(bm25[i]), -fused.index(i)))  # the lexical layout: best BM25 last
+        best = max(want, key=lambda i: (float(bm25[i]), -fused.index(i)))  # ordered by BM25, the best last
         assert got.passages[-1] == spans[best] and (len(q) > 1 or best == rare[1])
-        assert ctx(layout="rank", question=q, choice="votes+words").passages == [spans[i] for i in reversed(fused) if i in want]
-    absent = [int(st.max()) + 1]  # no word of the question in the stream: the votes' choice
-    assert ctx(layout="rank", question=absent, choice="votes+words") == by_votes
-    assert set(CHOICES) == {"votes", "votes+words"}
-    with pytest.raises(ValueError, match="choice"):
-        ctx(choice="words")
+    absent = [int(st.max()) + 1]  # no word of the question in the stream: the votes' choice, the best last
+    assert ctx(absent).passages == [spans[i] for i in reversed(voted) if i in by_votes]
 
 
 def _read_into_engine(tiny, seed: int, n_words: int):
@@ -233,83 +185,33 @@ def _read_into_engine(tiny, seed: int, n_words: int):
     return eng, tok, prof, stream
 
 
-def test_votes_are_saved_and_loaded_as_they_were(tiny, tmp_path):
-    """Votes recorded at a question, written to safetensors and read back: the same spans, ids and
-    scores, and the same passages under either ranking; a file that is not votes is refused."""
-    from safetensors.torch import save_file
-
-    from emllm.app.reread import LAYOUTS, RANKINGS, Votes, context_from_votes
+def test_the_passages_read_are_ordered_by_the_questions_words(tiny):
+    """The passages chosen are read by their BM25 for the question's ids, the best last, ties by
+    the votes' rank (the worst first); without a question, by rank alone; where every passage
+    fits, the stream in its order."""
+    from emllm.app.reread import context_from_votes
+    from emllm.memory.passages import lexical_scores
     eng, tok, prof, stream = _read_into_engine(tiny, 7, 300)
     rec = SelectionRecorder(eng)
-    eng.begin_question()
-    eng.feed(tok(QUESTION, add_special_tokens=False)["input_ids"])
-    rec.detach()
-    votes = rec.votes()
-    assert len(votes.scores) == len(votes.selections) == len(eng.windows)
-    assert all(len(votes.scores[k]) == len(votes.selections[k]) for k in votes.selections)
-    votes.save(tmp_path / "v.safetensors")
-    back = Votes.load(tmp_path / "v.safetensors")
-    assert torch.equal(back.spans, votes.spans) and back.selections.keys() == votes.selections.keys()
-    assert all(torch.equal(back.selections[k], votes.selections[k]) and torch.equal(back.scores[k], votes.scores[k])
-               for k in votes.selections)
-    room = 3 * len(stream) // 4
-    contexts = {}
-    for ranking in RANKINGS:
-        a = reread_context(eng, votes, tok, len(stream), room, ranking=ranking, layout="stream")
-        b = context_from_votes(torch.tensor(stream), back, tok, prof.n_init, prof.n_local, room, len(eng.windows),
-                               ranking=ranking, layout="stream")
-        assert a == b and a.passages and len(a.ids) < len(stream) and a.passages == sorted(a.passages)
-        assert reread_context(eng, votes, tok, len(stream), room, ranking=ranking) == context_from_votes(
-            torch.tensor(stream), back, tok, prof.n_init, prof.n_local, room, len(eng.windows), ranking=ranking,
-            layout=LAYOUT)
-        contexts[ranking] = a.passages
-        last, by_rank = (context_from_votes(torch.tensor(stream), back, tok, prof.n_init, prof.n_local, room,
-                                            len(eng.windows), ranking=ranking, layout=lay) for lay in ("best-last", "rank"))
-        # the same passages, the best-ranked (first in passage_order) moved last, the rest in stream order
-        from emllm.memory.passages import event_rrf, event_votes_rrf, passage_order
-        sv, sc = list(votes.selections.values()), list(votes.scores.values())
-        w = {"votes": event_votes(sv, len(votes.spans)), "rrf": event_rrf(sv, sc, len(votes.spans)),
-             "votes-rrf": event_votes_rrf(sv, sc, len(votes.spans))}[ranking]
-        spans = passage_spans(tok, torch.tensor(stream), prof.n_init, room)
-        ranked = [spans[i] for i in passage_order(token_votes(votes.spans, w, len(stream)), spans)]
-        best = ranked[0]
-        assert last.passages == [p for p in a.passages if p != best] + [best] and best in a.passages
-        assert by_rank.passages == [p for p in reversed(ranked) if p in a.passages] and by_rank.passages[-1] == best
-        assert len(a.passages) > 2 and by_rank.passages != sorted(by_rank.passages)  # not stream order by chance
-        for c in (last, by_rank):
-            assert c.ids == stream[: prof.n_init] + [t for s, e in c.passages for t in stream[s:e]]
-    # lexical: the rank layout's passages, by their BM25 for the question's ids, the best last
-    from emllm.memory.passages import lexical_scores
     q_ids = tok(QUESTION, add_special_tokens=False)["input_ids"]
-    spans = passage_spans(tok, torch.tensor(stream), prof.n_init, room)
-    words = lexical_scores(torch.tensor(stream), spans, q_ids)
-    lex = context_from_votes(torch.tensor(stream), votes, tok, prof.n_init, prof.n_local, room, len(eng.windows),
-                             layout="lexical", question=q_ids, choice="votes")
-    rank = context_from_votes(torch.tensor(stream), votes, tok, prof.n_init, prof.n_local, room, len(eng.windows),
-                              layout="rank")
-    assert sorted(lex.passages) == sorted(rank.passages)
-    got = [float(words[spans.index(p)]) for p in lex.passages]
-    assert got == sorted(got) and got[-1] > got[0]  # the question's words found somewhere, the best last
-    ties = [p for p, w in zip(lex.passages, got) if w == got[0]]  # (no words: in the rank layout's order)
+    eng.begin_question()
+    eng.feed(q_ids)
+    rec.detach()
+    votes, st = rec.votes(), torch.tensor(stream)
+    room = 3 * len(stream) // 4
+    lex = context_from_votes(st, votes, tok, prof.n_init, room, q_ids)
+    assert lex == reread_context(eng, votes, tok, len(stream), room, q_ids)
+    spans = passage_spans(tok, st, prof.n_init, room)
+    words_of = lexical_scores(st, spans, q_ids)
+    got = [float(words_of[spans.index(p)]) for p in lex.passages]
+    assert len(lex.passages) > 2 and got == sorted(got) and got[-1] > got[0]  # the question's words found, the best last
+    rank = context_from_votes(st, votes, tok, prof.n_init, room)  # no question: the worst-ranked first
+    assert len(rank.passages) > 2 and rank.passages != sorted(rank.passages)  # not stream order by chance
+    ties = [p for p, w in zip(lex.passages, got) if w == got[0]]
     assert ties == [p for p in rank.passages if p in ties]
-    assert lex.ids == stream[: prof.n_init] + [t for s, e in lex.passages for t in stream[s:e]]
-    assert context_from_votes(torch.tensor(stream), votes, tok, prof.n_init, prof.n_local, room, len(eng.windows),
-                              layout="lexical") == rank  # no question: by rank
-    # where every passage fits, each layout reads the stream in its order
-    whole = [context_from_votes(torch.tensor(stream), votes, tok, prof.n_init, prof.n_local, len(stream), len(eng.windows),
-                                layout=lay) for lay in LAYOUTS]
-    assert all(c.ids == stream for c in whole)
-    no_scores = Votes(votes.spans, votes.selections)
-    for ranking in ("rrf", "votes-rrf"):
-        with pytest.raises(ValueError, match="scores"):
-            reread_context(eng, no_scores, tok, len(stream), room, ranking=ranking)
-    with pytest.raises(ValueError, match="ranking"):
-        reread_context(eng, votes, tok, len(stream), room, ranking="best")
-    with pytest.raises(ValueError, match="layout"):
-        reread_context(eng, votes, tok, len(stream), room, layout="reversed")
-    save_file({"spans": votes.spans}, str(tmp_path / "other.safetensors"))
-    with pytest.raises(ValueError, match="not a votes file"):
-        Votes.load(tmp_path / "other.safetensors")
+    for c in (lex, rank):
+        assert c.ids == stream[: prof.n_init] + [t for s, e in c.passages for t in stream[s:e]]
+    assert context_from_votes(st, votes, tok, prof.n_init, len(stream), q_ids).ids == stream  # all of it fits
 
 
 def test_sentence_ends_per_token(smollm2):
@@ -346,7 +248,7 @@ def test_a_reread_answer_is_the_plain_models_on_its_context(tiny, tmp_path, word
         assert ctx[:n_init] == stream[:n_init]
         ordered = sorted(rr.passages)
         assert all(a < b <= c for (a, b), (c, _) in zip(ordered, ordered[1:]))  # disjoint
-        if fits or LAYOUT == "stream":  # (other layouts: test_votes_are_saved_and_loaded_as_they_were)
+        if fits:  # (otherwise ordered by the question's words: test_the_passages_read_are_ordered_by_the_questions_words)
             assert rr.passages == ordered
         assert ctx[n_init:] == [t for a, b in rr.passages for t in stream[a:b]]
         assert len(ctx) - n_init <= span - n_init - len(q)
@@ -355,12 +257,6 @@ def test_a_reread_answer_is_the_plain_models_on_its_context(tiny, tmp_path, word
             assert ctx == stream  # all of it fits: all of it is read
         else:
             assert rr.passages and len(ctx) < len(stream) and event_votes(list(rec.last.values()), s.engine.n_events).max() > 0
-        if not fits:  # window=True: every passage inside the window is taken; by default they compete with memory
-            local = len(stream) - pr.n_local
-            room = span - n_init - len(q)
-            inside = [p for p in passage_spans(tok, torch.tensor(stream), n_init, room) if p[0] >= local]
-            first = reread_context(s.engine, rec.votes(), tok, len(stream), room, window=True)
-            assert inside and set(inside) <= set(first.passages) and not set(inside) <= set(rr.passages)
         ids = torch.tensor(ctx + q)
         ref = vanilla_logits(model, ids)[-1]
         assert torch.allclose(reader.last_logits, ref, atol=TOL, rtol=0)
@@ -534,11 +430,11 @@ def test_the_tail_scores_the_events_once_with_the_retrievals_bits(tiny):
         finally:
             rr_mod.tail_selection = real
         assert len(given) == len(eng.windows) and all(s is not None and s.shape[0] == len(q_ids) for s in given.values())
-        runs[reuse] = rec.votes()
-    a, b = runs[True], runs[False]
+        runs[reuse] = (rec.votes(), rec.scores)
+    (a, a_scores), (b, b_scores) = runs[True], runs[False]
     assert torch.equal(a.spans, b.spans)
     for layer in a.selections:
-        assert torch.equal(a.selections[layer], b.selections[layer]) and torch.equal(a.scores[layer], b.scores[layer])
+        assert torch.equal(a.selections[layer], b.selections[layer]) and torch.equal(a_scores[layer], b_scores[layer])
 
 
 def test_listeners_nest_and_detach_in_any_order(tiny):

@@ -10,11 +10,11 @@ changes the reading:
    with the tokens in no event yet (the remainder and the local window, which every layer attends
    to) scored as if they were events (`SelectionRecorder`);
 2. the stream is cut into passages (`memory.passages`), ranked by the layers' votes fused with the
-   few that best match the question's words (`CHOICE`: where the votes passed over the passage a
+   few that best match the question's words (where the votes passed over the passage a
    question names, it is read all the same), and the best taken while they fit in emllm's
    attention span (n_init + n_mem + n_local tokens);
 3. a fresh engine whose window holds all of it reads the initial tokens, those passages ordered by
-   their words' match with the question (BM25), the best last, next to the question (`LAYOUT`:
+   their words' match with the question (BM25), the best last, next to the question (measured:
    stream order read the passkey's filler wrongly and fewer code questions right; by the votes'
    rank, the asked one of several look-alike needles was often not last, as the votes tie on
    them), and the question (the plain model, exactly), and answers.
@@ -24,8 +24,7 @@ It costs one more forward over about the span's tokens. The store is not changed
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -34,9 +33,8 @@ from torch import Tensor
 from emllm.engine.stream import Engine, RetrievalListener
 from emllm.math.segmentation import surprise_starts
 from emllm.memory.distinct import span_groups
-from emllm.memory.passages import (RRF_K, chunk_spans, choose_passages, event_rrf, event_spans, event_votes,
-                                  event_votes_rrf, fuse_orders, lexical_scores, passage_order, passage_votes,
-                                  token_votes)
+from emllm.memory.passages import (chunk_spans, choose_passages, event_spans, event_votes, fuse_orders,
+                                  lexical_scores, passage_order, passage_votes, token_votes)
 from emllm.memory.selection import TOKEN_SCORINGS, Selection, mean_keys, select_events, token_scores, unit_keys
 
 PASSAGE_TOKENS = 128  # the retrieval baseline's chunk: long enough to hold a needle's sentence whole
@@ -99,30 +97,9 @@ def tail_selection(window: Any, query: Tensor, tail_keys: Tensor, tail: Tensor, 
 
 @dataclass(frozen=True)
 class Votes:
-    """What every layer selected when the question was read: ids into `spans`, and their scores."""
+    """What every layer selected when the question was read: ids into `spans`."""
     spans: Tensor  # [E + P, 2] stream positions [start, end): the events, then the tail's pieces (P = 0 without)
     selections: dict[int, Tensor]  # layer -> ids [k]
-    scores: dict[int, Tensor] = field(default_factory=dict)  # layer -> [k] the selection's scores (as `selections`)
-
-    def save(self, path: str | Path) -> None:
-        """A safetensors file (no pickle), to compare passage rankings later by reading alone."""
-        from safetensors.torch import save_file
-
-        t = {"spans": self.spans.long().contiguous()}
-        t.update({f"ids.{layer}": ids.long().contiguous() for layer, ids in self.selections.items()})
-        t.update({f"scores.{layer}": sc.float().contiguous() for layer, sc in self.scores.items()})
-        save_file(t, str(path), metadata={"format": "emllm-votes", "version": "1"})
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Votes":
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            if (f.metadata() or {}).get("format") != "emllm-votes" or "spans" not in f.keys():
-                raise ValueError(f"{path}: not a votes file")
-            t = {k: f.get_tensor(k) for k in f.keys()}
-        of = lambda kind: {int(k.split(".", 1)[1]): v for k, v in t.items() if k.startswith(kind + ".")}
-        return cls(t["spans"], dict(sorted(of("ids").items())), dict(sorted(of("scores").items())))
 
 
 class SelectionRecorder(RetrievalListener):
@@ -182,7 +159,7 @@ class SelectionRecorder(RetrievalListener):
         self.scores[layer] = sel.scores.detach().float().cpu()
 
     def votes(self) -> Votes:
-        return Votes(self._spans, dict(self.last), dict(self.scores))
+        return Votes(self._spans, dict(self.last))
 
 
 @dataclass(frozen=True)
@@ -191,91 +168,48 @@ class Reread:
     passages: list[tuple[int, int]]  # stream spans [start, end) taken, in the order read
 
 
-RANKINGS = ("votes", "rrf", "votes-rrf")  # how passages are ranked: `event_votes`, `event_rrf`, `event_votes_rrf`
-LAYOUTS = ("stream", "best-last", "rank", "lexical")  # the order passages are read in (context_from_votes)
-LAYOUT = "lexical"  # `reread`'s: measured against the others in docs/benchmarks.md (re-read answers)
-CHOICES = ("votes", "votes+words")  # which passages are read: by their rank, or by its fusion with their BM25
-CHOICE = "votes+words"  # `reread`'s: measured against "votes" in docs/benchmarks.md (re-read answers)
-WORDS_TOP = 4  # "votes+words" fuses the BM25 ranking's best 4, a quarter of the ~16 passages of a span: a question
-# whose words mislead costs at most these; a name the question asks about is in its best few
+WORDS_TOP = 4  # the BM25 ranking's best 4 are fused with the votes', a quarter of the ~16 passages of a span: a
+# question whose words mislead costs at most these; a name the question asks about is in its best few
 
 
-def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: int, window: bool = False,
-                   ranking: str = "votes", layout: str = LAYOUT, question: Sequence[int] = (),
-                   choice: str = CHOICE) -> Reread:
+def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: int,
+                   question: Sequence[int] = ()) -> Reread:
     """The initial tokens, then the passages of the stream's first `n_stream` tokens that the
-    layers' `votes` favour, best first while they fit in `room` more tokens (`context_from_votes`)."""
+    layers' `votes` and the `question`'s words favour, while they fit in `room` more tokens
+    (`context_from_votes`)."""
     pr = engine.profile
-    return context_from_votes(engine.ids.view()[:n_stream], votes, tok, pr.n_init, pr.n_local, room,
-                              len(engine.windows), window, ranking, layout, question, choice)
+    return context_from_votes(engine.ids.view()[:n_stream], votes, tok, pr.n_init, room, question)
 
 
-def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, n_local: int, room: int, layers: int,
-                       window: bool = False, ranking: str = "votes", layout: str = LAYOUT,
-                       question: Sequence[int] = (), choice: str = CHOICE) -> Reread:
-    """`reread_context` from what it needs (`stream` [n] the tokens before the question; votes
-    recorded or loaded): the first `n_init` tokens, then the passages ranked by `ranking` (a token
-    scores its event's votes, or their reciprocal rank fusion), best first while they fit in `room`.
+def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, room: int,
+                       question: Sequence[int] = ()) -> Reread:
+    """`reread_context` from what it needs (`stream` [n] the tokens before the question): the first
+    `n_init` tokens, then passages while they fit in `room`.
 
-    window=True counts the local window's (last `n_local`) tokens as every layer's (each layer
-    attends to them), so its passages come first; measured, that answered fewer RULER-style
-    questions than the votes alone (the window takes half the room: docs/benchmarks.md, re-read
-    answers).
-
-    `layout` orders the passages read: "stream" as in the stream; "best-last" the best-ranked
-    passage last, next to the question, the others in stream order; "rank" all by their rank, the
-    worst first and the best last (probes: docs/benchmarks.md, re-read answers); "lexical" the
-    same passages by their BM25 for the `question`'s token ids (`lexical_scores`: the votes choose
-    what is read, the words order it), the best last, ties by rank. Where every passage fits, the
-    stream is read in its order whatever the layout.
-
-    `choice` "votes+words" ranks the passages by the reciprocal rank fusion (`fuse_orders`) of the
-    votes' ranking (the passages with any vote) and the `WORDS_TOP` best by BM25 for the
-    `question` (of those with any of its words), so that a passage the question's rare words
-    point to is read even where the layers' votes passed it over (hybrid retrieval); with no word
-    of the question in the stream, it is the votes' ranking."""
-    if ranking not in RANKINGS:
-        raise ValueError(f"ranking must be one of {', '.join(RANKINGS)}, not {ranking!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
-    if choice not in CHOICES:
-        raise ValueError(f"choice must be one of {', '.join(CHOICES)}, not {choice!r}")
+    Which passages: a token scores its event's votes (the layers that selected it); the passages
+    are ranked by the reciprocal rank fusion (`fuse_orders`) of the votes' ranking (those with any
+    vote) and the `WORDS_TOP` best by BM25 for the `question`'s token ids (of those with any of its
+    words), so that a passage the question's rare words point to is read even where the layers'
+    votes passed it over (hybrid retrieval). In what order: by their BM25 for the question, the
+    best last, next to the question, ties by rank (the votes choose, the words order). Where every
+    passage fits, the stream is read in its order."""
     n_stream = len(stream)
-    sels = list(votes.selections.values())
-    if ranking == "votes":
-        weights, top = event_votes(sels, len(votes.spans)), float(layers)
-    else:
-        if len(votes.scores) != len(votes.selections):
-            raise ValueError(f"ranking {ranking!r} needs the selections' scores")
-        scores = list(votes.scores.values())
-        if ranking == "rrf":
-            weights, top = event_rrf(sels, scores, len(votes.spans)), layers / RRF_K
-        else:
-            weights, top = event_votes_rrf(sels, scores, len(votes.spans)), layers + 1.0
+    weights = event_votes(list(votes.selections.values()), len(votes.spans))
+    tv = token_votes(votes.spans, weights, n_stream)
     n_init = min(n_init, n_stream)
-    # the local window, as the question's step saw it, is read by every layer
-    local = (max(n_init, n_stream - n_local), n_stream)
-    tv = token_votes(votes.spans, weights, n_stream, attended=[local] if window else [], layers=top)
     spans = passage_spans(tok, stream, n_init, room)
     pv = passage_votes(tv, spans) if spans else None  # ([P] most, [P] mean) votes of each passage
     order = passage_order(tv, spans, pv)
-    words = None  # [P] BM25 for the question (the stream's passages are the collection: the words' rarity)
-    if choice == "votes+words" or layout == "lexical":
-        words = lexical_scores(stream, spans, question)
-    if choice == "votes+words" and spans:
+    words = lexical_scores(stream, spans, question)  # [P] (the stream's passages are the collection: the words' rarity)
+    if spans:
         by_votes = torch.as_tensor(order)
         by_votes = by_votes[pv[0][by_votes] > 0]
         by_words = torch.sort(-words, stable=True).indices
         order = fuse_orders([by_votes.tolist(), by_words[words[by_words] > 0][:WORDS_TOP].tolist()], len(spans))
     kept = choose_passages(order, spans, room)
-    if len(kept) == len(spans):
-        pass  # all of the stream is read again: in its order, as the plain model reads it
-    elif layout == "best-last" and kept and order[0] in kept:
-        kept = [i for i in kept if i != order[0]] + [order[0]]
-    elif layout in ("rank", "lexical"):  # worst first; "lexical": by the words first, then by rank
+    if len(kept) < len(spans):  # worst first: by the words first, then by rank
         rank = {i: r for r, i in enumerate(order)}
-        first_key = words[kept].tolist() if layout == "lexical" else [0.0] * len(kept)
-        kept = [i for _, _, i in sorted(zip(first_key, [-rank[i] for i in kept], kept))]
+        kept = [i for _, _, i in sorted(zip(words[kept].tolist(), [-rank[i] for i in kept], kept))]
     taken = [spans[i] for i in kept]
     ids = stream[:n_init].tolist()
     for s, e in taken:
@@ -290,8 +224,7 @@ def reader(model: Any, profile: Any, tokens: int) -> Engine:
 
 
 def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
-           read_question: Callable[[list[int]], Any] | None = None, window: bool = False,
-           layout: str = LAYOUT, choice: str = CHOICE) -> tuple[Engine, Reread]:
+           read_question: Callable[[list[int]], Any] | None = None) -> tuple[Engine, Reread]:
     """Read `question` against the engine's memory (`read_question`, by default as a question of
     its own: begin_question, feed), recording each layer's selection; then return a reader engine
     that has read the initial tokens, the passages voted for and the question, ready to answer,
@@ -308,8 +241,7 @@ def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
         rec.detach()
     n_stream = engine.n_tokens - len(question)
     room = reread_room(engine.profile, n_stream, len(question))
-    rr = reread_context(engine, rec.votes(), tok, n_stream, room, window, layout=layout, question=question,
-                        choice=choice)
+    rr = reread_context(engine, rec.votes(), tok, n_stream, room, question)
     return read_again(engine.model, engine.profile, rr.ids, question, max_new_tokens), rr
 
 
@@ -332,5 +264,5 @@ def read_again(model: Any, profile: Any, context: list[int], question: list[int]
     return eng
 
 
-__all__ = ["CHOICE", "CHOICES", "LAYOUT", "LAYOUTS", "PASSAGE_TOKENS", "RANKINGS", "Reread", "WORDS_TOP", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
+__all__ = ["PASSAGE_TOKENS", "Reread", "WORDS_TOP", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
            "context_from_votes", "reread_context", "reread_room", "sentence_ends", "tail_lengths", "tail_selection"]

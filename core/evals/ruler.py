@@ -438,12 +438,10 @@ def read_prompt(eng, prompt: Prompt, progress: Callable | None = None) -> Recall
 
 
 def run_task(engine_factory: Callable[[], object], tok, prompt: Prompt, max_new_tokens: int | None = None,
-             progress: Callable | None = None, recall: list | None = None, reread: bool = False,
-             reread_window: bool = False) -> str:
+             progress: Callable | None = None, recall: list | None = None, reread: bool = False) -> str:
     """emllm: ingest the document, feed the question as its own chunk, generate greedily.
     recall: a list to extend with every needle's `evals.recall.NeedleRecall` at the question.
-    reread: answer by re-reading the passages the memory chose (`app.reread`; reread_window: the
-    local window's passages first, not the default)."""
+    reread: answer by re-reading the passages the memory chose (`app.reread`)."""
     n_new = max_new_tokens or prompt.max_new_tokens
     eng = engine_factory()
     if reread:
@@ -451,7 +449,7 @@ def run_task(engine_factory: Callable[[], object], tok, prompt: Prompt, max_new_
 
         eng.feed(prompt.document, progress=progress)
         probe = RecallProbe(eng)
-        answering, _ = reread_passages(eng, prompt.question, tok, n_new, window=reread_window)
+        answering, _ = reread_passages(eng, prompt.question, tok, n_new)
         probe.detach()
     else:
         probe = read_prompt(eng, prompt, progress)

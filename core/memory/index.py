@@ -57,7 +57,7 @@ from emllm.memory.buffers import GrowBuffer
 
 from emllm.memory.selection import Selection, event_scores, events_past, select_events
 
-# Defaults chosen with tests/test_search.py (recall) and benchmarks/retrieval_cost.py (cost).
+# Defaults chosen with tests/test_search.py (recall) and a cost benchmark (docs/benchmark-log.md, retrieval cost).
 DEFAULT_THRESHOLD = 20_000  # events per layer from which the faiss path pays off
 DEFAULT_M = 32  # HNSW graph degree
 DEFAULT_EF_CONSTRUCTION = 40

@@ -64,43 +64,15 @@ def event_votes(selections: Sequence[Tensor], n_events: int) -> Tensor:
 RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al., SIGIR 2009): a rank's weight 1 / (60 + rank)
 
 
-def event_rrf(selections: Sequence[Tensor], scores: Sequence[Tensor], n_events: int, k: int = RRF_K) -> Tensor:
-    """[E] float64 reciprocal rank fusion of the layers' selections: the sum, over the layers whose
-    selection holds an event, of 1 / (k + its rank there by score, 0 first; ties: the earlier id).
-    Where most layers select an event, votes tie; this orders them by how high the layers rank it."""
-    out = torch.zeros(n_events, dtype=torch.float64)
-    for ids, sc in zip(selections, scores):
-        ids, sc = ids.flatten().long().cpu(), sc.flatten().double().cpu()
-        by_id = torch.argsort(ids)
-        ids, sc = ids[by_id], sc[by_id]
-        rank = torch.empty_like(ids)
-        rank[torch.sort(-sc, stable=True).indices] = torch.arange(len(ids))
-        out.index_add_(0, ids, 1.0 / (k + rank.double()))
-    return out
-
-
-def event_votes_rrf(selections: Sequence[Tensor], scores: Sequence[Tensor], n_events: int, k: int = RRF_K) -> Tensor:
-    """[E] float64 `event_votes`, their ties broken by `event_rrf`: the fusion is scaled below one
-    vote (at most L / k over L layers, times k / (L + 1)), so it orders only events of equal votes.
-    Where every layer selects several events (the needles of a multi-key question), their votes
-    tie and the stream's order would decide which is read last."""
-    rrf = event_rrf(selections, scores, n_events, k)
-    return event_votes(selections, n_events).double() + rrf * (k / (len(selections) + 1))
-
-
-def token_votes(event_spans: Tensor, votes: Tensor, n: int, attended: Sequence[tuple[int, int]] = (), layers: float = 0) -> Tensor:
+def token_votes(event_spans: Tensor, votes: Tensor, n: int) -> Tensor:
     """[n] float votes per stream token: its event's (`event_spans` [E, 2] stream positions
-    [start, end), events disjoint; `votes` [E], counts or any weight), and `layers` for the spans in
-    `attended` (the initial tokens, the window: every layer reads them)."""
+    [start, end), events disjoint; `votes` [E], counts or any weight)."""
     diff = torch.zeros(n + 1, dtype=torch.float64)
     if len(votes):
         s, e = event_spans[:, 0].long().clamp(0, n), event_spans[:, 1].long().clamp(0, n)
         diff.index_add_(0, s, votes.double())
         diff.index_add_(0, e, -votes.double())
-    tv = diff.cumsum(0)[:n]
-    for a, b in attended:
-        tv[max(a, 0):max(min(b, n), 0)] = layers
-    return tv
+    return diff.cumsum(0)[:n]
 
 
 def passage_votes(tv: Tensor, spans: Sequence[tuple[int, int]]) -> tuple[Tensor, Tensor]:
@@ -189,4 +161,4 @@ def choose_passages(order: Sequence[int], spans: Sequence[tuple[int, int]], room
     return sorted(kept)
 
 
-__all__ = ["RRF_K", "chunk_spans", "event_spans", "event_rrf", "event_votes", "event_votes_rrf", "fuse_orders", "lexical_scores", "token_votes", "passage_order", "passage_votes", "choose_passages"]
+__all__ = ["RRF_K", "chunk_spans", "event_spans", "event_votes", "fuse_orders", "lexical_scores", "token_votes", "passage_order", "passage_votes", "choose_passages"]

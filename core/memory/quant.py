@@ -21,7 +21,7 @@ out first with a fixed per-channel equaliser per layer: each channel's mean and 
 layer's first rows (`fit_equaliser`), kept in the store, subtracted and divided before the rows are
 quantised per token, restored after they are decoded. The rows stay one token each (nothing waits),
 and SmolLM2's int4 keys err 4.0% instead of 10.1% (scores 5.1% instead of 10.4%), near per channel
-over 32 tokens (3.3%, 3.6%; `benchmarks/quant_error.py`, 4,096 tokens of prose). Values are
+over 32 tokens (3.3%, 3.6%; docs/benchmark-log.md, 4,096 tokens of prose). Values are
 quantised per token as they are (equalised, their error moved from 8.4% to 7.9% only).
 
 Representative keys (one per event and query head) are kept as the float formats keep keys, and
