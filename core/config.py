@@ -27,74 +27,145 @@ class ProfileMismatchError(ProfileError):
     """A profile other than the one a store keeps."""
 
 
+# Far above any real setting, far below what would exhaust memory or overflow: a profile (or a
+# store's copy of one) is input, and n_local: 10**12 must be refused, not allocated.
+_INT_MAX = 1 << 24
+REPRESENTATIVES = ("attention", "mean")
+QUESTION_SCORINGS = ("mean", "max", "lse")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What values a profile key takes (a field's metadata["rule"]): `validate` checks them all."""
+
+    kind: str  # "int", "number", "bool", "choice", "text", "texts"
+    lo: float | None = None
+    hi: float | None = None
+    hi_open: bool = False  # numbers: hi itself excluded
+    null: bool = False  # None allowed
+    choices: tuple[str, ...] = ()
+
+    def why(self, v: Any) -> str | None:
+        """Why `v` is refused (None: it is allowed)."""
+        if v is None and self.null:
+            return None
+        null = " or null" if self.null else ""
+        if self.kind == "int":
+            if not isinstance(v, int) or isinstance(v, bool) or v < self.lo:
+                return f"must be an integer >= {self.lo}{null}, got {v!r}"
+            if v > self.hi:
+                return f"must be at most {self.hi}, got {v!r}"
+        elif self.kind == "number":
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+            if ok and self.lo is not None:
+                ok = self.lo <= v and (v < self.hi if self.hi_open else v <= self.hi)
+            if not ok:
+                where = "" if self.lo is None else f" in [{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+                return f"must be a number{where}{null}, got {v!r}"
+        elif self.kind == "bool":
+            if not isinstance(v, bool):
+                return f"must be true or false, got {v!r}"
+        elif self.kind == "choice":
+            if v not in self.choices:
+                return f"must be one of {', '.join(self.choices)}, got {v!r}"
+        elif self.kind == "text":
+            if not isinstance(v, str):
+                return f"must be text, got {v!r}"
+        elif self.kind == "texts":
+            if not isinstance(v, (tuple, list)) or not all(isinstance(x, str) for x in v):
+                return f"must be a list of names, got {v!r}"
+        return None
+
+
+def _key(default: Any, rule: Rule) -> Any:
+    return field(default=default, metadata={"rule": rule})
+
+
+def _int(default: int | None, lo: int, null: bool = False) -> Any:
+    return _key(default, Rule("int", lo, _INT_MAX, null=null))
+
+
+def _number(default: float, lo: float | None = None, hi: float | None = None, hi_open: bool = False) -> Any:
+    return _key(default, Rule("number", lo, hi, hi_open))
+
+
+def _bool(default: bool) -> Any:
+    return _key(default, Rule("bool"))
+
+
+def _choice(default: str, choices: tuple[str, ...]) -> Any:
+    return _key(default, Rule("choice", choices=choices))
+
+
 @dataclass(frozen=True)
 class Profile:
-    name: str
-    model: str = ""  # what `--model <alias>` loads: "embedded:smollm2" or a hub id
-    description: str = ""
-    chunk_size: int = 512
-    n_init: int = 128
-    n_local: int = 4096
-    n_mem: int = 2048  # retrieved tokens per layer (the budget is counted in tokens)
-    repr_topk: int = 4
-    min_block: int = 8
-    max_block: int = 128
-    gamma: float = 1.0
-    tau: int | None = None  # None: n_local - chunk_size (spec §2)
-    segmentation: str = "S"
-    contiguity: bool = False
-    contiguity_ratio: float = 0.3
-    neighbours: int = 1
-    refine_from_layer: int | None = None  # None: the last third of the layers
+    name: str = field(metadata={"rule": Rule("text")})
+    model: str = _key("", Rule("text"))  # what `--model <alias>` loads: "embedded:smollm2" or a hub id
+    description: str = _key("", Rule("text"))
+    chunk_size: int = _int(512, 1)
+    n_init: int = _int(128, 0)
+    n_local: int = _int(4096, 1)
+    n_mem: int = _int(2048, 0)  # retrieved tokens per layer (the budget is counted in tokens)
+    repr_topk: int = _int(4, 1)
+    min_block: int = _int(8, 1)
+    max_block: int = _int(128, 1)
+    gamma: float = _number(1.0)
+    tau: int | None = _int(None, 2, null=True)  # None: n_local - chunk_size (spec §2)
+    segmentation: str = _choice("S", SEGMENTATIONS)
+    contiguity: bool = _bool(False)
+    contiguity_ratio: float = _number(0.3, 0.0, 1.0, hi_open=True)
+    neighbours: int = _int(1, 0)
+    refine_from_layer: int | None = _int(None, 0, null=True)  # None: the last third of the layers
     # Events per layer from which an engine in RAM searches a faiss graph (approximate candidates,
     # re-scored exactly) instead of scoring every event; null: always exact, the default (the graph
     # lost passkeys that exact search found: docs/benchmarks.md).
-    faiss_threshold: int | None = None
+    faiss_threshold: int | None = _int(None, 1, null=True)
     # Events per layer from which a store keeps a sketch of its representative keys (its readers'
     # selections stay exact; null: never). Unset where faiss_threshold is set: the same value, as
     # profiles and stores written before the two keys were separate meant.
-    sketch_threshold: int | None = 20000
+    sketch_threshold: int | None = _int(20000, 1, null=True)
     # RAM for recently read events' keys and values, all layers (stores; 0: none): the page cache
     # serves most re-reads, and a layer keeps its last step's events anyway (engine/window.py).
-    kv_cache_mb: int = 0
+    kv_cache_mb: int = _int(0, 0)
     # RAM for every event's representative key, all layers (stores): retrieval then estimates all
     # scores with one matrix-vector product and scores exactly only the events that can be
     # selected (memory/prune.py; the same selection). Past it: the exact scan of the files.
-    repr_cache_mb: int = 2048
+    repr_cache_mb: int = _int(2048, 0)
     # Retrieval scores each event against the query minus this share of the layer's running mean
     # query (0: the paper's plain inner product): an event that aligns with the mean query (a
     # "hub", selected for any query) loses that advantage.
-    query_centering: float = 0.0
+    query_centering: float = _number(0.0, 0.0, 1.0)
     # The same, only while a question is read and answered (after `Engine.begin_question`; 0: as
     # query_centering): the document is read with the paper's scoring, the question's retrieval
     # is taken away from the hubs. Stores keep the scoring they were made with.
-    question_centering: float = 1.0
+    question_centering: float = _number(1.0, 0.0, 1.0)
     # Whether the answer's tokens score with question_centering too; false: only the question's
     # chunks do (centring the answer made digits drift while a retrieved needle was copied).
-    question_centering_answer: bool = False
+    question_centering_answer: bool = _bool(False)
     # How a question's chunk scores events: "mean" (the paper's), its tokens' mean query; "max",
     # every token scores every event, each token's scores standardised over the events (z-scores),
     # an event taking its best token's, so that the one token that singles a needle out is not
     # averaged away; "lse", a soft maximum of those z-scores (`selection.token_lse`), so that an
     # event several tokens find also gains. Only while a question is read and for chunks of several
     # tokens; it needs the centring above. Stores keep the scoring they were made with.
-    question_scoring: str = "lse"
+    question_scoring: str = _choice("lse", QUESTION_SCORINGS)
     # Identical events (the same token ids: `emllm.memory.distinct`) take one place in a question's
     # selection: the best scoring of each set first, the other copies only fill what is left (a
     # conversation's template framing and repeated replies made copies that crowded facts out).
     # Only where the question's tokens score every event ("max", "lse").
-    distinct_events: bool = True
+    distinct_events: bool = _bool(True)
     # Representative keys scaled to unit length per head when events close: an event then scores
     # the sum over heads of |q_h| cos(q_h, r_h), and long keys win no more often.
-    repr_normalise: bool = True
+    repr_normalise: bool = _bool(True)
     # What an event's representative key is: "attention" (the paper's), the mean pre-RoPE key of
     # the repr_topk tokens that drew the most attention in the local window; "mean", the mean key
     # of all its tokens, which needs no attention mass (docs/benchmarks.md compares them).
-    representative: str = "mean"
+    representative: str = _choice("mean", REPRESENTATIVES)
     # compute dtype: auto is bfloat16 where the device computes it natively (CUDA, CPUs with
     # AVX-512 BF16 or AMX), else float32. A store records the dtype it was computed in.
-    dtype: str = "auto"
-    aliases: tuple[str, ...] = field(default_factory=tuple)
+    dtype: str = _choice("auto", DTYPES)
+    aliases: tuple[str, ...] = field(default_factory=tuple, metadata={"rule": Rule("texts")})
 
     @property
     def surprise_window(self) -> int:
@@ -107,61 +178,15 @@ class Profile:
         return validate(dataclasses.replace(self, **changes))
 
 
-REPRESENTATIVES = ("attention", "mean")
-QUESTION_SCORINGS = ("mean", "max", "lse")
-
-_INT_MIN = {
-    "chunk_size": 1, "n_init": 0, "n_local": 1, "n_mem": 0, "repr_topk": 1,
-    "min_block": 1, "max_block": 1, "neighbours": 0, "kv_cache_mb": 0,
-    "repr_cache_mb": 0,
-}
-# Far above any real setting, far below what would exhaust memory or overflow: a profile (or a
-# store's copy of one) is input, and n_local: 10**12 must be refused, not allocated.
-_INT_MAX = 1 << 24
-
-
 def validate(p: Profile, where: str = "") -> Profile:
+    """`p` if every key obeys its field's rule and the keys agree with each other, else ProfileError."""
     def bad(key: str, why: str) -> ProfileError:
         return ProfileError(f"profile {p.name!r}{where}: {key}: {why}")
 
-    for key, lo in _INT_MIN.items():
-        v = getattr(p, key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise bad(key, f"must be an integer >= {lo}, got {v!r}")
-        if v > _INT_MAX:
-            raise bad(key, f"must be at most {_INT_MAX}, got {v!r}")
-    if p.tau is not None and (not isinstance(p.tau, int) or isinstance(p.tau, bool) or p.tau < 2):
-        raise bad("tau", f"must be an integer >= 2 or null, got {p.tau!r}")
-    if p.refine_from_layer is not None and (not isinstance(p.refine_from_layer, int) or p.refine_from_layer < 0):
-        raise bad("refine_from_layer", f"must be an integer >= 0 or null, got {p.refine_from_layer!r}")
-    for key in ("faiss_threshold", "sketch_threshold"):
-        v = getattr(p, key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= _INT_MAX):
-            raise bad(key, f"must be an integer in [1, {_INT_MAX}] or null, got {v!r}")
-    if not isinstance(p.gamma, (int, float)) or isinstance(p.gamma, bool) or p.gamma != p.gamma:
-        raise bad("gamma", f"must be a number, got {p.gamma!r}")
-    if not isinstance(p.contiguity_ratio, (int, float)) or not 0.0 <= p.contiguity_ratio < 1.0:
-        raise bad("contiguity_ratio", f"must be a number in [0, 1), got {p.contiguity_ratio!r}")
-    for key in ("query_centering", "question_centering"):
-        v = getattr(p, key)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 <= v <= 1.0:
-            raise bad(key, f"must be a number in [0, 1], got {v!r}")
-    if not isinstance(p.question_centering_answer, bool):
-        raise bad("question_centering_answer", f"must be true or false, got {p.question_centering_answer!r}")
-    if p.question_scoring not in QUESTION_SCORINGS:
-        raise bad("question_scoring", f"must be one of {', '.join(QUESTION_SCORINGS)}, got {p.question_scoring!r}")
-    if not isinstance(p.distinct_events, bool):
-        raise bad("distinct_events", f"must be true or false, got {p.distinct_events!r}")
-    if not isinstance(p.repr_normalise, bool):
-        raise bad("repr_normalise", f"must be true or false, got {p.repr_normalise!r}")
-    if p.representative not in REPRESENTATIVES:
-        raise bad("representative", f"must be one of {', '.join(REPRESENTATIVES)}, got {p.representative!r}")
-    if not isinstance(p.contiguity, bool):
-        raise bad("contiguity", f"must be true or false, got {p.contiguity!r}")
-    if p.dtype not in ("auto", "float32", "bfloat16"):
-        raise bad("dtype", f"must be auto, float32 or bfloat16, got {p.dtype!r}")
-    if p.segmentation not in SEGMENTATIONS:
-        raise bad("segmentation", f"must be one of {', '.join(SEGMENTATIONS)}, got {p.segmentation!r}")
+    for f in dataclasses.fields(Profile):
+        why = f.metadata["rule"].why(getattr(p, f.name))
+        if why is not None:
+            raise bad(f.name, why)
     if p.min_block > p.max_block:
         raise bad("min_block", f"({p.min_block}) must not exceed max_block ({p.max_block})")
     if p.chunk_size > p.n_local:

@@ -95,3 +95,26 @@ def test_the_default_model_and_emllm_model(monkeypatch):
     monkeypatch.setenv("EMLLM_MODEL", "no such model")
     with pytest.raises(ModelNotFoundError, match=r"unknown model 'no such model' \(from \$EMLLM_MODEL\)"):
         resolve()
+
+
+def test_every_profile_key_has_a_rule_and_the_rule_refuses_what_it_must():
+    """Validation is declared per field (`Rule`): every key has one, and every kind refuses values
+    of the wrong type, out of its bounds, or NaN, naming the key; the built-in profiles pass."""
+    import dataclasses
+
+    from emllm.config import Profile, ProfileError, builtin_profile_names, load_profile
+
+    base = load_profile("smollm2")
+    wrong = {"int": ["x", 1.5, True, -1, 1 << 30], "number": ["x", float("nan"), True, None], "bool": ["yes", 1, None],
+             "choice": ["nope", None], "text": [3, None], "texts": ["a", [1]]}
+    for f in dataclasses.fields(Profile):
+        rule = f.metadata["rule"]
+        values = list(wrong[rule.kind]) + ([rule.hi + 1] if rule.kind == "number" and rule.hi is not None else [])
+        for v in values:
+            if v is None and rule.null:
+                continue
+            with pytest.raises(ProfileError, match=rf": {f.name}: must"):
+                base.replace(**{f.name: v})
+    assert [load_profile(n).name for n in builtin_profile_names()] == builtin_profile_names()
+    with pytest.raises(ProfileError, match="chunk_size"):
+        base.replace(chunk_size=base.n_local + 1)
