@@ -101,3 +101,22 @@ def test_growbuffer_reserve_keeps_rows_and_appends_after_them():
     assert b.buf.shape[0] == 100
     b.append(x[3:])
     assert torch.equal(b.view(), x)
+
+
+def test_both_event_storages_implement_the_engines_seam(tmp_path, tiny):
+    """The engine's seam is a Protocol (`EventStorage`): the events in RAM and the store's events
+    both have every method and attribute it names."""
+    from emllm.memory.events import EventMemory, EventStorage
+    from emllm.store import Store
+
+    from .helpers import ingest_store, words
+
+    folder, prof, _, _ = tiny
+    ingest_store(tmp_path / "s", folder, prof, [("a", words(1, 200))])
+    ram = EventMemory(2, 4, 8, torch.float32, torch.device("cpu"))
+    with Store.open(tmp_path / "s") as st:
+        from emllm.store import StoredEvents
+
+        stored = StoredEvents(st, 0)
+        assert isinstance(ram, EventStorage) and isinstance(stored, EventStorage)
+    assert not isinstance(object(), EventStorage)

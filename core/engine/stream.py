@@ -23,7 +23,7 @@ from emllm.math import attention
 from emllm.config import Profile
 from emllm.memory.buffers import GrowBuffer
 from emllm.memory.distinct import span_groups
-from emllm.memory.events import EventMemory
+from emllm.memory.events import EventMemory, EventStorage
 from emllm.memory.passages import event_spans
 from emllm.memory.selection import Selection
 from emllm.models import device_of, input_device, native_bf16
@@ -100,7 +100,7 @@ class RetrievalListener:
 
 class Engine:
     def __init__(
-        self, model: PreTrainedModel, profile: Profile, memory: Callable[[int], EventMemory] | None = None
+        self, model: PreTrainedModel, profile: Profile, memory: Callable[[int], EventStorage] | None = None
     ) -> None:
         """memory: layer index -> that layer's event memory (default: in RAM; the store gives its own)."""
         check_supported(model)

@@ -4,7 +4,7 @@ A `LayerWindow` holds, for one layer, the parts that are not events yet: the ini
 (once evicted from the local window), the remainder (evicted, not yet closed into an event) and
 the local window with the attention mass each of its tokens has drawn. Its `forward` is what the
 registered attention function calls: retrieve, attend once over all parts, then slide the window.
-Events themselves live in an `EventMemory` (RAM or the on-disk store).
+Events themselves live in an `EventStorage` (`EventMemory` in RAM, or the on-disk store).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import Tensor
 from emllm.math.attention import attend
 from emllm.engine.rotated import RotatedWindow
 from emllm.memory.buffers import SlidingRows, token_index
-from emllm.memory.events import EventMemory
+from emllm.memory.events import EventStorage
 from emllm.memory.selection import (
     TOKEN_SCORINGS, Selection, fold_query, mean_keys, representative_keys, select_events, unit_keys, update_contiguity,
 )
@@ -58,7 +58,7 @@ class LayerWindow:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
-    events: EventMemory  # this layer's events: in RAM, or the store's (given, never built here)
+    events: EventStorage  # this layer's events: in RAM, or the store's (given, never built here)
     n_seen: int = 0  # tokens of the stream this layer has processed
 
     def __post_init__(self) -> None:

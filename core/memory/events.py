@@ -1,11 +1,13 @@
-"""One layer's episodic memory in RAM: events (blocks of past tokens) with their representative keys.
+"""One layer's episodic memory: the seam between the engine and where events live (`EventStorage`),
+and its implementation in RAM (`EventMemory`; the store's is `emllm.store.events.StoredEvents`).
 
-`EventMemory` is the storage seam: an append-only set of events, each a run of tokens with pre-RoPE
-keys and values, plus one representative key per query head. This module keeps it in RAM; the
-on-disk store (emllm.store.events) implements the same methods.
+An event storage is an append-only set of events, each a run of tokens with pre-RoPE keys and
+values, plus representative keys that retrieval scores.
 """
 
 from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -15,8 +17,51 @@ from emllm.memory.index import EventIndex
 from emllm.memory.selection import Selection, token_scores
 
 
+@runtime_checkable
+class EventStorage(Protocol):
+    """What the engine asks of one layer's events (`engine.window.LayerWindow.events`)."""
+
+    random_access: bool  # gathering any events is cheap: a step gathers its whole selection
+    writer: bool  # a store writer's: the stream must compute as if resumed from what it keeps
+    repr_heads: int  # heads of the representative keys (query heads, or KV heads for mean keys)
+
+    def __len__(self) -> int: ...
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    def mark(self) -> tuple[int, ...]:
+        """Where the storage stands, for `truncate` (an engine's snapshot)."""
+
+    def truncate(self, mark: tuple[int, ...]) -> None:
+        """Forget every event after `mark` (a snapshot restored)."""
+
+    def add_tokens(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Tokens the engine reads ([H_kv, c, D] each), returned as they are kept (a store may
+        round them through its format)."""
+
+    def append(self, keys: Tensor, values: Tensor, lengths: Tensor, reprs: Tensor) -> None:
+        """Add events: keys/values [H_kv, sum(lengths), D], lengths [e], reprs [e, H_r, D]."""
+
+    def repr_keys(self) -> Tensor:
+        """[E, H_r, D] float32 every event's representative key."""
+
+    def select(self, query: Tensor, budget: int) -> Selection:
+        """The events whose representative keys score best against `query` [H_r, D], up to
+        `budget` tokens."""
+
+    def token_scores(self, queries: Tensor) -> Tensor:
+        """Every event's exact score for each query [T, H_r, D] -> [T, E] float32."""
+
+    def event_lengths(self) -> Tensor:
+        """[E] tokens of each event."""
+
+    def gather(self, ids: Tensor, prefetch: bool = False) -> tuple[Tensor, Tensor]:
+        """Keys and values of events `ids` (in that order), concatenated: [H_kv, n, D] each."""
+
+
 class EventMemory:
-    """Events of one layer, in RAM.
+    """Events of one layer, in RAM (an `EventStorage`).
 
     keys/values: [H_kv, T, D] for the T tokens of all events, in stream order.
     starts/lengths: [E] each event's offset into that token axis and its size.
