@@ -31,7 +31,7 @@ def _kv_format(value: str | None) -> str | None:
 FormatOpt = typer.Option(
     None, "--format", callback=_kv_format, metavar="auto|float32|bfloat16|int8|int4",
     help="How a new store keeps keys and values: auto (the compute dtype: lossless, bfloat16 halves "
-    "float32), int8 (~0.3x float32's disk), int4 (~0.18x); integer formats quantise each token in "
+    "float32), int8 (about a quarter of float32's disk), int4 (about a sixth); integer formats quantise each token in "
     "groups of 32 channels with their scales, keys after a per-channel centre and scale fitted on the "
     "store's first tokens. Fixed when the store is created.",
 )

@@ -1,7 +1,7 @@
 """Re-read answers: the memory chooses, the model reads what it chose as one ordinary context.
 
 emllm's layers attend to the events they retrieve all at one distance (spec §1). That finds the
-needle (held by 97-100% of layers at 8k), but a small model then binds a question's key to the
+needle (held by nearly every layer: docs/benchmarks.md, answers), but a small model then binds a question's key to the
 wrong one of several similar needles more often than when it reads the same text in order
 (docs/benchmarks.md, recall: "why the misreads"). A re-read answer keeps emllm's retrieval and
 changes the reading:

@@ -3,8 +3,7 @@
 A chunk's step rotates its whole window at positions 0..L-1 (spec §1): once per chunk, cheap. A
 generated token would do the same to a thousand keys in every layer to attend with one query
 (and widen them and the values to float32, in which one query attends: math/attention.py):
-the rotation alone was ~12% of the attention function's time at 4k
-(docs/benchmark-log.md). Here each key is rotated once (and widened, if asked), at its row's index in
+the rotation alone was a good share of the attention function's time (docs/benchmark-log.md). Here each key is rotated once (and widened, if asked), at its row's index in
 this buffer, and each query at its own row's index: every query-key pair is as far apart as in
 the window's rotation, so the scores are the same in exact arithmetic (rotated at other angles,
 their last bits differ). Rows leave at the front by moving an offset; when the back runs out, the

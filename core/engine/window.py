@@ -221,7 +221,7 @@ class LayerWindow:
         else:
             old_ids, old_k, old_v = held
             at_old = torch.searchsorted(old_ids, ids).clamp_max_(old_ids.numel() - 1)  # both sorted
-            keep = old_ids[at_old] == ids  # (isin, a sort-based op, cost ~10x more here)
+            keep = old_ids[at_old] == ids  # (isin, a sort-based op, cost far more here)
             new = ids[~keep]
             if new.numel() == ids.numel():
                 k, v = self.events.gather(ids, prefetch)

@@ -1,7 +1,7 @@
 """Engines whose memory lives in a throwaway store: RAM stays bounded however long the stream.
 
-The in-RAM memory holds every event's keys and values (46 kB per token on SmolLM2: 46 GB at 1M
-tokens). For one-off streams that need no persistence (a passkey trial, an evaluation sample),
+The in-RAM memory holds every event's keys and values (tens of GB at 1M tokens on the smallest
+model). For one-off streams that need no persistence (a passkey trial, an evaluation sample),
 `ScratchStores` gives each engine a fresh store in a temporary folder and removes it when the next
 engine is made or on `close`. Same retrieval, same results as in RAM (tests/test_passkey.py).
 
@@ -12,7 +12,7 @@ engine is made or on `close`. Same retrieval, same results as in RAM (tests/test
 each needle, whatever the key, the depth or the length): one trunk store reads the common prefix
 once, in whole chunks, and each engine continues a copy of it. Chunk borders and state are those
 of an engine that read the whole stream, so the results are the same, bit for bit
-(tests/test_store.py); a copy costs ~100x less than reading the tokens again.
+(tests/test_store.py); a copy costs far less than reading the tokens again.
 """
 
 from __future__ import annotations

@@ -70,33 +70,29 @@ def attend(
 
 
 # Chunks of at least this many queries take `_attend_fused` (fewer: `_attend`), [bf16/f16, f32]
-# (a bfloat16 chunk without the mass takes the products, below):
-# the crossovers measured on the project's CPU, a window of 1k, memory of 1.3k (SmolLM2's heads):
-# bf16 at 128 queries 2.8 against 4.2 ms, at 32 1.4 against 1.2; f32 at 512 22.8 against 30.2 ms,
-# at 128 5.4 against 5.1. A generated token (one query) costs the fused path 2.5x with the mass
-# (its second pass, keys as queries); without it, two kernel calls (window, memory), in float32
-# (below).
+# (a bfloat16 chunk without the mass takes the products, below): the crossovers measured on the
+# project's CPU (docs/benchmark-log.md, ingest speed). A generated token (one query) would pay the
+# fused path's second pass, keys as queries, for the mass; it takes two kernel calls (window,
+# memory), in float32 (below).
 FUSED_FROM = (64, 256)
 
 # One query in float32. A generated token (one query per head) attends on the CPU in float32,
-# whatever the model's dtype: torch's flash kernel in bfloat16 takes ~5.5x its float32 time for
-# one query on the project's CPU (AVX-512 BF16, no AMX; 1,152 memory keys, 1 thread: 1,097
-# against 198 us; four queries take 366 us). From four queries on the two cost within 15% of each
-# other (float32 the faster), not worth a chunk's changed bits. The output is more precise than
-# the plain model's bfloat16 sdpa, so its last bits differ from it. The window is kept rotated in
-# float32 for it (`RotatedWindow`). Measured end to end: docs/benchmarks.md, decoding.
+# whatever the model's dtype: torch's flash kernel in bfloat16 is several times slower for one
+# query on a CPU without AMX; from a few queries on the two cost about the same, not worth a
+# chunk's changed bits. The output is more precise than the plain model's bfloat16 sdpa, so its
+# last bits differ from it. The window is kept rotated in float32 for it (`RotatedWindow`).
+# Measured: docs/benchmark-log.md, decoding.
 
 # A chunk in bfloat16 on the CPU, without the mass: bfloat16 matrix products (`_attend_products`),
 # which gain from the processor's bfloat16 (torch's flash kernel does not: the same time as in
-# float32). SmolLM2's 512 queries over 1,024 + 1,152 keys: 27 against 36 ms on 1 thread, 15 against
-# 23 on 2; Llama-3.1-8B's heads over 4k + 4.2k keys: 0.56 against 0.86 s. Its scores (shifted by
+# float32; measured for SmolLM2's and Llama-3.1-8B's heads in docs/benchmark-log.md). Its scores (shifted by
 # their row's estimated largest) and probabilities are rounded to bfloat16; end to end on SmolLM2
 # its logits are as close to float32's as the plain model's own bfloat16 (eager or sdpa) and the
 # kernel's path: docs/benchmark-log.md, ingest speed.
-PRODUCTS_FROM = 2  # (faster from 2 queries on: 0.45 against 0.62 ms; one query: float32, below)
+PRODUCTS_FROM = 2  # (faster from 2 queries on; one query: float32, below)
 # Whether the CPU takes the products at all: only where it computes bfloat16 natively (AVX-512
-# BF16, AMX). Elsewhere bfloat16 products are emulated: on an AVX2 EPYC, SmolLM2's 512 queries
-# over 2,688 keys took 2.5-2.6 s against the kernel's 0.15-0.21 s. None: not decided (the engine
+# BF16, AMX). Elsewhere bfloat16 products are emulated, an order of magnitude slower than the
+# kernel (an AVX2 EPYC: docs/benchmark-log.md). None: not decided (the engine
 # decides from the CPU's flags, emllm.models.native_bf16); a direct caller gets the products.
 PRODUCTS_ON_CPU: bool | None = None
 # Bytes of bfloat16 scores one block of `_attend_products` writes (a block of query positions,
@@ -197,8 +193,8 @@ def _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, wit
     `_memory_materialised`) and merged by log-sum-exp.
 
     The window's scores and probabilities stay in float32 whatever the model's dtype: the mass
-    decides which tokens represent an event, and bf16 rounding of it was measured ~100x further
-    from the exact value.
+    decides which tokens represent an event, and bf16 rounding of it was measured far further
+    from the exact value (docs/benchmark-log.md).
     """
     h_q, c, d = q_local.shape
     h_kv, length, _ = k_local.shape
@@ -272,7 +268,7 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """Softmaxes over disjoint keys, as (output [..., D], log-sum-exp [...]) each, merged into
     one: (output float32, log-sum-exp). The same operations, bit for bit, as
     `logsumexp(stack(lses))` and a sum of weighted outputs, without the stack and the temporaries
-    (for a generated token those small operations were ~15% of the attention's time)."""
+    (for a generated token those small operations were a noticeable share of the attention's time)."""
     m = parts[0][1]
     for _, l in parts[1:]:
         m = torch.maximum(m, l)

@@ -31,7 +31,7 @@ def _nll(logits: Tensor, ids: Tensor) -> Tensor:
     """-log softmax(logits)[ids] per row: [n, V], [n] -> [n] float32.
 
     cross_entropy writes the whole [n, V] log-softmax before picking one entry per row; a few rows
-    at a time, that scratch stays in the CPU's cache (~5x faster: docs/benchmark-log.md, ingest speed).
+    at a time, that scratch stays in the CPU's cache (faster: docs/benchmark-log.md, ingest speed).
     Rows are independent, so the values are those of one call, bit for bit.
     """
     n, v = logits.shape

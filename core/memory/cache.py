@@ -2,8 +2,8 @@
 
 Retrieval picks mostly the same events from one step to the next (every generated token
 retrieves, and neighbouring chunks ask about neighbouring text), while reading an event from the
-store's map costs page faults and a scattered copy each time (measured on a 32k store: ~90 ms of a
-~490 ms decode step for 30 layers). The cache keeps the rows of the last events read in a ring of
+store's map costs page faults and a scattered copy each time (a good share of a decode step:
+docs/benchmark-log.md). The cache keeps the rows of the last events read in a ring of
 `cap` token rows: a hit is one contiguous copy, a miss is read from the store and written at the
 ring's head, evicting whatever events it overwrites (first in, first out; an event read again
 after its eviction is written again). Its size is fixed: RAM stays bounded however large the store.

@@ -32,13 +32,13 @@ the graph with a new R (rare: key norms vary by a few percent).
 
 The beam search starts from the best of the anchors (every `anchor_stride`-th event, scored
 exactly, `entries` of them), not from HNSW's single entry point: from there the search can stay
-in one cluster of events, e.g. another document (measured on separated clusters: recall@161
-0.85 from HNSW's entry point, 0.98 to 1.0 from the anchors).
+in one cluster of events, e.g. another document (measured on separated clusters, the anchors'
+recall is far higher: tests/test_search.py).
 
 Building without a stall
 ------------------------
-Inserting into HNSW costs ~0.2 to 0.5 ms per event and layer on 2 cores, so building the graph
-for 20k events x 30 layers at once would stall one step for minutes. Indexing starts instead at
+Inserting into HNSW costs a fraction of a millisecond per event and layer, so building the graph
+for tens of thousands of events in every layer at once would stall one step for minutes. Indexing starts instead at
 `warmup * threshold` events and each `add` inserts its own events plus a share of the backlog,
 so the graph is complete when the size reaches `threshold` (about twice the insert cost per
 `add` in between, with warmup 0.5). The graph is only searched from `threshold` on.
@@ -160,7 +160,7 @@ class EventIndex:
             new = self.reprs.view()[:target].reshape(-1, self.dim)
         with _faiss_threads(1 if new.shape[0] < 1024 else None):
             # Small batches (one chunk's events) on this thread: the OpenMP region costs more
-            # than it saves (measured 0.2 vs 1.4 ms per event on 2 shared cores), and the graph
+            # than it saves (measured on 2 shared cores), and the graph
             # is then the same from run to run.
             self.faiss_index.add(self._lift(new))
 
@@ -210,7 +210,7 @@ class EventIndex:
         """reprs[ids] [m, H, D], copied into a buffer kept between calls, on this thread.
 
         (torch's index_select of a few hundred rows opens a parallel region; on 2 shared cores
-        waiting for the second thread cost ~8 ms, 20x the graph search. numpy's take does not.)
+        waiting for the second thread cost far more than the graph search. numpy's take does not.)
         """
         m = ids.numel()
         if self._gather_buf is None or self._gather_buf.shape[0] < m:
@@ -245,7 +245,7 @@ class EventIndex:
         labels = np.empty((1, k), dtype=np.int64)
         params = faiss.SearchParametersHNSW(efSearch=max(self.ef_search, 2 * k))
         # One query: on this thread. (search_level_0 opens an OpenMP region even for one query;
-        # with 2 busy cores that region cost ~12 ms against ~0.4 ms for the search itself.)
+        # with 2 busy cores that region cost many times the search itself.)
         with _faiss_threads(1):
             self.faiss_index.search_level_0(
                 1, faiss.swig_ptr(q), k, faiss.swig_ptr(entry_ids), faiss.swig_ptr(entry_d),

@@ -11,7 +11,7 @@ they fit in the room, and read in stream order.
 
 Why passages and not the events themselves: emllm's events average ~14 tokens; read again alone,
 a needle loses the sentence around it. Why the votes and not a separate embedder: the memory's own
-selection holds the asked needle in 97-100% of layers at 8k (docs/benchmarks.md, recall).
+selection holds the asked needle in nearly every layer (docs/benchmarks.md, answers).
 """
 
 from __future__ import annotations

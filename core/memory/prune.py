@@ -3,8 +3,8 @@ only the events that can matter scored exactly. Pure math.
 
 The exact score (`memory.scores_in_blocks`) reads each representative key three times and writes
 it out twice in float32 so that a score's bits depend on its row alone; one generated token scans
-every event of every layer that way (0.64 ms a layer for 2,278 events, against 0.09 ms for
-`torch.mv` over the same rows held in float32, measured on the project's CPU). `torch.mv` rounds
+every event of every layer that way, several times slower than `torch.mv` over the same rows
+held in float32 (docs/benchmark-log.md). `torch.mv` rounds
 a row differently with the rows around it, so its scores cannot select by themselves; but both
 are float32 sums of the same products, so they differ by at most
 
@@ -34,9 +34,8 @@ from emllm.memory.selection import (Selection, event_scores, events_past, gamma,
 
 
 # Below this many events, scoring every one exactly costs less than the estimate, the bound and
-# the extra selection steps (measured on the project's CPU: with SmolLM2's 576 dims, 251 events
-# 0.12 against 0.37 ms, 2,278 events 0.71 against 0.5 ms; with its keys per KV head (192 dims)
-# and the bfloat16 estimate, 262 events 0.13 against 0.35 ms, 2,285 events 0.57 against 0.41).
+# the extra selection steps (the crossover measured on the project's CPU, for keys per query head
+# and per KV head: docs/benchmark-log.md).
 PRUNE_FROM = 2048
 
 SAMPLE = 2048  # estimates a selection samples for its first threshold (`_candidates`)
@@ -48,9 +47,9 @@ NORM_BLOCK = 1024  # rows widened to float64 at a time by `norms_up`
 def norms_up(x: Tensor) -> Tensor:
     """x [n, dim] -> |x| [n] float32, rounded up (computed in float64): bounds built on it hold.
 
-    In blocks of rows: a float64 copy of a whole store's resident keys (25 MB a layer at 512k)
-    is fresh memory every call, and its page faults made this 1.1 s of a first question's 6 s
-    at 512k (each row's norm is the same bits either way)."""
+    In blocks of rows: a float64 copy of a whole store's resident keys is fresh memory every
+    call, and its page faults made this a large share of a large store's first question (each
+    row's norm is the same bits either way)."""
     n64 = torch.empty(x.shape[0], dtype=torch.float64, device=x.device)
     for a in range(0, x.shape[0], NORM_BLOCK):
         n64[a : a + NORM_BLOCK] = x[a : a + NORM_BLOCK].double().norm(dim=1)
@@ -61,9 +60,8 @@ def norms_up(x: Tensor) -> Tensor:
 # float16 rows (and half rows off the CPU; bfloat16 rows on it take `split_estimate`) are widened
 # a block at a time into a buffer that stays in the processor's cache, and each block is one
 # float32 mv: the products and sums are float32 as
-# for float32 rows (widening is exact), so the same bound holds. Not faster than one float32 mv
-# (measured at 18.9k events x 576, 30 layers' rows: 2.08 ms against 1.94 at blocks of 512, the
-# best of 256..4096; a decode step at 256k ~9% slower), but half the RAM.
+# for float32 rows (widening is exact), so the same bound holds. A little slower than one float32
+# mv (512 the best block measured: docs/benchmark-log.md), but half the RAM.
 ESTIMATE_BLOCK = 512
 
 
@@ -113,9 +111,9 @@ def split_estimate(rows: Tensor, norms: Tensor, query: Tensor) -> tuple[Tensor, 
 
     (the last term the exact score's own rounding), plus flushed subnormals, a few 2^-126 per sum
     (`tiny`). Every factor is taken a little wider than that, which covers the float32 arithmetic
-    of the estimate and of the slack itself. Measured on a 32k store's question (30 layers):
-    2,914 events scored exactly where the float32 mv's bound scored 2,750, and the estimate
-    takes ~3x less time than widening the rows block by block (docs/benchmark-log.md)."""
+    of the estimate and of the slack itself. Measured on a store's question, it leaves about as
+    many events to score exactly as the float32 mv's bound, in less time than widening the rows
+    block by block (docs/benchmark-log.md)."""
     est = _split_product(rows, query)
     return torch.from_numpy(est), torch.from_numpy(_slack(est, norms.numpy(), _slack_terms(query.numel(), _norm64(query))))
 
@@ -125,8 +123,8 @@ def _split_product(rows: Tensor, query: Tensor) -> np.ndarray:
     q = query.reshape(-1).float()
     hi = q.to(torch.bfloat16)
     lo = (q - hi.float()).to(torch.bfloat16)  # (q - hi is exact: they are within a factor of 2)
-    # [2, dim] x [dim, n] (rows read transposed, no copy): ~0.2 ms a layer less than
-    # [n, dim] x [dim, 2] at 17k events, and each result row is contiguous for the sum
+    # [2, dim] x [dim, n] (rows read transposed, no copy): faster than [n, dim] x [dim, 2], and
+    # each result row is contiguous for the sum
     o = torch.mm(torch.stack((hi, lo)), rows.t()).float().numpy()  # [2, n]
     return o[0] + o[1]
 

@@ -20,9 +20,9 @@ channel and the others lose their resolution. An integer store (version 6) takes
 out first with a fixed per-channel equaliser per layer: each channel's mean and range over the
 layer's first rows (`fit_equaliser`), kept in the store, subtracted and divided before the rows are
 quantised per token, restored after they are decoded. The rows stay one token each (nothing waits),
-and SmolLM2's int4 keys err 4.0% instead of 10.1% (scores 5.1% instead of 10.4%), near per channel
-over 32 tokens (3.3%, 3.6%; docs/benchmark-log.md, 4,096 tokens of prose). Values are
-quantised per token as they are (equalised, their error moved from 8.4% to 7.9% only).
+and int4 keys err less than half as much, near quantising per channel over groups of tokens
+(docs/benchmark-log.md, store formats). Values are quantised per token as they are (equalising
+them gained little).
 
 Representative keys (one per event and query head) are kept as the float formats keep keys, and
 in int8 by both integer formats: with SmolLM2's short events (13 tokens on average) they are a

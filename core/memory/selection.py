@@ -66,8 +66,7 @@ def scores_in_blocks(n: int, dim: int, block: Callable[[int, int], Tensor], quer
     block(start, stop) returns those events' representative keys [stop - start, dim] (float16,
     bfloat16 or float32; scored in float32). Each score is a product, then dim / g sums of
     g = `score_groups(dim)` terms each (terms j, j + dim / g, j + 2 dim / g, ...: the sums run down
-    contiguous lanes, 1.4x faster than summing contiguous groups; measured at 41.7k x 576 events,
-    1 thread: 18 ms against 25, torch.mv 11 ms), then a sum of those, along the row only, so its
+    contiguous lanes, faster than summing contiguous groups: docs/benchmark-log.md), then a sum of those, along the row only, so its
     bits depend on that row alone: scoring any subset of the events, from any source, in any block, at any
     address, gives the same bits as the scan (a matrix-vector product does not: BLAS rounds a row
     differently with the number of rows it is given and their alignment; measured, most scores of
@@ -102,8 +101,8 @@ def token_scores(n: int, dim: int, block: Callable[[int, int], Tensor], queries:
 
     The scan's operations (`scores_in_blocks` is this for one query), on [T, m, dim] at once: each
     block of keys is read once for all T queries, and the blocks shrink with T so the products
-    stay ~4 MiB (40 tokens over 35k events, 1 thread: 86 against 122 ms a layer one query at a
-    time; tests/test_surprise_memory.py checks the bits against the scan's formula)."""
+    stay ~4 MiB (faster than one query at a time; tests/test_surprise_memory.py checks the bits
+    against the scan's formula)."""
     q = queries.reshape(-1, dim).float()  # [T, dim]
     t = q.shape[0]
     out = torch.empty(t, n, dtype=torch.float32, device=q.device)
@@ -217,8 +216,8 @@ def select_positions(scores: np.ndarray, lengths: np.ndarray, budget: int) -> np
     (int64, increasing).
 
     In numpy: a selection is a few dozen operations on a few hundred numbers, where each of
-    torch's costs several microseconds more (a generated token makes one per layer; ~5% of its
-    time at 32k, docs/benchmark-log.md). The order is torch's `sort(descending=True,
+    torch's costs several microseconds more (a generated token makes one per layer: a share of
+    its time worth saving, docs/benchmark-log.md). The order is torch's `sort(descending=True,
     stable=True)`: NaN first, then by score, ties in id order."""
     n = scores.size
     if n == 0 or budget <= 0:

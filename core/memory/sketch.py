@@ -21,10 +21,9 @@ Pure math; the store keeps the arrays (store.py).
 The bound replaces an earlier guard (a list of outliers: events whose residual exceeded every
 training event's) that grew to half the events in the deep layers of a 1M-token passkey store
 (the filler after the needle drifted off the basis fitted before it) and made a cold question
-slower than the scan. On that store's first 512k tokens, one question scores 17.6k of 30 x 41.7k
-events exactly (most in 7 layers where thousands of copies of the filler tie within the bound);
-with the first version of this bound (twice the rounding slack, 8x the budget in candidates),
-31k-41k.
+slower than the scan. On that store a question now scores a fraction of the events exactly (most
+in the layers where thousands of copies of the filler tie within the bound); docs/benchmark-log.md
+has the figures, and those of this bound's first version.
 """
 
 from __future__ import annotations
@@ -51,8 +50,8 @@ def fit_blocks(n: int, block: Callable[[int, int], Tensor], dims: int = DIMS) ->
     """`fit` over rows 0..n-1 that block(start, stop) -> [stop - start, dim] gives a block at a time.
 
     Two passes (the mean, then the scatter matrix), float64, `FIT_BLOCK_ROWS` rows at a time: the
-    memory is a block's, not the whole sample's in float64 twice over (measured: fitting 20,000 x
-    576 at once raised an ingest's peak RSS by ~210 MB)."""
+    memory is a block's, not the whole sample's in float64 twice over (fitting it at once raised
+    an ingest's peak RSS markedly)."""
     total: Tensor | None = None
     for a in range(0, n, FIT_BLOCK_ROWS):
         part = block(a, min(n, a + FIT_BLOCK_ROWS)).detach().cpu().double().sum(0)

@@ -91,8 +91,8 @@ class StoredEvents:
         kv_bytes = 2 * g.layers * self.k.rows * self.k.row_bytes
         self.random_access = not store.writable and self.cache is None and mappable(kv_bytes)
         # The same for what a reader's sketched selection reads at every step: the sketches, and
-        # the representative keys it scores exactly (~1.7k scattered rows a layer at 512k): one
-        # index of a map instead of a pread per run (512k of filler, 1 thread: 0.89 -> 0.39 s a token).
+        # the representative keys it scores exactly (scattered rows): one index of a map instead of
+        # a pread per run (docs/benchmark-log.md, the store at scale).
         sketch_files = self.sketch[:2] if self.sketch is not None else ()  # coords, norms
         retrieval_bytes = sum(f.rows * f.row_bytes for f in (self.r, *sketch_files))
         self.retrieval_mapped = not store.writable and mappable(g.layers * retrieval_bytes)
@@ -103,9 +103,8 @@ class StoredEvents:
         # then one mv and a few exact scores (`memory.prune`), not a scan of the file.
         mb = store.manifest["profile"].get("repr_cache_mb", Profile.repr_cache_mb)
         # As the store holds them: a half format's rows stay half (widened exactly when scored;
-        # half the RAM of float32, and a question's first token sooner: at 128k tokens ask's peak
-        # RSS 1,128 against 1,939 MiB, 2.0 against 2.5 s; a generated token ~9% slower at 256k:
-        # docs/benchmarks.md); integer rows decoded to float32.
+        # half the RAM of float32, and a question's first token sooner, for a generated token a
+        # little slower: docs/benchmark-log.md); integer rows decoded to float32.
         rdt = self.r.dtype if self.fmt.reprs.bits is None else torch.float32
         self.resident_cap = (mb << 20) // (g.layers * self.dim * rdt.itemsize)  # events per layer
         self.resident = GrowBuffer((0, self.dim), 0, rdt, torch.device("cpu"))
@@ -224,8 +223,8 @@ class StoredEvents:
     def _sketched(self) -> bool:
         """Whether a selection goes through the sketch: a reader's, once its events' keys no longer
         all fit in `repr_cache_mb`. Below that the resident keys' product and its tight bound
-        leave ~130 exact scores a layer where the sketch's bound leaves thousands (512k tokens of
-        code, 1 thread: 0.30 -> 0.17 s a generated token); a question reads every key either way."""
+        leave far fewer exact scores a layer than the sketch's bound (docs/benchmark-log.md); a
+        question reads every key either way."""
         return self.sketch is not None and len(self) > self.resident_cap
 
     def _resident_rows(self, n: int) -> Tensor:

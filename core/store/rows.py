@@ -19,8 +19,8 @@ _BLOCKS: dict[tuple[torch.dtype, tuple[int, ...]], Tensor] = {}  # read_block's 
 
 # A reader maps its layer files for gathering (`RowFile.rows_at`) while they total at most this
 # share of the machine's memory: the page cache then holds them, and a step costs one copy. A
-# store larger than that faults from the disk; pread with WILLNEED reads its runs together (at 1M
-# tokens, 24 GB of keys and values on a 24 GiB VM: 2.38 s a token mapped, 0.93 by pread).
+# store larger than that faults from the disk; pread with WILLNEED reads its runs together, faster
+# then than the map (a 1M-token store on a machine of its size: docs/benchmark-log.md).
 MAP_SHARE = 0.5
 
 
@@ -157,8 +157,8 @@ class RowFile:
 
     def rows_at(self, idx: Tensor, prefetch: bool = False) -> Tensor:
         """Rows idx [n] (long, < rows) -> [n, *row], indexed in a map of the file: one copy, where
-        `take` costs a read call per run (~10x the time for a generated token's ~16 events, figures
-        in docs/benchmark-log.md). For readers: the pages it touches stay mapped, counted in the
+        `take` costs a read call per run (several times the time for a generated token's events:
+        docs/benchmark-log.md). For readers: the pages it touches stay mapped, counted in the
         resident memory as the page cache's (shared, clean: the kernel takes them back as it needs).
 
         prefetch: first tell the kernel of the rows' runs (WILLNEED), so that pages not cached come
@@ -178,7 +178,7 @@ class RowFile:
         """Increasing rows [n] -> (first, starts, stops): the runs that read them, rows less than
         `READ_GAP` bytes apart sharing one; first[i] is the index in rows of run i's first row."""
         cut = np.flatnonzero(np.diff(rows) > 1 + READ_GAP // self.row_bytes) + 1
-        first = np.concatenate(([0], cut))  # (np.r_ costs 15 us a call)
+        first = np.concatenate(([0], cut))  # (np.r_ costs more a call)
         return first, rows[first], rows[np.concatenate((cut - 1, [rows.size - 1]))] + 1
 
     def _willneed_runs(self, starts: np.ndarray, stops: np.ndarray) -> None:

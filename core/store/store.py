@@ -532,8 +532,8 @@ class Store:
         """Fit every layer's basis on the first t events (all of them at the first fit; at a
         refit, `threshold` of them drawn at random with a seed fixed by t, so a fit always costs
         the same and fitting again after a crash gives the same bytes; a stride would alias with a
-        periodic stream: every 2nd event of the 512k passkey store gave a basis 5x worse than
-        all of them). The file is written (atomically) before any manifest names it. A replaced
+        periodic stream: every 2nd event of a passkey store gave a far worse basis than all of
+        them). The file is written (atomically) before any manifest names it. A replaced
         sketch's files are retired, not yet deleted."""
         from safetensors.torch import save
 
