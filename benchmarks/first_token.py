@@ -16,7 +16,7 @@ Prints the medians and their ratio to the first store's.
 working tree) is frozen into a temporary folder (`benchmarks.frozen_code`) and the asks alternate
 between them, store by store, run by run (this VM's speed drifts: only alternated runs compare).
 `--then-cached` asks once more right after each ask, its pages now cached. `--readings
-reread,own` alternates `ask`'s default (since 2026-11-28: the memory's passages read again, one
+reread,own` alternates `ask`'s default (the memory's passages read again, one
 more forward over ~2k tokens before the first token) with emllm's own reading (`--no-reread`).
 """
 
@@ -43,7 +43,7 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("1\n")
 
 
-READINGS = {"reread": [], "own": ["--no-reread"]}  # `ask`'s default since 2026-11-28, and emllm's own reading
+READINGS = {"reread": [], "own": ["--no-reread"]}  # `ask`'s default, and emllm's own reading
 
 
 def ask(store: str, question: str, code: Path | None = None, reading: str = "reread") -> dict:

@@ -121,7 +121,7 @@ def test_a_message_after_an_answer_opens_its_turn_as_the_chat_template_does(tiny
              {"role": "user", "content": "my name is Ada"}]
     want = tok.apply_chat_template(turns, tokenize=False)
     assert reopen + "my name is Ada" in text and reopen + "my name is Ada" in want
-    assert reopen + "\n\nmy name is Ada" not in text  # (as every message was laid out before 2026-11-29)
+    assert reopen + "\n\nmy name is Ada" not in text  # (as an earlier emllm laid every message out)
     with Store.open(path) as st:
         assert opens_a_turn(st, tok, pending_tokens(st))
     with Store.open(path, writable=True) as st:
