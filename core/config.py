@@ -106,7 +106,7 @@ class Profile:
     chunk_size: int = _int(512, 1)
     n_init: int = _int(128, 0)
     n_local: int = _int(4096, 1)
-    n_mem: int = _int(2048, 0)  # retrieved tokens per layer (the budget is counted in tokens)
+    n_mem: int = _int(2048, 1)  # retrieved tokens per layer (the budget is counted in tokens)
     repr_topk: int = _int(4, 1)
     min_block: int = _int(8, 1)
     max_block: int = _int(128, 1)

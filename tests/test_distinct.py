@@ -194,7 +194,7 @@ def test_the_reread_groups_the_tail_with_the_events(monkeypatch):
 
 
 def test_stores_made_before_the_key_read_without_it():
-    from emllm.app.stream import _BEFORE_THE_KEY
+    from emllm.store.manifest import BEFORE_THE_KEY as _BEFORE_THE_KEY
 
     assert _BEFORE_THE_KEY["distinct_events"] is False
     assert tiny_profile().distinct_events is True

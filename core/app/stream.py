@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from emllm import models
-from emllm.config import Profile, ProfileMismatchError, profile_from_dict
+from emllm.config import Profile, ProfileMismatchError
 from emllm.engine.stream import Engine, check_supported, repr_heads
 from emllm.models import ModelSource, config_hash
 from emllm.store import Geometry, Identity, Store, StoreError, StoredEvents, tokenizer_hash, weights_hash, weights_sample
+from emllm.store.manifest import profile_of
 
 
 SEPARATOR = "\n\n"
@@ -92,16 +93,8 @@ def create_store(path: Path, model_name: str, model: Any, tok: Any, profile: Pro
     )
 
 
-# What a store's profile meant by keys it was written without (before they existed): the values
-# the code that wrote it used, whatever today's defaults are.
-_BEFORE_THE_KEY = {"question_centering": 0.0, "question_centering_answer": True, "representative": "attention",
-                   "repr_normalise": False, "question_scoring": "mean",
-                   "distinct_events": False}
-
-
 def store_profile(store: Store) -> Profile:
-    data = {**_BEFORE_THE_KEY, **store.manifest["profile"]}
-    return profile_from_dict(data, data["name"], " (in the store)")
+    return profile_of(store.manifest)
 
 
 def open_engine(store: Store, model: Any, kv_cache_mb: int | None = None) -> Engine:

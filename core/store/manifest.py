@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from emllm.config import Profile, ProfileError, profile_from_dict
 from emllm.store.errors import StoreError
 from emllm.store.files import Folder, UnsafePath
 from emllm.store.identity import Geometry
@@ -93,6 +94,19 @@ class _Invalid(Exception):
     pass
 
 
+# What a store's profile meant by keys it was written without (before they existed): the values
+# the code that wrote it used, whatever today's defaults are.
+BEFORE_THE_KEY = {"question_centering": 0.0, "question_centering_answer": True, "representative": "attention",
+                  "repr_normalise": False, "question_scoring": "mean", "distinct_events": False}
+
+
+def profile_of(manifest: dict) -> Profile:
+    """The profile a store was written with, validated by the rules a profile file or a flag obeys
+    (ProfileError names the key)."""
+    data = {**BEFORE_THE_KEY, **manifest["profile"]}
+    return profile_from_dict(data, str(data.get("name")), " (in the store)")
+
+
 def _need(ok: bool, what: str) -> None:
     if not ok:
         raise _Invalid(what)
@@ -123,6 +137,10 @@ def _validate(m: dict) -> None:
     prof = m.get("profile")
     _need(isinstance(prof, dict), "no profile")
     _str(prof, "name", at="profile.")
+    try:
+        profile_of(m)
+    except ProfileError as e:
+        raise _Invalid(str(e).replace(f"profile {prof['name']!r} (in the store): ", "profile.")) from None
     g = m.get("geometry")
     _need(isinstance(g, dict) and set(g) == set(Geometry.__dataclass_fields__), "geometry has other fields")
     for k, hi in (("layers", 1024), ("kv_heads", 1024), ("q_heads", 4096), ("head_dim", 4096), ("vocab", 1 << 24)):
