@@ -9,7 +9,7 @@ stay light; the CLI and the server use nothing else (tests/test_layers.py holds 
     Memory.ingest / .resume / .answer / .ask / .reply / .remember / .conversation / .retrieval / .summary
     emllm.plan_ingest                           the rules of `emllm ingest` (create, append, resume)
     emllm.segment                               a text's event boundaries
-    emllm.store_path, list_stores, store_summary, remove_store, move_store: the stores under the home
+    emllm.store_path, list_stores, store_summary, verify_store, remove_store, move_store: the stores
     emllm.EmllmError                            the base of every error a user can fix
     emllm.Engine                                the in-RAM engine over a model (no store)
 
@@ -36,7 +36,7 @@ _SURFACE = {
     "TextSource": "emllm.app.textinput", "InputError": "emllm.app.textinput", "file_sha256": "emllm.app.textinput",
     # the stores under the home
     "store_path": _STORES, "is_store": _STORES, "list_stores": _STORES, "folder_bytes": _STORES,
-    "store_summary": (_STORES, "summary"), "remove_store": _STORES, "move_store": _STORES,
+    "store_summary": (_STORES, "summary"), "verify_store": _STORES, "remove_store": _STORES, "move_store": _STORES,
     "stores_dir": "emllm.home", "store_name_for": "emllm.home",
     # errors a user can cause
     "EmllmError": "emllm.errors", "UsageError": "emllm.errors", "StoreError": "emllm.store",

@@ -73,7 +73,9 @@ def guarded(fn: F) -> F:
             msg += _hint(e)
             if not known:
                 msg = f"internal error: {type(e).__name__}: {msg} (run with --debug for the traceback)"
-            print(f"emllm: error: {msg}", file=sys.stderr)
+            from .render import printable  # (names from files and stores: never an escape sequence raw)
+
+            print(f"emllm: error: {printable(msg)}", file=sys.stderr)
             raise typer.Exit(1)
 
     return wrapper  # type: ignore[return-value]

@@ -19,6 +19,8 @@ def inspect(
     layer: int = typer.Option(None, "--layer", min=0, help="With --query: the events one layer retrieved."),
     top: int = typer.Option(None, "--top", min=1, help="With --query: how many retrieved events to preview (default 8)."),
     as_json: bool = typer.Option(False, "--json", help="Print everything as one JSON document."),
+    verify: bool = typer.Option(False, "--verify", help="Read every byte the store has committed and check it against "
+                                "its digest; exit 1 if any differs. (Opening a store checks only each file's last bytes.)"),
 ) -> None:
     """Show the stores, one store's contents, or the per-layer retrieval of a query as a heatmap.
 
@@ -29,6 +31,7 @@ def inspect(
       emllm inspect book                             # tokens, events, sizes, bytes on disk
       emllm inspect book --query "who hid the key?"  # layers × position, shaded by retrieval
       emllm inspect book --query "who hid the key?" --layer 12
+      emllm inspect book --verify                    # every byte against its digest
     """
     if query is None and (layer is not None or top is not None):  # they would be ignored without a word
         raise typer.BadParameter("needs --query (it shows part of a query's retrieval)",
@@ -36,6 +39,9 @@ def inspect(
     if query is not None and not query.strip():
         raise typer.BadParameter("the query is empty", param_hint="--query")
     top = 8 if top is None else top
+    if verify and (store is None or query is not None):
+        raise typer.BadParameter("needs a store, and no --query" if store is None else "cannot go with --query",
+                                 param_hint="--verify")
     if store is None:
         if query is not None:
             raise typer.BadParameter("--query needs a store", param_hint="--query")
@@ -44,6 +50,9 @@ def inspect(
         list_cmd(as_json)
         return
     path = existing_store(store)
+    if verify:
+        _verify(path, as_json)
+        return
     summary = emllm.store_summary(path)
     if query is None:
         if as_json:
@@ -62,3 +71,21 @@ def inspect(
         render.print_json({**summary, "retrieval": retrieval})
     else:
         render.out.print(render.retrieval_view(retrieval, summary["processed_tokens"]))  # the span the bins cover
+
+
+def _verify(path, as_json: bool) -> None:
+    with render.progress() as bar:
+        task = bar.add_task(f"verifying {render.shown(path.name)}", total=None, rate="")
+        report = emllm.verify_store(path, lambda done, total: bar.update(task, completed=done, total=total))
+    if as_json:
+        render.print_json(report)
+    elif not report["checked"]:
+        render.out.print(f"{render.shown(path.name)}: written before emllm kept digests of a store's bytes; only its "
+                         "manifest and sizes were checked")
+    elif not report["problems"]:
+        render.out.print(f"{render.shown(path.name)}: every committed byte as written ({report['files']} files, "
+                         f"{render.size(report['bytes'])})")
+    if report["problems"]:
+        more = len(report["problems"]) - 1
+        more = f" (and {more} more: --json lists them)" if more and not as_json else ""
+        raise UserError(f"{path}: {report['problems'][0]}{more}: the store is damaged or was edited")

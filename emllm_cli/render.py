@@ -206,7 +206,7 @@ def shown(text: object) -> str:
     return escape(printable(text))
 
 
-def _size(n: int) -> str:
+def size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -224,7 +224,7 @@ def print_stores(rows: list[dict]) -> None:
     sys.stdout.write("\t".join(cols).upper() + "\n")
     for r in rows:
         cells = (r["name"], r["status"], r["model"] or "-", r.get("format") or "-", r["tokens"],
-                 "-" if r["events"] is None else r["events"], _size(r["bytes"]), str(r["updated"] or "-")[:19])
+                 "-" if r["events"] is None else r["events"], size(r["bytes"]), str(r["updated"] or "-")[:19])
         sys.stdout.write("\t".join(printable(c) for c in cells) + "\n")  # a tab or newline in a name: escaped
     sys.stdout.flush()
 
@@ -238,7 +238,7 @@ def stores_table(rows: list[dict]) -> Table:
     for r in rows:
         status = f"[{colour.get(r['status'], 'white')}]{r['status']}[/]"
         t.add_row(shown(r["name"]), status, shown(r["model"] or "-"), shown(r.get("format") or "-"), str(r["tokens"]),
-                  str(r["events"] if r["events"] is not None else "-"), _size(r["bytes"]), shown(r["updated"] or "-")[:19])
+                  str(r["events"] if r["events"] is not None else "-"), size(r["bytes"]), shown(r["updated"] or "-")[:19])
     return t
 
 
@@ -261,7 +261,7 @@ def store_summary(s: dict):
     t.add_row("events", f"{s['events']}" + (f" (mean {s['mean_event_size']} tokens)" if s["mean_event_size"] else
                                                " (the text still fits the model's window)"))
     t.add_row("documents", ", ".join(shown(d["name"]) for d in s["documents"]) or "-")
-    t.add_row("on disk", ", ".join(f"{k} {_size(v)}" for k, v in s["bytes"].items() if v))
+    t.add_row("on disk", ", ".join(f"{k} {size(v)}" for k, v in s["bytes"].items() if v))
     h = Table(title="event sizes (tokens)", show_edge=False)
     h.add_column("size")
     h.add_column("events", justify="right")

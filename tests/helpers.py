@@ -249,3 +249,44 @@ def model_like(n_events: int, n_queries: int, seed: int = 0) -> tuple[torch.Tens
     lengths = torch.randint(8, 129, (n_events,), generator=g)
     lengths = torch.where(torch.rand(n_events, generator=g) < 0.8, (lengths // 4).clamp_min(8), lengths)  # mean ~30
     return reprs.contiguous(), queries.reshape(n_queries, H_Q, D), lengths
+
+
+def reseal(store: Path, change=None) -> None:
+    """Recompute every digest of a store (and its manifest's checksum) after `change(manifest)`,
+    as someone crafting a store would: anyone can. What a store's digests cannot refuse, its
+    readers must."""
+    import hashlib
+
+    from emllm.store.manifest import checksum
+    from emllm.store.store import Store
+
+    m = json.loads((store / "manifest.json").read_text())
+    if change is not None:
+        change(m)
+    m["digests"]["records"] = 0
+    st = Store(store, m, True, None)
+    try:
+        st.digests.sealed = {}  # hash every block again
+        m["digests"] = st.digests.seal(st.all_files())
+    finally:
+        st.close()
+    for part in ("state", "sketch"):
+        if m.get(part):
+            m[part]["sha256"] = hashlib.sha256((store / m[part]["file"]).read_bytes()).hexdigest()
+    m["checksum"] = checksum(m)
+    (store / "manifest.json").write_text(json.dumps(m))
+
+
+def before_digests(store: Path) -> None:
+    """Make a store one written before digests (version 7): nothing of them left."""
+    from emllm.store.manifest import checksum
+
+    m = json.loads((store / "manifest.json").read_text())
+    m["version"] = 7
+    m.pop("digests")
+    for part in ("state", "sketch"):
+        if m.get(part):
+            m[part].pop("sha256")
+    m["checksum"] = checksum(m)
+    (store / "manifest.json").write_text(json.dumps(m))
+    (store / "digests.bin").unlink()

@@ -133,8 +133,7 @@ def test_a_store_keeps_its_format_and_a_reader_decodes_as_the_writer_stored(tiny
     ingest_store(store, folder, prof, [("doc", words(7, 700))], kv_format=name)
     model, tok = load_tiny(folder)
     m = json.loads((store / "manifest.json").read_text())
-    # (mean keys of a GQA model: one per KV head, version 7 whatever the format)
-    assert m["kv_format"] == name and m["version"] == 7 and m["key_equaliser"] == (name != "bfloat16")
+    assert m["kv_format"] == name and m["version"] == 8 and m["key_equaliser"] == (name != "bfloat16")
     fmt = kv_format(name, m["geometry"]["head_dim"])
     g = m["geometry"]
     assert m["rows"]["kv_tokens"] == m["rows"]["tokens"]  # every token's, the window's too

@@ -19,7 +19,7 @@ import torch
 from inotify_simple import INotify, flags as inflags
 
 from emllm.store.manifest import checksum as _checksum
-from .helpers import ingest_store, run, run_in_process, words
+from .helpers import before_digests, ingest_store, reseal, run, run_in_process, words
 
 
 DECOY = b"decoy: a file outside the store that emllm must never open\n"
@@ -47,6 +47,7 @@ def _equaliser(store: Path, layer: int, row: int, value: float) -> None:
     eq = torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.float32).reshape(2, -1)
     eq[row] = value
     p.write_bytes(eq.numpy().tobytes())
+    reseal(store)  # (crafted: what digests cannot refuse, the reader must)
 
 
 def _manifest(store: Path, change) -> None:
@@ -69,10 +70,34 @@ def _state_of_other_shapes(store: Path, key: str = "layer0.local_mass", value=No
     st = load_file(str(store / name))
     st[key] = torch.zeros(7, 5) if value is None else value  # (the window's keys are rows of the layer files)
     save_file(st, str(store / name))
+    reseal(store)
 
 
 def _events(store: Path, lengths: list[int]) -> None:
     (store / "events.i32").write_bytes(torch.tensor(lengths, dtype=torch.int32).numpy().tobytes())
+    reseal(store)
+
+
+def _flip(store: Path, rel: str, at: int) -> None:
+    """Flip one bit of a file at byte `at` (from its end where negative)."""
+    p = store / rel
+    b = bytearray(p.read_bytes())
+    b[at] ^= 0x10
+    p.write_bytes(bytes(b))
+
+
+def _not_finite(store: Path, rel: str, sealed: bool, where: slice = slice(None)) -> None:
+    """NaN in a layer's key or value file (all of it, or rows `where` of 64 numbers): a store
+    written before digests (`sealed` False), or one crafted with its digests recomputed."""
+    p = store / rel
+    x = torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.float32)
+    x.view(-1, 64)[where] = float("nan")
+    p.write_bytes(x.numpy().tobytes())
+    reseal(store) if sealed else before_digests(store)
+
+
+def _kv_format(m: dict, name: str) -> None:
+    m.update(kv_format=name, key_equaliser=name in ("int8", "int4") and m.get("key_equaliser", False))
 
 
 def _fifo(store: Path, rel: str) -> None:
@@ -87,6 +112,7 @@ def _hard_link(store: Path, rel: str, target: Path) -> None:
 
 # case: (damage(store, outside), commands, words the message must hold)
 READ, WRITE, RESUME, INSPECT = "ask", "append", "resume", "inspect"
+RECALL = "ask from the memory"  # the events' own keys and values, not the re-read
 CASES = {
     "job file ../../x": (lambda s, o: _manifest(s, lambda m: m["job"].update(file="../../outside/decoy")),
                          (READ, WRITE, RESUME, INSPECT), "not of this store's layout"),
@@ -103,12 +129,35 @@ CASES = {
     "lock a link": (lambda s, o: _link(s, "lock", o / "decoy"), (WRITE,), "symbolic link"),
     "tokens.i32 a FIFO": (lambda s, o: _fifo(s, "tokens.i32"), (READ, WRITE), "not a regular file"),
     "tokens.i32 a hard link out": (lambda s, o: _hard_link(s, "tokens.i32", o / "hard"), (WRITE,), "hard link"),
-    "zero rows, huge head_dim": (lambda s, o: _manifest(s, lambda m: (m["rows"].update(tokens=0, events=0, event_tokens=0, kv_tokens=0),
+    "zero rows, huge head_dim": (lambda s, o: reseal(s, lambda m: (m["rows"].update(tokens=0, events=0, event_tokens=0, kv_tokens=0),
                                                                      m.update(state=None), m["geometry"].update(head_dim=4096))),
                                  (WRITE, READ), "geometry"),
-    "head_dim edited": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(head_dim=8)), (READ, WRITE), "geometry"),
+    # (crafted: the digests recomputed)
+    "head_dim edited": (lambda s, o: reseal(s, lambda m: m["geometry"].update(head_dim=8)), (READ, WRITE), "geometry"),
     # opened in the dtype it names, the model hashes otherwise: refused as weights that differ
-    "dtype edited": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(dtype="bfloat16")), (READ, WRITE), "differ"),
+    "dtype edited": (lambda s, o: reseal(s, lambda m: m["geometry"].update(dtype="bfloat16")), (READ, WRITE), "weights differ"),
+    # the bytes tied to what the manifest says they are: a layout edited, a bit flipped, digests gone
+    "head_dim edited, digests kept": (lambda s, o: _manifest(s, lambda m: m["geometry"].update(head_dim=8)),
+                                      (READ, WRITE, INSPECT), "differ from their digest"),
+    "kv_format edited to bfloat16": (lambda s, o: _manifest(s, lambda m: _kv_format(m, "bfloat16")), (READ, WRITE, INSPECT), "another format"),
+    "kv_format edited to int8": (lambda s, o: _manifest(s, lambda m: _kv_format(m, "int8")), (READ, WRITE, INSPECT), "another format"),
+    "kv_format edited to int4": (lambda s, o: _manifest(s, lambda m: _kv_format(m, "int4")), (READ, WRITE, INSPECT), "another format"),
+    "kv_format int4 edited to int8": (lambda s, o: _manifest(s, lambda m: _kv_format(m, "int8")), (READ, WRITE), "truncated", "int4"),
+    "kv_format int4 edited to float32": (lambda s, o: _manifest(s, lambda m: _kv_format(m, "float32")), (READ, WRITE), "truncated", "int4"),
+    "repr_heads edited": (lambda s, o: _manifest(s, lambda m: m.update(repr_heads=m["geometry"]["q_heads"])), (READ, WRITE), "truncated"),
+    "a bit flipped in the last block of layers/01.v": (lambda s, o: _flip(s, "layers/01.v", -5), (READ, WRITE, INSPECT), "layers/01.v"),
+    "a bit flipped in tokens.i32": (lambda s, o: _flip(s, "tokens.i32", -1), (READ, WRITE), "tokens.i32"),
+    "a bit flipped in the state": (lambda s, o: _flip(s, json.loads((s / "manifest.json").read_text())["state"]["file"], -3),
+                                   (READ, WRITE), "differ from their digest"),
+    "digests missing": (lambda s, o: _manifest(s, lambda m: m.pop("digests")), (READ, WRITE, INSPECT), "no digests"),
+    "digests of another file": (lambda s, o: _manifest(s, lambda m: m["digests"]["tails"].update({"layers/99.k": "0" * 64})),
+                                (READ, WRITE), "not one of the store's files"),
+    "digests.bin shorter than its records": (lambda s, o: _manifest(s, lambda m: m["digests"].update(records=3)), (READ, WRITE),
+                                             "digests.bin is truncated"),
+    # the window's rows are read at open; an event's when it is retrieved
+    "NaN keys, before digests": (lambda s, o: _not_finite(s, "layers/01.k", False), (READ, WRITE), "not finite"),
+    "NaN values, digests recomputed": (lambda s, o: _not_finite(s, "layers/00.v", True), (READ, WRITE), "not finite"),
+    "NaN in events' keys, digests recomputed": (lambda s, o: _not_finite(s, "layers/00.k", True, slice(8, 40)), (RECALL,), "not finite"),
     "kv_tokens not the stream's": (lambda s, o: _manifest(s, lambda m: m["rows"].update(kv_tokens=m["rows"]["tokens"] - 1)),
                                    (READ, WRITE), "rows do not add up"),
     "kv_format unknown": (lambda s, o: _manifest(s, lambda m: m.update(kv_format="int3")), (READ, WRITE), "kv_format"),
@@ -128,8 +177,8 @@ CASES = {
                                       (READ, WRITE), "state does not fit"),
     "negative query count": (lambda s, o: _state_of_other_shapes(s, "layer0.query_n", torch.tensor(-3)),
                              (READ, WRITE), "state does not fit"),
-    "state not safetensors": (lambda s, o: (s / json.loads((s / "manifest.json").read_text())["state"]["file"]).write_bytes(b"\xff" * 64),
-                              (READ,), "cannot read state"),
+    "state not safetensors": (lambda s, o: ((s / json.loads((s / "manifest.json").read_text())["state"]["file"]).write_bytes(b"\xff" * 64),
+                                            reseal(s)), (READ,), "cannot read state"),
     "profile n_local 10**12": (lambda s, o: _manifest(s, lambda m: m["profile"].update(n_local=10**12)), (READ, WRITE), "n_local"),
     # a store's profile obeys the rules of a profile file (emllm.config's); show and list refuse it too
     "profile memory budget 0": (lambda s, o: _manifest(s, lambda m: m["profile"].update(n_mem=0)), (READ, WRITE, INSPECT), "n_mem"),
@@ -142,9 +191,9 @@ CASES = {
     "identity missing": (lambda s, o: _manifest(s, lambda m: m.pop("identity")), (READ, WRITE, INSPECT), "identity"),
     "rows not numbers": (lambda s, o: _manifest(s, lambda m: m["rows"].update(tokens="many")), (READ, INSPECT), "tokens"),
     "job done past its tokens": (lambda s, o: _manifest(s, lambda m: m["job"].update(done=10**9)), (READ, RESUME), "done"),
-    "job tokens outside the vocabulary": (lambda s, o: (s / json.loads((s / "manifest.json").read_text())["job"]["file"]).write_bytes(
+    "job tokens outside the vocabulary": (lambda s, o: ((s / json.loads((s / "manifest.json").read_text())["job"]["file"]).write_bytes(
         torch.full((json.loads((s / "manifest.json").read_text())["job"]["tokens"],), 10**8, dtype=torch.int32).numpy().tobytes()),
-        (READ, RESUME), "outside the vocabulary"),
+        reseal(s)), (READ, RESUME), "outside the vocabulary"),
     "manifest not JSON": (lambda s, o: (s / "manifest.json").write_text("{\"format\": "), (READ, INSPECT), "unreadable"),
     "manifest nested deep": (lambda s, o: (s / "manifest.json").write_text("[" * 100000 + "]" * 100000), (READ,), "unreadable"),
     "manifest a list": (lambda s, o: (s / "manifest.json").write_text("[]"), (READ,), "not an emllm store"),
@@ -188,6 +237,7 @@ def _hashes(folder: Path) -> dict[str, str]:
 def _args(cmd: str, store: Path, doc: Path) -> list[str]:
     return {READ: ["ask", "what is it?", "--store", str(store), "-n", "2"],
             WRITE: ["ingest", str(doc), "--append", "--store", str(store)],
+            RECALL: ["ask", "what is it?", "--store", str(store), "-n", "2", "--no-reread"],
             RESUME: ["ingest", "--resume", "--store", str(store)],
             INSPECT: ["inspect", str(store)]}[cmd]
 

@@ -4,6 +4,8 @@ select from it exactly what the scan selects (the bounds make it exact, not like
 
 from __future__ import annotations
 
+import hashlib
+
 import json
 import shutil
 import sys
@@ -15,7 +17,7 @@ import torch
 from emllm.memory import sketch
 from emllm.memory.selection import event_scores, select_events
 from emllm.store import Geometry, Identity, Store, StoredEvents
-from emllm.store.manifest import PLAIN_VERSION
+from emllm.store.manifest import FORMAT_VERSION
 from emllm.store.manifest import checksum as _checksum
 
 G = Geometry(layers=2, kv_heads=1, q_heads=3, head_dim=32, vocab=10, dtype="float32")  # 96 dims > the sketch's 64
@@ -175,7 +177,7 @@ def test_the_sketch_is_the_same_however_the_stream_was_committed(tmp_path):
     assert "sketch.safetensors" in fa and "layers/01.p" in fa
     assert fa == fb == fc
     m = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    assert m["version"] == PLAIN_VERSION and m["sketch"]["trained_on"] == THRESHOLD  # no key equalisers, a key per query head: 5
+    assert m["version"] == FORMAT_VERSION and m["sketch"]["trained_on"] == THRESHOLD
     assert m["sketch"]["dims"] == sketch.DIMS
     assert (tmp_path / "a" / "layers/00.p").stat().st_size == sum(batches) * sketch.DIMS * 2
 
@@ -207,7 +209,7 @@ def test_readers_select_from_the_sketch_exactly_what_the_scan_selects(tmp_path, 
     _write(tmp_path / "s", [150, 150, 150, 150], commit_every=1, kv=kv, per_kv_head=per_kv_head)
     g = torch.Generator().manual_seed(7)
     with Store.open(tmp_path / "s") as st:
-        assert st.repr_heads == 3 and st.manifest["version"] == (7 if per_kv_head else 6 if kv else 5)
+        assert st.repr_heads == 3 and st.manifest["version"] == FORMAT_VERSION
         for layer in range(G.layers):
             ev = StoredEvents(st, layer)
             assert ev.sketch is not None and ev.retrieval_mapped  # a reader of a small store: through maps
@@ -273,7 +275,9 @@ def test_the_sketch_is_refitted_as_the_store_doubles(tmp_path, monkeypatch):
     v = _drifting(monkeypatch)
     _write(tmp_path / "s", [150, 150, 150, 150], commit_every=1)  # 600 events: fitted at 200, refitted at 400
     with Store.open(tmp_path / "s") as st:
-        assert st.manifest["sketch"] == {"file": "sketch-400.safetensors", "dims": 64, "trained_on": 400}
+        sk = st.manifest["sketch"]
+        assert {k: sk[k] for k in ("file", "dims", "trained_on")} == {"file": "sketch-400.safetensors", "dims": 64, "trained_on": 400}
+        assert sk["sha256"] == hashlib.sha256((tmp_path / "s" / sk["file"]).read_bytes()).hexdigest()
         names = {str(p.relative_to(tmp_path / "s")) for p in (tmp_path / "s").rglob("*")}
         assert {"layers/00.400.p", "layers/01.400.n", "sketch-400.safetensors"} <= names
         assert not names & {"sketch.safetensors", "layers/00.p", "layers/01.n"}  # the first sketch's files are gone

@@ -11,20 +11,25 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Callable
 
 from emllm.errors import UsageError
 from emllm.home import stores_dir
 
 
 def store_path(name: str) -> Path:
-    """A store as a user names it: a path when it looks like one or exists, else a name under the
-    home's stores folder."""
+    """A store as a user names it: a path when it looks like one or exists (followed where it is a
+    link: the user's), else a name under the home's stores folder (refused where that is a link)."""
     if not name.strip():  # Path("") is the current folder: never a store by accident
         raise UsageError("an empty store name")
     p = Path(name).expanduser()
     if "/" in name or name.startswith(".") or p.exists():
-        return p
-    return stores_dir() / name
+        return p  # a path the user typed: a link in it is theirs, and followed
+    p = stores_dir() / name
+    if p.is_symlink():  # a name never leads out of the home, whoever put the link there
+        raise UsageError(f"store {name!r} under {stores_dir()} is a symbolic link: emllm follows no link under its "
+                         f"home; name the store by its path (--store {os.readlink(p)})")
+    return p
 
 
 def is_store(path: Path) -> bool:
@@ -97,6 +102,29 @@ def summary(path: Path) -> dict:
         return store_summary(st)
 
 
+def verify_store(path: Path, progress: Callable[[int, int], None] | None = None) -> dict:
+    """Every committed byte of the store at `path` read and checked against its digest.
+
+    {"store", "checked" (False: a store written before digests), "files", "bytes", "problems"
+    (one line each: a file and what differs)}. progress(done, total) in bytes as it reads. A store
+    whose manifest or last bytes fail the checks at open raises StoreError before any is read."""
+    from emllm.store import Store
+
+    with Store.open(Path(path)) as st:
+        total, done = st.total_bytes(), 0
+
+        def step(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(done, total)
+
+        v = st.verify(step)
+    if v is None:
+        return {"store": str(path), "checked": False, "files": 0, "bytes": 0, "problems": []}
+    return {"store": str(path), "checked": True, "files": v.files, "bytes": v.bytes, "problems": [str(p) for p in v.problems]}
+
+
 def remove_store(path: Path) -> None:
     """Delete a store (refused while a writer holds it, and for a folder that is not a store)."""
     from emllm.store import remove_store as remove
@@ -111,4 +139,4 @@ def move_store(src: Path, dst: Path) -> None:
     move(Path(src), Path(dst))
 
 
-__all__ = ["store_path", "is_store", "folder_bytes", "list_stores", "summary", "remove_store", "move_store"]
+__all__ = ["store_path", "is_store", "folder_bytes", "list_stores", "summary", "verify_store", "remove_store", "move_store"]

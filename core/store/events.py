@@ -12,6 +12,7 @@ from emllm.memory import prune, sketch
 from emllm.memory.cache import EventCache
 from emllm.memory.buffers import GrowBuffer, token_index
 from emllm.memory.selection import Selection, scores_in_blocks, select_events, token_scores
+from emllm.store.errors import StoreError
 from emllm.store.rows import mappable, _BY_NAME, RowFile
 
 if TYPE_CHECKING:
@@ -19,6 +20,14 @@ if TYPE_CHECKING:
 
 
 RESIDENT_BLOCK = 1 << 14  # events read into the resident keys at a time
+
+
+def _finite_reprs(ev: "StoredEvents", x: Tensor) -> Tensor:
+    """Representative keys as read, refused where one is not finite (a score would be NaN)."""
+    if not bool(torch.isfinite(x).all()):
+        raise StoreError(f"{ev.store.path}: layer {ev.layer}'s representative keys are not finite: the store is "
+                         "damaged or was edited; it is refused")
+    return x
 
 
 # -- the event memory of one layer, backed by the store --------------------------------------------
@@ -189,7 +198,7 @@ class StoredEvents:
             x = self.ram_r.view()[start - n_file : stop - n_file]
         else:
             x = torch.cat((self.r.read_block(start, n_file), self.ram_r.view()[: stop - n_file]))
-        return self._decoded(x).reshape(stop - start, self.dim)
+        return _finite_reprs(self, self._decoded(x).reshape(stop - start, self.dim))
 
     def _decoded(self, rows: Tensor) -> Tensor:
         """Rows of `layers/NN.r` as keys: a float format's as they are, an integer one's decoded."""
@@ -263,7 +272,7 @@ class StoredEvents:
         rows = self.r.rows_at(disk) if self.retrieval_mapped else self.r.take(disk)
         if disk.numel() < ids.numel():
             rows = torch.cat((rows, self.ram_r.view()[ids[disk.numel() :] - self.r.rows]))
-        rows = self._decoded(rows).reshape(ids.numel(), self.dim)
+        rows = _finite_reprs(self, self._decoded(rows).reshape(ids.numel(), self.dim))
         return scores_in_blocks(ids.numel(), self.dim, lambda a, b: rows[a:b], query)
 
     def event_lengths(self) -> Tensor:
@@ -313,10 +322,18 @@ class StoredEvents:
         dec_v = lambda rows: self.fmt.decode(rows, self.dtype)  # noqa: E731
         take = (lambda f, i: f.rows_at(i, prefetch)) if self.random_access else RowFile.take
         if bool(disk.all()):
-            return dec_k(take(self.k, idx)), dec_v(take(self.v, idx))
+            return self._finite(dec_k(take(self.k, idx)), dec_v(take(self.v, idx)))
         k = torch.empty((idx.numel(), *self.row), dtype=self.dtype)
         v = torch.empty_like(k)
-        k[disk], v[disk] = dec_k(take(self.k, idx[disk])), dec_v(take(self.v, idx[disk]))
+        k[disk], v[disk] = self._finite(dec_k(take(self.k, idx[disk])), dec_v(take(self.v, idx[disk])))
         ram = idx[~disk] - self.n_disk
         k[~disk], v[~disk] = self.ram_k.view()[ram], self.ram_v.view()[ram]
+        return k, v
+
+    def _finite(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values read from the files, refused where one is not finite (a damaged store, or
+        one made to be: a model never writes them)."""
+        if not bool(torch.isfinite(k).all()) or not bool(torch.isfinite(v).all()):
+            raise StoreError(f"{self.store.path}: layer {self.layer}'s keys or values are not finite: the store is "
+                             "damaged or was edited; it is refused")
         return k, v

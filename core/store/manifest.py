@@ -16,18 +16,12 @@ from emllm.store.identity import Geometry
 # as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
 # a version-2 sketch is not used); a version-3 sketch is a version-4 one fitted once.
 
-FORMAT_VERSION = 7  # 5: kv_format (keys and values in a format of their own: bfloat16, int8, int4);
+FORMAT_VERSION = 8  # 5: kv_format (keys and values in a format of their own: bfloat16, int8, int4);
 # 6: key_equaliser (an integer store's keys equalised per channel before they are quantised);
-# 7: repr_heads (representative keys kept per KV head: mean keys of a GQA model, 1/group the bytes)
-# A store is written with the lowest version that reads it: one without key equalisers and with a
-# representative key per query head as version 5 (an emllm of version 5 reads it), an integer store
-# with key equalisers as version 6, one with a representative key per KV head as version 7.
-PLAIN_VERSION = 5
-
-
-def version_for(key_equaliser: bool, repr_heads: int, q_heads: int) -> int:
-    """The lowest store format version that reads a store of these features."""
-    return 7 if repr_heads != q_heads else 6 if key_equaliser else PLAIN_VERSION
+# 7: repr_heads (representative keys kept per KV head: mean keys of a GQA model, 1/group the bytes);
+# 8: digests (every committed byte hashed: emllm.store.digests). Every store is written as version 8:
+# an emllm before it could read one, but an append of its own would leave the digests behind the
+# bytes, and the store would then be refused as damaged.
 MANIFEST = "manifest.json"
 
 def checksum(manifest: dict) -> str:
@@ -128,6 +122,7 @@ def _str(d: Any, key: str, optional: bool = False, at: str = "") -> None:
 
 def _validate(m: dict) -> None:
     """Every field a store's readers and writers use, its type and range (raises _Invalid)."""
+    v = m["version"]
     for k in ("created", "updated"):
         _str(m, k)
     ident = m.get("identity")
@@ -195,8 +190,34 @@ def _validate(m: dict) -> None:
             _int(d, k)
         if "chars" in d:
             _int(d, "chars")
+    if v >= 8:
+        _digests(m, st, sk)
     if "stream" in m:
         s = m["stream"]
         _need(isinstance(s, dict) and isinstance(s.get("chat"), bool), "stream.chat is not true or false")
         _str(s, "prefix")
         _str(s, "suffix")
+
+
+def _hex(d: Any, key: str, at: str) -> None:
+    x = d.get(key) if isinstance(d, dict) else None
+    _need(isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x), f"{at}{key} is not a SHA-256")
+
+
+def _digests(m: dict, state: Any, sketch: Any) -> None:
+    """A version-8 store's digests: their entry, and the state's and sketch's."""
+    from emllm.store.digests import BLOCK, NAME
+
+    d = m.get("digests")
+    _need(isinstance(d, dict) and d.get("file") == NAME, "no digests (every store of version 8 has them)")
+    _need(d.get("block") == BLOCK, f"digests.block is {str(d.get('block'))[:20]!r}, not {BLOCK}")
+    _int(d, "records", at="digests.")
+    tails = d.get("tails")
+    _need(isinstance(tails, dict), "digests.tails is not a table")
+    for name in tails:
+        _need(isinstance(name, str) and len(name) < 256, "digests.tails names something that is not a file name")
+        _hex(tails, name, "digests.tails.")
+    if state is not None:
+        _hex(state, "sha256", "state.")
+    if sketch is not None:
+        _hex(sketch, "sha256", "sketch.")

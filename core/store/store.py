@@ -12,6 +12,8 @@ A store is a folder:
                              F: the events it was fitted on, refitted as the store doubles)
     layers/NN{.F}.p layers/NN{.F}.n           per layer, each event's sketch [dims] and its norms [3]
     job-G.i32                the tokens of the current ingest job (so --resume needs no input)
+    digests.bin              SHA-256 of each complete 64 KiB block of the files above (version 8;
+                             each file's last partial block's digest is in the manifest: store.digests)
     state-G.safetensors      what continues the stream: windows, remainder, masses, last logits
     lock                     held (flock) by the one writer
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import hashlib
 import json
 import os
 import re
@@ -46,7 +49,8 @@ from emllm.memory.quant import kv_format
 from emllm.store.errors import ModelMismatchError, StoreError, lock_store
 from emllm.store.files import Folder, UnsafePath, fsync_dir
 from emllm.store.identity import Geometry, Identity
-from emllm.store.manifest import MANIFEST, checksum, is_store, read_manifest, version_for
+from emllm.store.digests import NAME as DIGESTS, Digests, Problem, Verified
+from emllm.store.manifest import FORMAT_VERSION, MANIFEST, checksum, is_store, read_manifest
 from emllm.store.rows import _BY_NAME, RowFile
 
 
@@ -129,6 +133,8 @@ class Store:
         self._state_fd: int | None = None  # a reader's open state file (a commit may delete it meanwhile)
         self._unpublished: Path | None = None  # a new store's hidden folder, until its first commit
         self._tidy = False  # leftovers removed (tidy): once, before the first write
+        # version 8: every committed byte has a digest (emllm.store.digests); older stores have none
+        self.digests = Digests(self.folder, manifest, self.all_files(), writable) if manifest["version"] >= 8 else None
 
     # -- files -------------------------------------------------------------------------------
     def all_files(self) -> list[RowFile]:
@@ -140,6 +146,8 @@ class Store:
     def close(self) -> None:
         for rf in self.all_files():
             rf.close()
+        if self.digests is not None:
+            self.digests.close()
         if self._state_fd is not None:
             os.close(self._state_fd)
             self._state_fd = None
@@ -183,7 +191,7 @@ class Store:
             raise ValueError(f"repr_heads {hr}: neither the KV heads nor the query heads")
         manifest = {
             "format": "emllm-store",
-            "version": version_for(fmt.bits is not None, hr, geometry.q_heads),
+            "version": FORMAT_VERSION,
             "created": now,
             "updated": now,
             "identity": identity.as_dict(),
@@ -236,7 +244,7 @@ class Store:
             m = st.manifest
             if m["rows"]["tokens"] or m.get("job") or m["documents"] or m.get("state"):
                 raise StoreError(f"{path} is not empty: it is kept")
-            names = [MANIFEST, "tokens.i32", "surprise.f32", "flags.u8", "events.i32"]
+            names = [MANIFEST, "tokens.i32", "surprise.f32", "flags.u8", "events.i32", DIGESTS]
             names += [f"layers/{i:02d}.{x}" for i in range(st.geometry.layers) for x in "kvr"]
             folder = st.folder
             for name in names:
@@ -340,6 +348,11 @@ class Store:
             raise StoreError("layers in the store is a link or not a folder: the store is refused")
         for rf in self.all_files():
             rf.check_size()
+        if self.digests is not None:
+            problems = self.digests.check_open(self.all_files())
+            if problems:
+                raise StoreError(f"{self.path}: {problems[0]}: the store is damaged or was edited; it is refused "
+                                 "(`emllm inspect --verify` checks every byte)")
         for part in ("state", "sketch"):
             if self.manifest.get(part):
                 os.close(self._open(self.manifest[part]["file"]))
@@ -392,9 +405,10 @@ class Store:
         name = f"state-{gen}.safetensors"
         if self.all_tokens:  # the window's keys and values are in the layer files already
             engine_state = {k: v for k, v in engine_state.items() if not k.endswith(_IN_ROWS)}
-        self.folder.write_atomic(name, save({k: v.detach().cpu().contiguous() for k, v in engine_state.items()}))
+        data = save({k: v.detach().cpu().contiguous() for k, v in engine_state.items()})
+        self.folder.write_atomic(name, data)
         old = self.manifest["state"]
-        self.manifest["state"] = {"file": name, "generation": gen, **meta}
+        self.manifest["state"] = {"file": name, "generation": gen, **meta, **self._sha256(data)}
         rows = self.manifest["rows"]
         kv = self.layer_files[0][0].rows
         if self.all_tokens:
@@ -429,7 +443,7 @@ class Store:
             fd = self._open(name)
             try:
                 with os.fdopen(fd, "rb") as f:
-                    self._basis = load(f.read())
+                    self._basis = load(self._checked(f.read(), self.manifest["sketch"]))
                 g = self.geometry
                 for i in range(g.layers):
                     mean, basis = self._basis[f"{i}.mean"], self._basis[f"{i}.basis"]
@@ -548,7 +562,8 @@ class Store:
             mean, basis = sketch.fit_blocks(m, sample(r))
             tensors.update({f"{i}.mean": mean, f"{i}.basis": basis})
         name, layer_names = self._sketch_names(t)
-        self.folder.write_atomic(name, save(tensors))
+        data = save(tensors)
+        self.folder.write_atomic(name, data)
         old = self.manifest.get("sketch")
         if old is not None and self.sketch_files is not None:
             for p, nrm in self.sketch_files:
@@ -558,7 +573,7 @@ class Store:
             self._retired.append(old["file"])
         self._basis = tensors
         dims = tensors["0.basis"].shape[1]
-        self.manifest["sketch"] = {"file": name, "dims": dims, "trained_on": t}
+        self.manifest["sketch"] = {"file": name, "dims": dims, "trained_on": t, **self._sha256(data)}
         self.manifest["version"] = max(self.manifest["version"], 4)  # the sketch's layout is version 4's
         mk = lambda name, row, dtype: RowFile(self.folder, name, row, dtype, 0, True)  # noqa: E731
         self.sketch_files = [
@@ -637,7 +652,7 @@ class Store:
         try:
             with os.fdopen(fd, "rb") as f:
                 f.seek(0)
-                state = load(f.read())
+                state = load(self._checked(f.read(), self.manifest["state"]))
         except Exception as e:  # noqa: BLE001 - any parse failure is a damaged file
             raise StoreError(f"cannot read {name}: {e}; the store is damaged") from None
         if self.all_tokens:
@@ -662,12 +677,51 @@ class Store:
                     for x, rf in (("k", k), ("v", v)):
                         rows = rf.read_copy(a, b) if b > a else torch.zeros((0, *rf.row), dtype=rf.dtype)
                         x_ = self.decode_keys(i, rows, dt) if x == "k" else self.kv_format.decode(rows, dt)
+                        if not bool(torch.isfinite(x_).all()):
+                            raise StoreError(f"{self.path}: layer {i}'s keys or values are not finite: the store "
+                                             "is damaged or was edited; it is refused")
                         out[f"layer{i}.{part}_{x}"] = x_.transpose(0, 1).contiguous()
         except (KeyError, ValueError, IndexError) as e:
             raise StoreError(f"{self.path}: its state does not fit its rows ({e}): the store is damaged") from None
         return out
 
+    def _sha256(self, data: bytes) -> dict:
+        """A file's digest for its manifest entry (version 8)."""
+        return {"sha256": hashlib.sha256(data).hexdigest()} if self.digests is not None else {}
+
+    @staticmethod
+    def _checked(data: bytes, entry: dict) -> bytes:
+        """A whole file's bytes, checked against its manifest entry's digest where it has one."""
+        if "sha256" in entry and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise ValueError("its bytes differ from their digest (edited or damaged)")
+        return data
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> "Verified | None":
+        """Every committed byte against its digest (None: a store written before digests)."""
+        if self.digests is None:
+            return None
+        out = self.digests.verify(self.all_files(), progress)
+        for part in ("state", "sketch"):
+            entry = self.manifest.get(part)
+            if entry:
+                fd = self._open(entry["file"])
+                with os.fdopen(fd, "rb") as f:
+                    data = f.read()
+                out.files += 1
+                out.bytes += len(data)
+                try:
+                    self._checked(data, entry)
+                except ValueError:
+                    out.problems.append(Problem(entry["file"], "differs from its digest"))
+        return out
+
+    def total_bytes(self) -> int:
+        """Committed bytes of the append-only files (what `verify` reads, but the state and sketch)."""
+        return sum(rf.rows * rf.row_bytes for rf in self.all_files())
+
     def _write_manifest(self) -> None:
+        if self.digests is not None:  # the bytes this manifest commits, hashed and their records synced
+            self.manifest["digests"] = self.digests.seal(self.all_files())
         self.manifest["checksum"] = checksum(self.manifest)
         self.folder.write_atomic(MANIFEST, (json.dumps(self.manifest, indent=1) + "\n").encode())
         if self._unpublished is not None:
@@ -703,7 +757,8 @@ class Store:
 
     # -- reading -------------------------------------------------------------------------------
     def bytes_on_disk(self) -> dict[str, int]:
-        parts = {"tokens": 0, "events": 0, "keys+values": 0, "representative keys": 0, "sketch": 0, "state": 0, "job": 0}
+        parts = {"tokens": 0, "events": 0, "keys+values": 0, "representative keys": 0, "sketch": 0, "state": 0, "job": 0,
+                 "digests": 0}
         names = [n for n in self.folder.names()]
         try:
             names += [f"layers/{n}" for n in self.folder.names("layers")]
@@ -725,6 +780,8 @@ class Store:
                 parts["state"] += n
             elif name.startswith("job-"):
                 parts["job"] += n
+            elif name == DIGESTS:
+                parts["digests"] += n
             elif name == "events.i32":
                 parts["events"] += n
             elif name in ("tokens.i32", "surprise.f32", "flags.u8"):
