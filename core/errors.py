@@ -14,4 +14,9 @@ class UsageError(EmllmError, ValueError):
     conversation whose last message is not the user's."""
 
 
-__all__ = ["EmllmError", "UsageError"]
+class NotFiniteError(EmllmError):
+    """The model's output holds NaN or infinities: read from keys or values that do (a damaged or
+    edited store), or from weights that do."""
+
+
+__all__ = ["EmllmError", "UsageError", "NotFiniteError"]

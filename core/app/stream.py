@@ -112,6 +112,7 @@ def open_engine(store: Store, model: Any, kv_cache_mb: int | None = None) -> Eng
         raise StoreError(f"{store.path}: representative keys per KV head with representative "
                          f"{profile.representative!r}: the store is damaged or was edited")
     engine = Engine(model, profile, memory=lambda i: StoredEvents(store, i, kv_cache_mb))
+    engine.source = str(store.path)
     state = store.load_state()
     if state:
         try:

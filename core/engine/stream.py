@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from emllm.errors import EmllmError
+from emllm.errors import EmllmError, NotFiniteError
 from emllm.math import attention
 from emllm.config import Profile
 from emllm.memory.buffers import GrowBuffer
@@ -146,6 +146,7 @@ class Engine:
         self.flags = GrowBuffer((0,), 0, torch.bool, torch.device("cpu"))
         self.rem_start = profile.n_init  # stream position of the first token not yet in an event
         self.last_logits: Tensor | None = None  # [V] predicts the next token
+        self.source: str | None = None  # the store the memory is read from, named in errors
         self.on_retrieval: Callable[[int, Selection, Tensor], None] | None = None
         self.answering = False  # a question is being read or answered (`begin_question`)
         self._groups: tuple[tuple[int, int], Tensor] | None = None  # `event_groups`: ((events, rem_start), labels)
@@ -241,7 +242,15 @@ class Engine:
                 s[0] = float("nan")
         else:
             s = torch.full((c,), float("nan"))
-        self.last_logits = logits[-1].float()
+        last = logits[-1].float()
+        # NaN and infinities in any key or value the step read reach the last token's logits (they
+        # carry through softmax and every product after it): one sum a step refuses them
+        if not bool(torch.isfinite(last.sum())):
+            raise NotFiniteError(f"{self.source + ': ' if self.source else ''}the model's output is not finite at token "
+                                 f"{self.n_tokens + c}: " + ("keys or values read from the store are not finite (it is "
+                                 "damaged or was edited); it is refused" if self.source else "its weights or inputs hold NaN "
+                                 "or infinities"))
+        self.last_logits = last
         start = self.n_tokens
         self.ids.append(chunk.cpu())
         self.surprise.append(s)

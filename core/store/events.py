@@ -13,7 +13,7 @@ from emllm.memory.cache import EventCache
 from emllm.memory.buffers import GrowBuffer, token_index
 from emllm.memory.selection import Selection, scores_in_blocks, select_events, token_scores
 from emllm.store.errors import StoreError
-from emllm.store.rows import mappable, _BY_NAME, RowFile
+from emllm.store.rows import finite, mappable, _BY_NAME, RowFile
 
 if TYPE_CHECKING:
     from emllm.store.store import Store
@@ -23,8 +23,10 @@ RESIDENT_BLOCK = 1 << 14  # events read into the resident keys at a time
 
 
 def _finite_reprs(ev: "StoredEvents", x: Tensor) -> Tensor:
-    """Representative keys as read, refused where one is not finite (a score would be NaN)."""
-    if not bool(torch.isfinite(x).all()):
+    """Representative keys as read (once, into the resident ones), or the scores of those read at
+    every step, refused where one is not finite. (Keys and values need no check of their own: what
+    is not finite in them reaches the step's logits, which the engine checks.)"""
+    if not finite(x):
         raise StoreError(f"{ev.store.path}: layer {ev.layer}'s representative keys are not finite: the store is "
                          "damaged or was edited; it is refused")
     return x
@@ -198,7 +200,7 @@ class StoredEvents:
             x = self.ram_r.view()[start - n_file : stop - n_file]
         else:
             x = torch.cat((self.r.read_block(start, n_file), self.ram_r.view()[: stop - n_file]))
-        return _finite_reprs(self, self._decoded(x).reshape(stop - start, self.dim))
+        return self._decoded(x).reshape(stop - start, self.dim)
 
     def _decoded(self, rows: Tensor) -> Tensor:
         """Rows of `layers/NN.r` as keys: a float format's as they are, an integer one's decoded."""
@@ -218,7 +220,8 @@ class StoredEvents:
         n = min(len(self), self.resident_cap)
         # the events past what stays resident are scanned from the file (exact scores), the rest
         # estimated from RAM: the scan's selection either way
-        tail = None if n == len(self) else scores_in_blocks(len(self) - n, self.dim, lambda a, b: self._repr_block(n + a, n + b), q)
+        tail = None if n == len(self) else _finite_reprs(self, scores_in_blocks(
+            len(self) - n, self.dim, lambda a, b: self._repr_block(n + a, n + b), q))
         return prune.select(self._resident_rows(n), self.resident_norms.view(), q, self.event_lengths(), budget, tail)
 
     def token_scores(self, queries: Tensor) -> Tensor:
@@ -227,7 +230,7 @@ class StoredEvents:
         n = len(self)
         # the resident keys where a selection keeps them; else the file's, read once for all T
         rows = self._resident_rows(n) if n <= self.resident_cap else self._repr_block(0, n)
-        return token_scores(n, self.dim, lambda a, b: rows[a:b], queries.cpu())
+        return _finite_reprs(self, token_scores(n, self.dim, lambda a, b: rows[a:b], queries.cpu()))
 
     def _sketched(self) -> bool:
         """Whether a selection goes through the sketch: a reader's, once its events' keys no longer
@@ -245,7 +248,7 @@ class StoredEvents:
             self.resident_norms.reserve(room)
         for a in range(self.resident.n, n, RESIDENT_BLOCK):
             b = min(n, a + RESIDENT_BLOCK)
-            x = self._repr_block(a, b).to(self.resident.buf.dtype)
+            x = _finite_reprs(self, self._repr_block(a, b).to(self.resident.buf.dtype))
             self.resident.append(x)
             self.resident_norms.append(prune.norms_up(x))
         return self.resident.view()
@@ -322,18 +325,10 @@ class StoredEvents:
         dec_v = lambda rows: self.fmt.decode(rows, self.dtype)  # noqa: E731
         take = (lambda f, i: f.rows_at(i, prefetch)) if self.random_access else RowFile.take
         if bool(disk.all()):
-            return self._finite(dec_k(take(self.k, idx)), dec_v(take(self.v, idx)))
+            return dec_k(take(self.k, idx)), dec_v(take(self.v, idx))
         k = torch.empty((idx.numel(), *self.row), dtype=self.dtype)
         v = torch.empty_like(k)
-        k[disk], v[disk] = self._finite(dec_k(take(self.k, idx[disk])), dec_v(take(self.v, idx[disk])))
+        k[disk], v[disk] = dec_k(take(self.k, idx[disk])), dec_v(take(self.v, idx[disk]))
         ram = idx[~disk] - self.n_disk
         k[~disk], v[~disk] = self.ram_k.view()[ram], self.ram_v.view()[ram]
-        return k, v
-
-    def _finite(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values read from the files, refused where one is not finite (a damaged store, or
-        one made to be: a model never writes them)."""
-        if not bool(torch.isfinite(k).all()) or not bool(torch.isfinite(v).all()):
-            raise StoreError(f"{self.store.path}: layer {self.layer}'s keys or values are not finite: the store is "
-                             "damaged or was edited; it is refused")
         return k, v

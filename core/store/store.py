@@ -51,7 +51,7 @@ from emllm.store.files import Folder, UnsafePath, fsync_dir
 from emllm.store.identity import Geometry, Identity
 from emllm.store.digests import NAME as DIGESTS, Digests, Problem, Verified
 from emllm.store.manifest import FORMAT_VERSION, MANIFEST, checksum, is_store, read_manifest
-from emllm.store.rows import _BY_NAME, RowFile
+from emllm.store.rows import _BY_NAME, RowFile, finite
 
 
 # A version-5 state leaves out what the layer files hold: each layer's initial tokens', remainder's
@@ -677,7 +677,7 @@ class Store:
                     for x, rf in (("k", k), ("v", v)):
                         rows = rf.read_copy(a, b) if b > a else torch.zeros((0, *rf.row), dtype=rf.dtype)
                         x_ = self.decode_keys(i, rows, dt) if x == "k" else self.kv_format.decode(rows, dt)
-                        if not bool(torch.isfinite(x_).all()):
+                        if not finite(x_):
                             raise StoreError(f"{self.path}: layer {i}'s keys or values are not finite: the store "
                                              "is damaged or was edited; it is refused")
                         out[f"layer{i}.{part}_{x}"] = x_.transpose(0, 1).contiguous()
