@@ -83,7 +83,7 @@ def ask(
         if remember:
             with render.status("remembering the exchange"):
                 mem.remember(answer)
-        span = mem.store.manifest["rows"]["tokens"]
+        span = mem.info.rows.tokens
     if answer.retrieval is not None and not as_json:  # with --json the retrieval is in the document
         render.err.print(render.retrieval_view(answer.retrieval, span))
     if as_json:

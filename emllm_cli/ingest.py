@@ -90,11 +90,11 @@ def ingest(
             for doc_name, was in duplicates:  # allowed (it may be meant), but rarely what one wants
                 render.err.print(f"[yellow]note:[/yellow] {render.shown(doc_name)}: the store held this text already "
                                  f"(as {render.shown(was)}); it was added again")
-        job = mem.job or {"tokens": 0, "done": 0}
-        t0, done0 = time.perf_counter(), job["done"]
+        job = mem.job
+        t0, done0 = time.perf_counter(), job.done if job is not None else 0
         try:
             with render.progress(transient=False) as bar:
-                task = bar.add_task("ingesting", total=job["tokens"], completed=job["done"], rate="")
+                task = bar.add_task("ingesting", total=job.tokens if job is not None else 0, completed=done0, rate="")
 
                 def show(p: emllm.Progress) -> None:
                     rate = (p.done - done0) / max(time.perf_counter() - t0, 1e-9)
@@ -103,7 +103,7 @@ def ingest(
                 report = mem.resume(commit_every=commit_every, progress=show, kv_cache_mb=kv_cache_mb)
         except KeyboardInterrupt:
             j = mem.job
-            render.err.print(f"emllm: interrupted: the store keeps {j['done']} of {j['tokens']} tokens of this job; "
+            render.err.print(f"emllm: interrupted: the store keeps {j.done} of {j.tokens} tokens of this job; "
                              f"finish with: emllm ingest --resume --store {render.shown(store)} (or the same command again)")
             raise typer.Exit(130) from None
     summary = report.summary

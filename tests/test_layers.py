@@ -182,3 +182,27 @@ def test_the_cli_and_the_server_go_through_the_front_door():
 def test_the_front_door_check_fails_on_an_internal_import(tmp_path):
     (tmp_path / "cmd.py").write_text("def f():\n    from emllm.app.ask import Session\n")
     assert front_door_breaches(tmp_path, ()) == ["cmd.py: emllm.app.ask"]
+
+
+def raw_manifest_reads(roots: list[Path]) -> list[str]:
+    """Places that read a store's manifest as a raw dict (`x.manifest`, `read_manifest`) outside
+    emllm.store: the rest of the code reads the typed `Store.info` (`emllm.store.manifest.Manifest`)."""
+    out = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            if ROOT / "store" in path.parents:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+                if name in ("manifest", "read_manifest", "pending_count"):
+                    out.append(f"{path.name}:{node.lineno}: {name}")
+    return out
+
+
+def test_the_manifest_is_read_typed_outside_the_store():
+    assert raw_manifest_reads([ROOT, CLI]) == []
+
+
+def test_the_manifest_check_fails_on_a_raw_read(tmp_path):
+    (tmp_path / "x.py").write_text("def f(st):\n    return st.manifest['rows']\n")
+    assert raw_manifest_reads([tmp_path]) == ["x.py:2: manifest"]

@@ -34,8 +34,8 @@ from emllm.app.trace import Trace
 from emllm.config import Profile, ProfileMismatchError
 from emllm.engine.sampling import Sampling
 from emllm.errors import UsageError
-from emllm.store import Identity, Store, StoreError, is_store, read_manifest
-from emllm.store.manifest import MANIFEST
+from emllm.store import Identity, Store, StoreError, is_store, read_info
+from emllm.store.manifest import MANIFEST, Job, Manifest
 
 # The re-read's defaults, decided here only (docs/benchmarks.md measures both readings): a question
 # about a document is answered better from the passages read again; a conversation's recent turns
@@ -180,31 +180,31 @@ def plan_ingest(path: Path, documents: list[str], append: bool = False, resume: 
             raise StoreError(f"no store at {path} to {'append to' if append else 'resume'}; create it with "
                              f"`emllm ingest FILE --store {name}`")
         return IngestPlan("create", [])
-    m = read_manifest(path)
-    job = m.get("job")
-    unfinished = bool(job and not job["complete"])
+    m = read_info(path)
+    job = m.job
+    unfinished = not m.complete
     notes: list[str] = []
     mode = "append" if append else "resume" if resume else "create"
     if documents and unfinished and ing.continues_job(m, [file_sha256(d) for d in documents]):
-        notes.append(f"continuing the interrupted ingest of these documents ({job['done']} of {job['tokens']} tokens read)")
+        notes.append(f"continuing the interrupted ingest of these documents ({job.done} of {job.tokens} tokens read)")
         mode = "resume"
     elif append and unfinished:
-        raise StoreError(f"store {name!r} has an unfinished ingest ({job['done']} of {job['tokens']} tokens "
+        raise StoreError(f"store {name!r} has an unfinished ingest ({job.done} of {job.tokens} tokens "
                          f"read): finish it first with `emllm ingest --resume --store {name}`")
     elif mode == "create":
-        if not ing.is_empty(m):
+        if not m.empty:
             where = f"{name!r}" + (f" ({path})" if str(path) != name else "")
             raise StoreError(f"store {where} already exists: add with --append, or choose another --store")
         notes.append(f"{path} held an empty store (an interrupted create): it is made anew")
         Store.remove_empty(path)
         return IngestPlan("create", notes)
-    elif resume and not unfinished and ing.is_empty(m):
+    elif resume and not unfinished and m.empty:
         raise StoreError(f"store {name!r} holds nothing: the ingest that created it was interrupted before its "
                          f"text was saved; run it again: emllm ingest FILE --store {name}")
-    if not chat and m.get("stream", {}).get("chat"):  # the layout is the store's, fixed when it was made
+    if not chat and m.stream is not None and m.stream.chat:  # the layout is the store's, fixed when it was made
         raise UsageError("this store's stream is in the model's chat template (set when it was created): omit "
                          "--raw, or ingest into a new store")
-    held = m.get("kv_format") or m["geometry"]["dtype"]
+    held = m.kv_format
     if kv_format not in (None, "auto", held):
         raise StoreError(f"store {name!r} keeps keys and values in {held} (fixed when it was created): omit "
                          f"--format, or ingest into a new store")
@@ -257,14 +257,20 @@ class Memory:
         return self._model
 
     @property
-    def job(self) -> dict | None:
-        """The store's last ingest job: {"tokens", "done", "complete", ...} (None: nothing ingested)."""
-        return self._store.manifest.get("job")
+    def info(self) -> Manifest:
+        """What the store has committed, typed: rows, job, documents, profile, identity, geometry."""
+        return self._store.info
+
+    @property
+    def job(self) -> Job | None:
+        """The store's last ingest job: its tokens, how many are done, whether it is complete
+        (None: nothing ingested)."""
+        return self._store.info.job
 
     @property
     def chat(self) -> bool:
         """Whether the stream is laid out in the model's chat template."""
-        return bool(self._store.manifest.get("stream", {}).get("chat"))
+        return self._store.info.stream is not None and self._store.info.stream.chat
 
     def summary(self) -> dict:
         return store_summary(self._store)
@@ -291,7 +297,7 @@ class Memory:
         st = self._writable_store()
         engine = open_engine(st, self.model, kv_cache_mb)  # a store that cannot continue fails before any write
         before = st.tokens.rows + len(pending_tokens(st))  # the stream's length before this job
-        held = list(st.manifest["documents"])
+        held = st.info.documents
         try:
             ing.add_documents(st, self.tokenizer, named, check_space=check_space)
         except BaseException:
@@ -311,11 +317,10 @@ class Memory:
         else:
             engine = open_engine(st, self.model, kv_cache_mb)
             before = st.tokens.rows + len(pending_tokens(st))
-            job = st.manifest.get("job")
-            if job and not job["complete"]:
-                ing.check_disk(st, job["tokens"] - job["done"])
-        job = st.manifest.get("job")
-        done0, was_complete = (job["done"], job["complete"]) if job else (0, True)
+            if not st.info.complete:
+                ing.check_disk(st, st.info.pending)
+        job = st.info.job
+        done0, was_complete = (job.done, job.complete) if job is not None else (0, True)
         t0 = time.perf_counter()
         ing.run_job(st, engine, commit_every, progress)
         self._ready = None
@@ -512,13 +517,13 @@ def open(path: str | Path, writable: bool = False, model: str | Model | None = N
     path = Path(path)
     if not isinstance(model, Model):
         o = open_store(path, writable=writable, model=model, profile=profile, log=log, dtype=dtype)
-        name = o.store.manifest["identity"]["model"]
+        name = o.store.info.model
         return Memory(o.store, Model(name, o.model, o.tok, store_profile(o.store), o.source.name))
     st = Store.open(path, writable=writable)
     try:
-        st.check_identity(dataclasses.replace(model.identity(), model=st.manifest["identity"]["model"]))
+        st.check_identity(dataclasses.replace(model.identity(), model=st.info.model))
         if profile is not None and models.load_profile(profile) != store_profile(st):
-            raise ProfileMismatchError(f"the store uses profile {st.manifest['profile']['name']!r}; a store keeps one profile")
+            raise ProfileMismatchError(f"the store uses profile {st.info.profile.name!r}; a store keeps one profile")
     except BaseException:
         st.close()
         raise

@@ -26,17 +26,18 @@ class Session:
     """One question against a store (read-only)."""
 
     def __init__(self, store: Store, model: Any, tok: Any, kv_cache_mb: int | None = None, reread: bool = False) -> None:
-        job = store.manifest.get("job")
+        info = store.info
+        job = info.job
         # An ingest under way (or interrupted): the answer comes from the last commit, the part of
         # its job read so far; what it has not read yet is left out, not read here.
-        self.unfinished: tuple[int, int] | None = (job["done"], job["tokens"]) if job and not job["complete"] else None
+        self.unfinished: tuple[int, int] | None = (job.done, job.tokens) if job is not None and not job.complete else None
         self.tail: list[int] = [] if self.unfinished else pending_tokens(store)
-        if "stream" not in store.manifest:
+        if info.stream is None:
             raise StoreError(f"{store.path} records no stream layout: it was not written by an ingest")
         # An empty store (a conversation's first question): the stream starts here, with the
         # template's opening of a user turn, which the store does not hold yet (`lead`).
         self.empty = store.tokens.rows == 0 and not self.tail
-        prefix = store.manifest["stream"]["prefix"]
+        prefix = info.stream.prefix
         self.lead: list[int] = encode_framing(tok, prefix) if self.empty and prefix else []
         self.tail = self.tail + self.lead
         # A question opening a user turn of its own (an empty store's first, or one after a
@@ -50,11 +51,11 @@ class Session:
 
     def question_ids(self, question: str) -> list[int]:
         """The question closing the user turn (without the stream's pending tail)."""
-        fmt = self.store.manifest["stream"]
+        fmt = self.store.info.stream
         sep = "" if self.turn_start else SEPARATOR
-        if fmt["chat"]:  # the template's closing is emllm's framing: its special tokens count
-            return encode(self.tok, sep + question.strip()) + encode_framing(self.tok, fmt["suffix"])
-        return encode(self.tok, sep + question.strip() + fmt["suffix"])
+        if fmt.chat:  # the template's closing is emllm's framing: its special tokens count
+            return encode(self.tok, sep + question.strip()) + encode_framing(self.tok, fmt.suffix)
+        return encode(self.tok, sep + question.strip() + fmt.suffix)
 
     def read_question(self, question: str) -> Tensor:
         """Feed the pending tail, then the question; returns the logits that predict the answer's

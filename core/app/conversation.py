@@ -57,7 +57,7 @@ class Conversation:
                 tr.detach()
                 self.last_retrieval = retrieval_doc(tr, st, self.tok, question, window_start=session.engine.window_start)
         if self.remember:
-            self._append(lead + q_ids + answer + encode_framing(self.tok, reopen_text(self.tok, st.manifest["stream"]["chat"])))
+            self._append(lead + q_ids + answer + encode_framing(self.tok, reopen_text(self.tok, st.info.stream.chat)))
 
 
     def say_all(self, question: str, **kw: Any) -> str:
@@ -66,7 +66,7 @@ class Conversation:
     def _append(self, ids: list[int]) -> None:
         mark = None
         with Store.open(self.path) as st:
-            can_mark = not st.manifest.get("sketch")
+            can_mark = not st.info.has_sketch
         if can_mark:  # for undo: what the store was before this exchange (a few MB)
             mark = self._tmp / f"mark-{len(self._marks)}"
             save_mark(self.path, mark)
@@ -100,9 +100,8 @@ def exchange_ids(session: Session, question: str) -> list[int]:
     """The tokens an answered exchange adds to the stream: what the store did not hold before the
     question (an empty store's opening), the question's turn, the answer, the template's
     reopening of a user turn."""
-    fmt = session.store.manifest["stream"]
     return (session.lead + session.question_ids(question) + session.answered
-            + encode_framing(session.tok, reopen_text(session.tok, fmt["chat"])))
+            + encode_framing(session.tok, reopen_text(session.tok, session.store.info.stream.chat)))
 
 
 def remember_exchange(path: Path, model: Any, tok: Any, ids: list[int], kv_cache_mb: int | None = None,
@@ -110,7 +109,7 @@ def remember_exchange(path: Path, model: Any, tok: Any, ids: list[int], kv_cache
     """Append an exchange's tokens (`exchange_ids`) to the store at `path` and commit them."""
     with Store.open(path, writable=True) as st:
         engine = open_engine(st, model, kv_cache_mb)
-        add_tokens(st, ids, {"name": f"exchange {st.manifest['rows']['tokens']}", "kind": "exchange"})
+        add_tokens(st, ids, {"name": f"exchange {st.info.rows.tokens}", "kind": "exchange"})
         run_job(st, engine, commit_every)
 
 
@@ -129,8 +128,7 @@ def messages_ids(session: Session, messages: list[dict]) -> tuple[list[int], str
     if not messages or messages[-1].get("role") != "user":
         raise UsageError("the last message must be the user's")
     tok = session.tok
-    fmt = session.store.manifest["stream"]
-    reopen = encode_framing(tok, reopen_text(tok, fmt["chat"]))
+    reopen = encode_framing(tok, reopen_text(tok, session.store.info.stream.chat))
     ids: list[int] = []
     system = "\n\n".join(_text(m) for m in messages if m.get("role") in ("system", "developer"))
     turns = [m for m in messages if m.get("role") in ("user", "assistant")]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ from emllm.app.stream import SEPARATOR, encode, encode_framing, opens_a_turn, pe
 from emllm.app.textinput import TextSource, cut_rules, token_pieces
 from emllm.engine.stream import Engine
 from emllm.store import Store, StoreError
+from emllm.store.manifest import Document, Manifest
 
 class DiskSpaceError(StoreError):
     """Not enough free disk for what an ingest would write."""
@@ -32,18 +33,18 @@ class DiskSpaceError(StoreError):
 def bytes_per_token(store: Store) -> float:
     """Bytes a store grows by per token read: keys and values of every layer, a share of a
     representative key (one per event; events are at least min_block tokens), the token arrays."""
-    g, prof = store.geometry, store.manifest["profile"]
+    g, prof = store.geometry, store.info.profile
     fmt = store.kv_format
     kv = g.layers * 2 * fmt.row_bytes(g.kv_heads, g.head_dim)
-    reprs = g.layers * fmt.reprs.row_bytes(store.repr_heads, g.head_dim) / max(1, prof.get("min_block", 1))
+    reprs = g.layers * fmt.reprs.row_bytes(store.repr_heads, g.head_dim) / max(1, prof.min_block)
     return kv + reprs + 4 + 4 + 1
 
 
 def state_bytes(store: Store) -> int:
     """An upper bound of a state file (a commit writes the new one before it deletes the old)."""
-    g, prof = store.geometry, store.manifest["profile"]
+    g, prof = store.geometry, store.info.profile
     size = {"float32": 4, "float16": 2, "bfloat16": 2}[g.dtype]
-    held = prof.get("n_init", 0) + prof.get("n_local", 0) + 2 * prof.get("max_block", 0) + prof.get("chunk_size", 0)
+    held = prof.n_init + prof.n_local + 2 * prof.max_block + prof.chunk_size
     return g.layers * held * (2 * g.kv_heads * g.head_dim * size + 2 * g.q_heads * 4) + g.vocab * 4 + (1 << 20)
 
 
@@ -70,8 +71,7 @@ def add_documents(store: Store, tok: Any, docs: list[tuple[str, str | TextSource
     written to the job file as they come: memory does not grow with the document). Nothing is
     committed until every document has been read: an error or an interrupt leaves the store as it was.
     check_space: refuse (DiskSpaceError, before the commit) a job whose store would not fit the disk."""
-    job = store.manifest.get("job")
-    if job and not job["complete"]:
+    if not store.info.complete:
         raise StoreError(f"{store.path} has an unfinished ingest; finish it first (resume)")
     pending = pending_tokens(store)
     first = store.tokens.rows == 0 and not pending
@@ -83,7 +83,7 @@ def add_documents(store: Store, tok: Any, docs: list[tuple[str, str | TextSource
     try:
         writer.append(torch.tensor(pending, dtype=torch.int32))
         for i, (name, src) in enumerate(docs):
-            prefix = store.manifest["stream"]["prefix"]
+            prefix = store.info.stream.prefix
             head = encode_framing(tok, prefix) if first and i == 0 and prefix else []
             sep = [] if (turn and i == 0) else encode(tok, SEPARATOR)
             writer.append(torch.tensor(head + sep, dtype=torch.int32))
@@ -109,8 +109,7 @@ def add_tokens(store: Store, ids: list[int], document: dict) -> int:
     """Queue token ids that emllm laid out itself (an exchange of a conversation: the question's
     turn, the answer, the template's framing) as a new job after what is pending; `document`
     describes them in the manifest ({"name", "kind"}). Returns the job's token count."""
-    job = store.manifest.get("job")
-    if job and not job["complete"]:
+    if not store.info.complete:
         raise StoreError(f"{store.path} has an unfinished ingest; finish it first (resume)")
     pending = pending_tokens(store)
     writer = store.begin_job()
@@ -139,12 +138,12 @@ def run_job(
     Resumable: the job's tokens and how far it got are in the store, and commits fall on chunk
     borders of the job, so a resumed run chunks (and computes) exactly as an uninterrupted one.
     """
-    job = store.manifest["job"]
-    if job is None or job["complete"]:
+    job = store.info.job
+    if job is None or job.complete:
         store.commit_sketch()  # a store written before sketches existed gets one here (--resume)
         return
     cs = engine.profile.chunk_size
-    done, n = job["done"], job["tokens"]
+    done, n = job.done, job.tokens
     since = 0
     while n - done >= cs:
         engine.step(store.job.read_copy(done, done + cs).long())  # a chunk at a time: RAM flat in the job's size
@@ -168,14 +167,13 @@ def _commit(store: Store, engine: Engine, done: int, complete: bool) -> None:
     store.flags.append(engine.flags.view()[t0:].to(torch.uint8))
     e0 = store.events.rows
     store.events.append(engine.windows[0].events.event_lengths()[e0:].to(torch.int32))
-    store.manifest["job"] = {**store.manifest["job"], "done": done, "complete": complete}
-    store.commit(engine.state_dict(), {"tokens": engine.n_tokens, "events": engine.n_events})
+    store.commit(engine.state_dict(), {"tokens": engine.n_tokens, "events": engine.n_events}, done, complete)
 
 
-def duplicates(held: list[dict], docs: list[tuple[str, str | TextSource]]) -> list[tuple[str, str]]:
+def duplicates(held: Sequence[Document], docs: list[tuple[str, str | TextSource]]) -> list[tuple[str, str]]:
     """(name, name it was held under) for each document whose text a store held already (`held`:
     its documents before; a TextSource's sha256 is known once it has been read)."""
-    seen = {d.get("sha256"): d["name"] for d in held}
+    seen = {d.sha256: d.name for d in held if d.sha256 is not None}
     out = []
     for name, src in docs:
         sha = hashlib.sha256(src.encode()).hexdigest() if isinstance(src, str) else src.sha256
@@ -184,37 +182,31 @@ def duplicates(held: list[dict], docs: list[tuple[str, str | TextSource]]) -> li
     return out
 
 
-def is_empty(manifest: dict) -> bool:
-    """A store with nothing in it: no rows, no job, no document (a create interrupted by an emllm
-    that named its store at once)."""
-    return not manifest["rows"]["tokens"] and not manifest.get("job") and not manifest["documents"]
-
-
-def continues_job(manifest: dict, sha256s: list[str | None]) -> bool:
+def continues_job(m: Manifest, sha256s: list[str | None]) -> bool:
     """Whether the store's unfinished job is these texts, in order (so running the interrupted
     command again continues it). None: a text whose hash is unknown (stdin)."""
-    job = manifest.get("job")
-    k = (job or {}).get("documents")
-    if not job or job["complete"] or not k or k != len(sha256s):
+    job = m.job
+    k = job.documents if job is not None else None
+    if job is None or job.complete or not k or k != len(sha256s):
         return False
-    theirs = [d.get("sha256") for d in manifest["documents"][-k:]]
+    theirs = [d.sha256 for d in m.documents[-k:]]
     return all(s is not None and s == t for s, t in zip(sha256s, theirs))
 
 
 def run_summary(store: Store, before: int, done0: int, was_complete: bool, added: bool, seconds: float) -> dict:
     """What an ingest run did, as data. before: the stream's length (with its pending tail) before
     the run; done0, was_complete: the job's progress when the run began; added: documents added."""
-    m = store.manifest
+    m = store.info
     pending = len(pending_tokens(store))
-    tokens = m["rows"]["tokens"] + pending
-    read = m["job"]["done"] - done0  # tokens the model read this run (the rate's numerator)
+    tokens = m.rows.tokens + pending
+    read = m.job.done - done0  # tokens the model read this run (the rate's numerator)
     return {
-        "store": str(store.path), "model": m["identity"]["model"], "profile": m["profile"]["name"],
-        "documents": [d["name"] for d in m["documents"]], "tokens": tokens,
-        "events": m["rows"]["events"],
+        "store": str(store.path), "model": m.model, "profile": m.profile.name,
+        "documents": [d.name for d in m.documents], "tokens": tokens,
+        "events": m.rows.events,
         # what this run took in: the documents it added (with separators), or for a resume the
         # interrupted job's tokens still unread when it began (0 if that job had finished)
-        "ingested_tokens": tokens - before if added else (0 if was_complete else m["job"]["tokens"] - done0),
+        "ingested_tokens": tokens - before if added else (0 if was_complete else m.job.tokens - done0),
         # a tail short of a chunk waits for the next append or the question, unread
         "pending_tokens": pending, "read_tokens": read,
         "seconds": round(seconds, 2), "tokens_per_second": round(read / max(seconds, 1e-9), 1),
@@ -222,4 +214,4 @@ def run_summary(store: Store, before: int, done0: int, was_complete: bool, added
     }
 
 
-__all__ = ["add_documents", "add_tokens", "run_job", "Progress", "DiskSpaceError", "check_disk", "bytes_per_token", "duplicates", "is_empty", "continues_job", "run_summary"]
+__all__ = ["add_documents", "add_tokens", "run_job", "Progress", "DiskSpaceError", "check_disk", "bytes_per_token", "duplicates", "continues_job", "run_summary"]

@@ -13,7 +13,6 @@ import torch
 from emllm.app.ask import Session
 from emllm.app.trace import Trace
 from emllm.store import Store
-from emllm.store.manifest import pending_count
 
 BINS = 64  # columns of the coverage heatmap
 PREVIEW = 70  # characters of an event's text shown
@@ -21,28 +20,27 @@ PREVIEW = 70  # characters of an event's text shown
 
 def store_summary(st: Store) -> dict:
     """What a store holds: identity, profile, sizes, event-size histogram, documents, bytes on disk."""
-    m = st.manifest
+    m = st.info
     lengths = st.events.read().long()
     hist: dict[str, int] = {}
     if lengths.numel():
-        lo, hi = m["profile"]["min_block"], m["profile"]["max_block"]
+        lo, hi = m.profile.min_block, m.profile.max_block
         edges = sorted({lo, *[2**i for i in range(1, 12) if lo < 2**i < hi], hi + 1})
         idx = torch.bucketize(lengths, torch.tensor(edges), right=True) - 1
         counts = torch.bincount(idx.clamp(0, len(edges) - 2), minlength=len(edges) - 1)
         hist = {f"{edges[i]}-{edges[i + 1] - 1}": int(c) for i, c in enumerate(counts.tolist())}
-    job = m.get("job") or {}
     return {
-        "store": str(st.path), "format_version": m["version"], "model": m["identity"]["model"],
-        "identity": m["identity"], "profile": m["profile"], "created": m["created"], "updated": m["updated"],
+        "store": str(st.path), "format_version": m.version, "model": m.model,
+        "identity": m.identity, "profile": m.profile_keys, "created": m.created, "updated": m.updated,
         "layers": st.geometry.layers, "dtype": st.geometry.dtype, "format": st.kv_format.name,
         "key_equaliser": st.key_equalised,
         # how an event is found: its key (a profile without the key predates it: the paper's) and its heads
-        "representative": m["profile"].get("representative", "attention"), "representative_heads": st.repr_heads,
-        "tokens": m["rows"]["tokens"] + pending_count(m),
-        "processed_tokens": m["rows"]["tokens"], "events": m["rows"]["events"],
-        "event_tokens": m["rows"]["event_tokens"],
+        "representative": m.profile.representative, "representative_heads": st.repr_heads,
+        "tokens": m.rows.tokens + m.pending,
+        "processed_tokens": m.rows.tokens, "events": m.rows.events,
+        "event_tokens": m.rows.event_tokens,
         "mean_event_size": round(float(lengths.float().mean()), 2) if lengths.numel() else None,
-        "event_sizes": hist, "documents": m["documents"], "complete": bool(job.get("complete", True)),
+        "event_sizes": hist, "documents": [d.as_dict() for d in m.documents], "complete": m.complete,
         "bytes": st.bytes_on_disk(),
     }
 
@@ -62,7 +60,7 @@ def retrieval_doc(trace, st, tok, query: str, layer: int | None = None, top: int
     """The retrieval recorded in `trace` as data: coverage heatmap, most retrieved events, one layer.
     window_start: the stream position where the local window began when the question was read."""
     n_layers = st.geometry.layers
-    n = st.manifest["rows"]["tokens"]
+    n = st.info.rows.tokens
     cov = trace.coverage(n, BINS) if n else None
     counts = trace.counts()  # [layers, E]
     spans = trace.event_spans()
@@ -81,7 +79,7 @@ def retrieval_doc(trace, st, tok, query: str, layer: int | None = None, top: int
     out = {
         "query": query, "layers": n_layers, "bins": BINS, "steps": trace.steps, "span": n,
         # attended at every step, never retrieved: the first n_init tokens and the local window
-        "initial_tokens": min(n, st.manifest["profile"]["n_init"]),
+        "initial_tokens": min(n, st.info.profile.n_init),
         "window_start": n if window_start is None else max(0, min(n, window_start)),
         "coverage": [[round(x, 3) for x in row] for row in cov.tolist()] if cov is not None else [],
         "top_events": [event(int(e)) for e in order if by_layers[e] > 0],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from emllm.errors import UsageError
 from emllm.home import stores_dir
@@ -49,45 +49,40 @@ def folder_bytes(path: Path) -> int:
     return total
 
 
-def _manifests() -> list[tuple[Path, dict]]:
+def _manifests() -> list[tuple[Path, Any]]:
     """(path, manifest) of every store under the home, most recently updated first; a store whose
-    manifest is refused comes with {"error": why} instead. A link under the home is not followed."""
-    from emllm.store import StoreError, read_manifest
+    manifest is refused comes with why instead. A link under the home is not followed."""
+    from emllm.store import StoreError, read_info
     from emllm.store.manifest import MANIFEST
 
-    out = []
+    out: list = []
     root = stores_dir()
     if root.is_dir():
         for p in root.iterdir():
             if not p.is_symlink() and is_store(p):
                 try:
-                    out.append((p, read_manifest(p)))
+                    out.append((p, read_info(p)))
                 except StoreError as e:
-                    out.append((p, {"error": str(e)}))
-    return sorted(out, key=lambda x: (str(x[1].get("updated", "")), (x[0] / MANIFEST).lstat().st_mtime), reverse=True)
+                    out.append((p, str(e)))
+    return sorted(out, key=lambda x: ("" if isinstance(x[1], str) else x[1].updated, (x[0] / MANIFEST).lstat().st_mtime),
+                  reverse=True)
 
 
 def list_stores() -> list[dict]:
     """One row per store under the home, most recently updated first: name, path, status
     (complete, incomplete: an ingest stopped before its end, damaged: refused when opened, with
     "error" saying why), model, dtype, format, tokens, events, bytes, updated."""
-    from emllm.store.manifest import pending_count
-
     rows = []
     for path, m in _manifests():
-        if "error" in m:
-            status = "damaged"
-        else:
-            job = m.get("job") or {}
-            status = "complete" if job.get("complete", True) else "incomplete"
+        if isinstance(m, str):
+            rows.append({"name": path.name, "path": str(path), "status": "damaged", "model": None, "dtype": None,
+                         "format": None, "tokens": 0, "events": None, "bytes": folder_bytes(path), "updated": None,
+                         "error": m})
+            continue
         rows.append({
-            "name": path.name, "path": str(path), "status": status,
-            "model": (m.get("identity") or {}).get("model"), "dtype": (m.get("geometry") or {}).get("dtype"),
-            "format": m.get("kv_format") or (m.get("geometry") or {}).get("dtype"),
-            "tokens": (m.get("rows") or {}).get("tokens", 0) + (pending_count(m) if status != "damaged" else 0),
-            "events": (m.get("rows") or {}).get("events"),
-            "bytes": folder_bytes(path), "updated": m.get("updated"),
-            **({"error": m["error"]} if "error" in m else {}),
+            "name": path.name, "path": str(path), "status": "complete" if m.complete else "incomplete",
+            "model": m.model, "dtype": m.geometry.dtype, "format": m.kv_format, "tokens": m.rows.tokens + m.pending,
+            "events": m.rows.events, "bytes": folder_bytes(path), "updated": m.updated,
         })
     return rows
 

@@ -18,7 +18,6 @@ from emllm.config import Profile, ProfileMismatchError
 from emllm.engine.stream import Engine, check_supported, repr_heads
 from emllm.models import ModelSource, config_hash
 from emllm.store import Geometry, Identity, Store, StoreError, StoredEvents, tokenizer_hash, weights_hash, weights_sample
-from emllm.store.manifest import profile_of
 
 
 SEPARATOR = "\n\n"
@@ -94,7 +93,7 @@ def create_store(path: Path, model_name: str, model: Any, tok: Any, profile: Pro
 
 
 def store_profile(store: Store) -> Profile:
-    return profile_of(store.manifest)
+    return store.info.profile
 
 
 def open_engine(store: Store, model: Any, kv_cache_mb: int | None = None) -> Engine:
@@ -130,15 +129,15 @@ def _geometry_text(g: Geometry) -> str:
 
 def pending_tokens(store: Store) -> list[int]:
     """Tokens received but not processed yet (less than a chunk once a job is complete)."""
-    job = store.manifest.get("job")
-    return store.job.read(job["done"], job["tokens"]).tolist() if job and store.job is not None else []
+    job = store.info.job
+    return store.job.read(job.done, job.tokens).tolist() if job is not None and store.job is not None else []
 
 
 def opens_a_turn(store: Store, tok: Any, pending: list[int]) -> bool:
     """Whether the stream (the store's tokens, then `pending`) ends with the chat template's
     reopening of a user turn, as a remembered exchange leaves it: what comes next is that turn's
     text, laid out as the template lays it out, with no SEPARATOR before it."""
-    reopen = encode_framing(tok, reopen_text(tok, store.manifest["stream"]["chat"]))
+    reopen = encode_framing(tok, reopen_text(tok, store.info.stream.chat))
     if not reopen:
         return False
     k = len(reopen)
@@ -184,7 +183,7 @@ def open_store(path: Path, writable: bool = False, model: str | None = None, pro
     `dtype`, if given, must resolve to that one."""
     st = Store.open(path, writable=writable)
     try:
-        name = st.manifest["identity"]["model"]
+        name = st.info.model
         src = models.resolve(model or name, log=log)
         prof = store_profile(st)
         if profile is not None and models.load_profile(profile) != prof:

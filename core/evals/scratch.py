@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -285,11 +284,11 @@ class TrunkStores(ScratchStores):
             self.log(f"{path}: {e}; starting it again")
             return None
         try:
-            identity = store.manifest["identity"]
+            info = store.info
             store.check_identity(identity_of(self.name, self.model, self.tok))
             held = torch.cat((store.tokens.read().long(), torch.tensor(pending_tokens(store), dtype=torch.long)))
-            if (identity["model"] == self.name and store.manifest["geometry"] == asdict(geometry_of(self.model))
-                    and store.manifest["profile"] == json.loads(json.dumps(profile_dict(self.profile)))
+            if (info.model == self.name and info.geometry == geometry_of(self.model)
+                    and info.profile_keys == json.loads(json.dumps(profile_dict(self.profile)))
                     and store.kv_format.name in (self.kv_format, None if self.kv_format else store.geometry.dtype)
                     and held.numel() <= ids.numel() and held.numel() % self.profile.chunk_size == 0
                     and torch.equal(held, ids[: held.numel()])):
@@ -363,8 +362,7 @@ def _read_to(store: Store, engine: Engine, ids: torch.Tensor, commit_every: int,
              progress: Callable[[Progress], None] | None = None) -> None:
     """Make the store hold ids [n] (whole chunks; it holds or has queued a prefix of them): finish
     the job a killed run left, then read the rest as a job of its own."""
-    job = store.manifest["job"]
-    if job and not job["complete"]:
+    if not store.info.complete:
         run_job(store, engine, commit_every=commit_every, progress=progress)
     if (done := store.tokens.rows) < ids.numel():
         store.set_job(ids[done:].to(torch.int32), [])

@@ -16,7 +16,7 @@ _NAMES = {
     "CutBackFailed": "errors", "ModelMismatchError": "errors", "StoreError": "errors", "StoreLockedError": "errors",
     "StoredEvents": "events", "Geometry": "identity", "Identity": "identity", "tokenizer_hash": "identity",
     "weights_hash": "identity", "weights_sample": "identity", "FORMAT_VERSION": "manifest", "MANIFEST": "manifest",
-    "is_store": "manifest", "read_manifest": "manifest", "cut_back": "marks", "save_mark": "marks",
+    "is_store": "manifest", "read_manifest": "manifest", "Manifest": "manifest", "read_info": "manifest", "cut_back": "marks", "save_mark": "marks",
     "RowFile": "rows", "Store": "store", "remove_store": "store", "move_store": "store", "pending_count": "manifest",
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from emllm.config import Profile, ProfileError, profile_from_dict
@@ -221,3 +222,106 @@ def _digests(m: dict, state: Any, sketch: Any) -> None:
         _hex(state, "sha256", "state.")
     if sketch is not None:
         _hex(sketch, "sha256", "sketch.")
+
+
+# -- the manifest as code outside emllm.store reads it ----------------------------------------------
+@dataclass(frozen=True)
+class Rows:
+    tokens: int  # processed tokens of the stream
+    events: int
+    event_tokens: int  # tokens the events hold
+
+
+@dataclass(frozen=True)
+class Job:
+    """The current (or last) ingest job: its tokens in the store's job file, how far it got."""
+
+    tokens: int
+    done: int
+    complete: bool
+    documents: int | None  # documents the job added (None: a store older than the key)
+
+    @property
+    def pending(self) -> int:
+        return self.tokens - self.done
+
+
+@dataclass(frozen=True)
+class StreamFormat:
+    """How the stream is laid out: a chat template's turns, text before the first document, after a question."""
+
+    chat: bool
+    prefix: str
+    suffix: str
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str
+    start: int  # its first token's stream position
+    tokens: int
+    sha256: str | None = None  # of its text (None: an exchange emllm laid out, or an older store)
+    chars: int | None = None
+    kind: str | None = None  # "exchange": a conversation's turn
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A store's committed manifest, typed and validated: what code outside emllm.store reads."""
+
+    version: int
+    created: str
+    updated: str
+    identity: dict[str, str]  # model, config_hash, weights_hash, tokenizer_hash (, weights_sample)
+    profile: Profile
+    profile_keys: dict  # the profile as the store keeps it (the keys it was written with)
+    geometry: Geometry
+    kv_format: str
+    rows: Rows
+    job: Job | None
+    stream: StreamFormat | None  # None: a store older than the key
+    documents: tuple[Document, ...]
+    has_sketch: bool
+
+    @property
+    def model(self) -> str:
+        return self.identity["model"]
+
+    @property
+    def pending(self) -> int:
+        """Tokens the job holds and has not read yet."""
+        return self.job.pending if self.job is not None else 0
+
+    @property
+    def complete(self) -> bool:
+        return self.job is None or self.job.complete
+
+    @property
+    def empty(self) -> bool:
+        """Nothing in it: no rows, no job, no document (a create interrupted by an emllm that named
+        its store at once)."""
+        return not self.rows.tokens and self.job is None and not self.documents
+
+    @classmethod
+    def of(cls, m: dict) -> "Manifest":
+        """The typed view of a manifest `read_manifest` validated."""
+        job, s = m.get("job"), m.get("stream")
+        g = m["geometry"]
+        return cls(
+            version=m["version"], created=m["created"], updated=m["updated"], identity=dict(m["identity"]),
+            profile=profile_of(m), profile_keys=dict(m["profile"]), geometry=Geometry(**g),
+            kv_format=m.get("kv_format", g["dtype"]),
+            rows=Rows(m["rows"]["tokens"], m["rows"]["events"], m["rows"]["event_tokens"]),
+            job=Job(job["tokens"], job["done"], job["complete"], job.get("documents")) if job else None,
+            stream=StreamFormat(s["chat"], s.get("prefix", ""), s.get("suffix", "")) if s else None,
+            documents=tuple(Document(**{k: d.get(k) for k in Document.__dataclass_fields__}) for d in m.get("documents", [])),
+            has_sketch=bool(m.get("sketch")),
+        )
+
+
+def read_info(path: Path) -> Manifest:
+    """The typed, validated manifest of the store at `path` (StoreError where it is refused)."""
+    return Manifest.of(read_manifest(path))

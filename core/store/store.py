@@ -50,7 +50,7 @@ from emllm.store.errors import ModelMismatchError, StoreError, lock_store
 from emllm.store.files import Folder, UnsafePath, fsync_dir
 from emllm.store.identity import Geometry, Identity
 from emllm.store.digests import NAME as DIGESTS, Digests, Problem, Verified
-from emllm.store.manifest import FORMAT_VERSION, MANIFEST, checksum, is_store, read_manifest
+from emllm.store.manifest import FORMAT_VERSION, MANIFEST, Manifest, checksum, is_store, read_manifest
 from emllm.store.rows import _BY_NAME, RowFile, finite
 
 
@@ -133,8 +133,16 @@ class Store:
         self._state_fd: int | None = None  # a reader's open state file (a commit may delete it meanwhile)
         self._unpublished: Path | None = None  # a new store's hidden folder, until its first commit
         self._tidy = False  # leftovers removed (tidy): once, before the first write
+        self._info: Manifest | None = None  # the typed manifest, made again after each write
         # version 8: every committed byte has a digest (emllm.store.digests); older stores have none
         self.digests = Digests(self.folder, manifest, self.all_files(), writable) if manifest["version"] >= 8 else None
+
+    @property
+    def info(self) -> Manifest:
+        """The committed manifest, typed: what code outside emllm.store reads of it."""
+        if self._info is None:
+            self._info = Manifest.of(self.manifest)
+        return self._info
 
     # -- files -------------------------------------------------------------------------------
     def all_files(self) -> list[RowFile]:
@@ -389,8 +397,10 @@ class Store:
         differs("tokenizer_hash", "tokenizer differs")
 
     # -- commit ------------------------------------------------------------------------------
-    def commit(self, engine_state: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        """Make everything appended so far durable, with the state that continues the stream.
+    def commit(self, engine_state: dict[str, Tensor], meta: dict[str, Any], job_done: int | None = None,
+               job_complete: bool = False) -> None:
+        """Make everything appended so far durable, with the state that continues the stream
+        (and, job_done given, how far the current job got, and whether it is complete).
 
         Order: data files fsynced, new state file written and fsynced, then the manifest swapped
         atomically; the previous state file is deleted only after the manifest no longer names it.
@@ -409,6 +419,8 @@ class Store:
         self.folder.write_atomic(name, data)
         old = self.manifest["state"]
         self.manifest["state"] = {"file": name, "generation": gen, **meta, **self._sha256(data)}
+        if job_done is not None:
+            self.manifest["job"] = {**self.manifest["job"], "done": job_done, "complete": job_complete}
         rows = self.manifest["rows"]
         kv = self.layer_files[0][0].rows
         if self.all_tokens:
@@ -720,6 +732,7 @@ class Store:
         return sum(rf.rows * rf.row_bytes for rf in self.all_files())
 
     def _write_manifest(self) -> None:
+        self._info = None
         if self.digests is not None:  # the bytes this manifest commits, hashed and their records synced
             self.manifest["digests"] = self.digests.seal(self.all_files())
         self.manifest["checksum"] = checksum(self.manifest)
