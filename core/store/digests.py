@@ -125,7 +125,7 @@ class Digests:
     def seal(self, files: list[RowFile]) -> dict:
         """Hash what `files` hold past their sealed blocks (appending a record per complete block),
         sync the records; the manifest entry to commit with them."""
-        tag, tails, new = self.tag(), {}, []
+        tag, tails, new, sealed = self.tag(), {}, [], {}
         for rf in files:
             n = committed_bytes(rf)
             first, last = self.sealed.get(rf.name, 0), n // BLOCK
@@ -135,11 +135,12 @@ class Digests:
                 for b in range(first, last):  # (a commit's new blocks: a few per file)
                     off = (b - first) * BLOCK
                     new.append(key + b.to_bytes(8, "little") + block_digest(tag, rf, b, memoryview(data)[off : off + BLOCK]))
-            self.sealed[rf.name] = last
+            sealed[rf.name] = last
             tails[rf.name] = _tail(tag, rf)
         if new:
             self.records.append(torch.frombuffer(bytearray(b"".join(new)), dtype=torch.uint8).reshape(-1, RECORD))
         self.records.sync()
+        self.sealed.update(sealed)  # only once their records are written: a failed seal is done again whole
         self.tails = tails
         return {"file": NAME, "block": BLOCK, "records": self.records.rows, "tails": tails}
 
