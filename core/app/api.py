@@ -114,6 +114,9 @@ class Answer:
         for piece in s.answer_text(self.question, self.max_new_tokens, self._opts, self._stop):
             parts.append(piece)
             yield piece
+            if self._current is not None and not self._current():  # another answer took the session meanwhile
+                raise UsageError("a later answer of this memory started before this one was read: read each "
+                                 "answer before asking the next")
         self.tokens = s.tokens
         if self._trace is not None:
             self._trace.detach()
