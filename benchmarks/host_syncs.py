@@ -1,0 +1,108 @@
+"""Host reads of a step: how often the engine reads tensor data back to the host (on a GPU, each
+is a synchronisation: the host waits for the device), counted on the CPU.
+
+    python -m benchmarks.host_syncs [--layers 2,4,8,30]
+
+`HostReads` counts, while it is active: scalars read from a tensor (`.item()`, `bool()`, `int()`,
+`float()`: the `aten._local_scalar_dense` op, seen by a dispatch mode), and the calls that copy a
+tensor's data to the host or into Python (`Tensor.cpu`, `.tolist`; `.numpy` needs a host tensor,
+so it adds none). On the CPU these cost nothing, yet the same code on a GPU waits at each one, so
+the count taken here is the count there. A `.cpu()` of a tensor already on the host (the store's
+rows) is counted as the code makes it: the count is an upper bound.
+
+The benchmark reads 400 tokens with a tiny random Llama of each depth (the count depends on the
+code's structure, not on the model's size), then counts one chunk's step and one generated
+token's; the growth per layer is what issue 70 removes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_METHODS = ("cpu", "tolist")
+
+
+class HostReads(TorchDispatchMode):
+    """with HostReads() as reads: ...; reads.total, reads.counts (by kind)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+        self._saved: dict[str, object] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.counts["scalar"] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> "HostReads":
+        for name in _METHODS:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+
+            def counted(t, *a, _name=name, _f=original, **k):
+                self.counts[_name] += 1
+                return _f(t, *a, **k)
+
+            setattr(torch.Tensor, name, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        self._saved.clear()
+        super().__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def step_reads(layers: int, tokens: int = 400) -> tuple[HostReads, HostReads]:
+    """(a chunk's reads, a generated token's) of an in-RAM engine over a tiny random Llama that has
+    read `tokens` tokens (events in memory, retrieval at every step)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from emllm.config import load_profile
+    from emllm.engine.stream import Engine
+
+    prof = load_profile("smollm2").replace(chunk_size=8, n_init=4, n_local=32, n_mem=24, min_block=2, max_block=8,
+                                           repr_topk=2)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
+    engine = Engine(AutoModelForCausalLM.from_config(cfg).eval(), prof)
+    g = torch.Generator().manual_seed(1)
+    engine.feed(torch.randint(0, 300, (tokens,), generator=g))
+    with HostReads() as chunk:
+        engine.step(torch.randint(0, 300, (prof.chunk_size,), generator=g))
+    with HostReads() as token:
+        engine.step(torch.randint(0, 300, (1,), generator=g), with_surprise=False)
+    return chunk, token
+
+
+def main() -> None:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", default="2,4,8,30")
+    args = ap.parse_args()
+    rows = []
+    for n in (int(x) for x in args.layers.split(",")):
+        chunk, token = step_reads(n)
+        rows.append({"layers": n, "chunk": chunk.total, "token": token.total,
+                     "chunk_by_kind": dict(chunk.counts), "token_by_kind": dict(token.counts)})
+        print(json.dumps(rows[-1]))
+    if len(rows) > 1:
+        a, b = rows[0], rows[-1]
+        span = b["layers"] - a["layers"]
+        print(json.dumps({"per_layer_chunk": (b["chunk"] - a["chunk"]) / span,
+                          "per_layer_token": (b["token"] - a["token"]) / span}))
+
+
+if __name__ == "__main__":
+    main()
