@@ -179,3 +179,30 @@ def test_inspect_verify_says_what_it_read_or_names_the_file(stores, tmp_path):
     assert r.returncode == 1 and len(lines) == 1 and "layers/01.v has 1 block(s) that differ" in lines[0], r.stderr
     r = run_in_process("inspect", str(s), "--verify", "--query", "x", home=tmp_path / "home")
     assert r.returncode == 2 and "--verify" in r.stderr
+
+
+def test_a_store_cut_back_and_written_on_differently_verifies(tiny, tmp_path):
+    """After a cut back the records past the mark's count are an uncommitted tail like the rows:
+    dropped at the next write, and the blocks past the mark hashed again with their new bytes."""
+    from emllm.app import stream
+    from emllm.app.ingest import add_documents, run_job
+    from emllm.store import cut_back, save_mark
+
+    folder, prof, _, _ = tiny
+    model, tok = load_tiny(folder)
+    s = tmp_path / "s"
+    ingest_store(s, folder, prof, [("doc", words(9, 200))])
+    save_mark(s, tmp_path / "mark")
+
+    def append(seed: int) -> None:
+        with Store.open(s, writable=True) as st:
+            add_documents(st, tok, [("more", words(seed, 300))])
+            run_job(st, stream.open_engine(st, model), 2)
+
+    append(10)
+    records_before = json.loads((s / "manifest.json").read_text())["digests"]["records"]
+    cut_back(s, tmp_path / "mark")
+    append(11)
+    m = json.loads((s / "manifest.json").read_text())
+    assert m["digests"]["records"] > 0 and emllm.verify_store(s)["problems"] == []
+    assert records_before > 0

@@ -149,20 +149,21 @@ class Digests:
         out = Verified()
         out.problems = self.check_open(files)
         raw = self.records.read_copy(0, self.records.rows).numpy() if self.records.rows else np.zeros((0, RECORD), np.uint8)
-        have: dict[tuple[bytes, int], bytes] = {}
-        for r in raw:  # later records of a block replace earlier ones (a file written again after a crash)
-            b = bytes(r)
-            have[(b[:8], int.from_bytes(b[8:16], "little"))] = b[16:]
+        keys, blocks = raw[:, :8].copy().view("<u8").ravel(), raw[:, 8:16].copy().view("<u8").ravel()
         tag = self.tag()
         for rf in files:
             n, key, bad = committed_bytes(rf), file_key(rf.name), []
             out.files += 1
+            # this file's records, the last of each block (a block hashed again after a crash or a cut back)
+            mine = np.flatnonzero(keys == np.frombuffer(key, "<u8")[0])[::-1]
+            _, first = np.unique(blocks[mine], return_index=True)
+            have = {int(blocks[i]): raw[i, 16:].tobytes() for i in mine[first]}
             for start in range(0, n - n % BLOCK, _READ):
                 stop = min(start + _READ, n - n % BLOCK)
                 data = memoryview(_read(rf, start, stop))
                 for off in range(0, stop - start, BLOCK):
                     b = (start + off) // BLOCK
-                    if have.get((key, b)) != block_digest(tag, rf, b, data[off : off + BLOCK]):
+                    if have.get(b) != block_digest(tag, rf, b, data[off : off + BLOCK]):
                         bad.append(b)
                 out.bytes += stop - start
                 if progress is not None:
