@@ -204,6 +204,50 @@ def select_events(scores: Tensor, lengths: Tensor, budget: int, groups: Tensor |
     return Selection(ids, scores[ids])
 
 
+def select_mask(scores: Tensor, lengths: Tensor, budget: int | Tensor, among: Tensor | None = None) -> Tensor:
+    """`select_positions` on the scores' device, reading nothing back to the host: scores [n],
+    lengths [n] (long) -> [n] bool, the selected events. budget: tokens, or a 0-d tensor on the
+    scores' device. among [n] bool: only these compete (the others are ranked last and never taken).
+
+    The same order (torch's stable descending sort: NaN first, then by score, ties in id order)
+    and the same prefix, so the same events as `select_events` (tests/test_device_selection.py)."""
+    order = torch.sort(scores, descending=True, stable=True).indices  # [n]
+    n = lengths[order]
+    if among is not None:
+        out = ~among[order]
+        order = order[torch.sort(out.to(torch.uint8), stable=True).indices]  # competitors first, in rank order
+        n = lengths[order] * among[order]
+    keep = (torch.cumsum(n, 0) <= budget) & (budget > 0)  # a prefix: the lengths are >= 0 (no budget: none)
+    if among is not None:
+        keep &= among[order]
+    return torch.zeros_like(keep).scatter_(0, order, keep)
+
+
+def best_of_groups_mask(scores: Tensor, groups: Tensor) -> Tensor:
+    """`distinct.best_of_groups` on the scores' device: scores [n], groups [n] -> [n] bool, each
+    group's best-scoring member (the earliest among equal scores; NaN the best)."""
+    key = torch.where(torch.isnan(scores), float("inf"), scores)
+    order = torch.sort(key, descending=True, stable=True).indices  # best first, ties in id order
+    order = order[torch.sort(groups[order], stable=True).indices]  # by group, best first inside each
+    g = groups[order]
+    head = torch.ones_like(g, dtype=torch.bool)
+    head[1:] = g[1:] != g[:-1]
+    return torch.zeros_like(head).scatter_(0, order, head)
+
+
+def select_events_mask(scores: Tensor, lengths: Tensor, budget: int, groups: Tensor | None = None) -> Tensor:
+    """`select_events` on the scores' device, as a mask [n] bool of the events it selects (nothing
+    read back to the host: a step's selection keeps the device busy). With `groups`: each group's
+    best first, the copies only where every group has its place, in what budget it left."""
+    if groups is None:
+        return select_mask(scores, lengths, budget)
+    heads = best_of_groups_mask(scores, groups)
+    sel = select_mask(scores, lengths, budget, among=heads)
+    all_in = (sel == heads).all()  # (a 0-d tensor: no branch on the host)
+    more = select_mask(scores, lengths, budget - (lengths * sel).sum(), among=~heads)
+    return sel | (more & all_in)
+
+
 def events_past(budget: int, shortest: int, n: int) -> int:
     """How many of n events, each at least `shortest` tokens long, surely hold more than `budget`
     tokens (all n when that takes more, or when an event may be empty): the best k of a ranking
