@@ -12,7 +12,7 @@ rows) is counted as the code makes it: the count is an upper bound.
 
 The benchmark reads 400 tokens with a tiny random Llama of each depth (the count depends on the
 code's structure, not on the model's size), then counts one chunk's step and one generated
-token's; the growth per layer is what issue 70 removes.
+token's, for the step the CPU takes and the one a GPU takes (`engine.window.DEVICE_STEP`).
 """
 
 from __future__ import annotations
@@ -61,12 +61,14 @@ class HostReads(TorchDispatchMode):
         return sum(self.counts.values())
 
 
-def step_reads(layers: int, tokens: int = 400) -> tuple[HostReads, HostReads]:
+def step_reads(layers: int, tokens: int = 400, device_step: bool = False) -> tuple[HostReads, HostReads]:
     """(a chunk's reads, a generated token's) of an in-RAM engine over a tiny random Llama that has
-    read `tokens` tokens (events in memory, retrieval at every step)."""
+    read `tokens` tokens (events in memory, retrieval at every step). device_step: the step a GPU
+    takes (`engine.window.DEVICE_STEP`: selection and gather on the device); else the CPU's."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from emllm.config import load_profile
+    from emllm.engine import window
     from emllm.engine.stream import Engine
 
     prof = load_profile("smollm2").replace(chunk_size=8, n_init=4, n_local=32, n_mem=24, min_block=2, max_block=8,
@@ -76,11 +78,15 @@ def step_reads(layers: int, tokens: int = 400) -> tuple[HostReads, HostReads]:
                       num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
     engine = Engine(AutoModelForCausalLM.from_config(cfg).eval(), prof)
     g = torch.Generator().manual_seed(1)
-    engine.feed(torch.randint(0, 300, (tokens,), generator=g))
-    with HostReads() as chunk:
-        engine.step(torch.randint(0, 300, (prof.chunk_size,), generator=g))
-    with HostReads() as token:
-        engine.step(torch.randint(0, 300, (1,), generator=g), with_surprise=False)
+    saved, window.DEVICE_STEP = window.DEVICE_STEP, device_step
+    try:
+        engine.feed(torch.randint(0, 300, (tokens,), generator=g))
+        with HostReads() as chunk:
+            engine.step(torch.randint(0, 300, (prof.chunk_size,), generator=g))
+        with HostReads() as token:
+            engine.step(torch.randint(0, 300, (1,), generator=g), with_surprise=False)
+    finally:
+        window.DEVICE_STEP = saved
     return chunk, token
 
 
@@ -92,16 +98,18 @@ def main() -> None:
     ap.add_argument("--layers", default="2,4,8,30")
     args = ap.parse_args()
     rows = []
-    for n in (int(x) for x in args.layers.split(",")):
-        chunk, token = step_reads(n)
-        rows.append({"layers": n, "chunk": chunk.total, "token": token.total,
-                     "chunk_by_kind": dict(chunk.counts), "token_by_kind": dict(token.counts)})
-        print(json.dumps(rows[-1]))
-    if len(rows) > 1:
-        a, b = rows[0], rows[-1]
-        span = b["layers"] - a["layers"]
-        print(json.dumps({"per_layer_chunk": (b["chunk"] - a["chunk"]) / span,
-                          "per_layer_token": (b["token"] - a["token"]) / span}))
+    for step in ("cpu", "device"):
+        rows = []
+        for n in (int(x) for x in args.layers.split(",")):
+            chunk, token = step_reads(n, device_step=step == "device")
+            rows.append({"step": step, "layers": n, "chunk": chunk.total, "token": token.total,
+                         "chunk_by_kind": dict(chunk.counts), "token_by_kind": dict(token.counts)})
+            print(json.dumps(rows[-1]))
+        if len(rows) > 1:
+            a, b = rows[0], rows[-1]
+            span = b["layers"] - a["layers"]
+            print(json.dumps({"step": step, "per_layer_chunk": (b["chunk"] - a["chunk"]) / span,
+                              "per_layer_token": (b["token"] - a["token"]) / span}))
 
 
 if __name__ == "__main__":

@@ -20,8 +20,15 @@ from emllm.engine.rotated import RotatedWindow
 from emllm.memory.buffers import SlidingRows, token_index
 from emllm.memory.events import EventStorage
 from emllm.memory.selection import (
-    TOKEN_SCORINGS, Selection, fold_query, mean_keys, representative_keys, select_events, unit_keys, update_contiguity,
+    TOKEN_SCORINGS, Selection, event_scores, fold_query, mean_keys, representative_keys, select_events,
+    select_events_mask, unit_keys, update_contiguity,
 )
+
+# Whether a step selects and gathers its events on the device, padded to the budget, reading
+# nothing back to the host (events in the device's memory, no contiguity buffer). None: on every
+# device but the CPU, where the host's selection (numpy) costs less than torch's operations and
+# reading back costs nothing.
+DEVICE_STEP: bool | None = None
 from emllm.math.rope import apply_rotary
 
 
@@ -163,7 +170,7 @@ class LayerWindow:
             q_loc = apply_rotary(q, cos[length - c :], sin[length - c :])
             k_rot, v_att = apply_rotary(k_loc, cos, sin), v_loc
 
-        q_mem = k_mem = v_mem = None
+        q_mem = k_mem = v_mem = mem_valid = None
         has_memory = self.init_k.shape[1] or self.rem_k.shape[1] or len(self.events)
         if has_memory:
             p = st.n_local - 1  # memory sits at one fixed distance from every query
@@ -176,15 +183,14 @@ class LayerWindow:
                     scored = fold_query(self._centred(q_mem.transpose(0, 1), st.centering), self.events.repr_heads)
                 else:
                     scored = fold_query(self._centred(query, st.centering), self.events.repr_heads)
-                ids = self.retrieve(scored, st.budget, st.on_retrieval, st.token_scoring, st.groups).ids.to(self.contiguity.device)
-                if st.contiguity_budget:
-                    self.contiguity = update_contiguity(
-                        self.contiguity, ids, self.events.event_lengths().to(ids.device), st.neighbours,
-                        st.contiguity_budget,
-                    )
-                    extra = self.contiguity[~torch.isin(self.contiguity, ids)]
-                    ids = torch.sort(torch.cat((ids, extra))).values
-                mk, mv = self._gather(ids, prefetch=c > 1)
+                if self._device_step(q, st):
+                    mk, mv, valid = self._retrieve_on_device(scored, st)
+                    n_init, n_rem = self.init_k.shape[1], self.rem_k.shape[1]
+                    ones = torch.ones(n_init + n_rem, dtype=torch.bool, device=valid.device)
+                    mem_valid = torch.cat((ones[:n_init], valid, ones[n_init:]))  # [init + budget + rem]
+                else:
+                    ids = self.retrieve(scored, st.budget, st.on_retrieval, st.token_scoring, st.groups).ids
+                    mk, mv = self._gather(self._with_contiguity(ids.to(self.contiguity.device), st), prefetch=c > 1)
                 parts_k.append(mk)
                 parts_v.append(mv)
             parts_k.append(self.rem_k)
@@ -194,11 +200,42 @@ class LayerWindow:
                 self.query_sum += query.float()
                 self.query_n += 1
 
-        out, mass = attend(q_loc, k_rot, v_att, q_mem, k_mem, v_mem, scaling, st.mass)
+        out, mass = attend(q_loc, k_rot, v_att, q_mem, k_mem, v_mem, scaling, st.mass, mem_valid)
         if mass is None:  # (the mass buffers keep their shapes, and the state its format: zeros)
             mass = torch.zeros(self.n_q_heads, k_loc.shape[1], dtype=torch.float32, device=k_loc.device)
         self._slide(k_loc, v_loc, mass, st)
         return out
+
+    def _device_step(self, q: Tensor, st: StepInfo) -> bool:
+        on = DEVICE_STEP if DEVICE_STEP is not None else q.device.type != "cpu"
+        return on and self.events.device_resident and not st.contiguity_budget
+
+    def _retrieve_on_device(self, query: Tensor, st: StepInfo) -> tuple[Tensor, Tensor, Tensor]:
+        """`retrieve` and the gather, on the device: the events selected as a mask (every event
+        scored exactly: the same selection as `retrieve`'s) and their rows padded to the budget:
+        keys, values [H_kv, budget, D] and valid [budget]. A listener is told as by `retrieve`
+        (its ids are read back: a listener inspects, it is not a step's hot path)."""
+        raw = None
+        if query.dim() == 3:
+            raw = self.events.token_scores(query)  # [T, E]
+            scores = TOKEN_SCORINGS[st.token_scoring or "max"](raw)
+        else:
+            scores = event_scores(self.events.repr_keys(), query)
+        mask = select_events_mask(scores, self.events.event_lengths(), st.budget, st.groups)
+        if st.on_retrieval is not None:
+            ids = mask.nonzero().flatten()
+            st.on_retrieval(self.layer_idx, Selection(ids, scores[ids], raw), query)
+        return self.events.gather_masked(mask, st.budget)
+
+    def _with_contiguity(self, ids: Tensor, st: StepInfo) -> Tensor:
+        """The selected events `ids` [k] (sorted) and the contiguity buffer's, after updating it."""
+        if not st.contiguity_budget:
+            return ids
+        self.contiguity = update_contiguity(
+            self.contiguity, ids, self.events.event_lengths().to(ids.device), st.neighbours, st.contiguity_budget,
+        )
+        extra = self.contiguity[~torch.isin(self.contiguity, ids)]
+        return torch.sort(torch.cat((ids, extra))).values
 
     def _centred(self, query: Tensor, share: float) -> Tensor:
         """query [..., H_q, D] less `share` of the mean of the queries before it (none yet: as it is)."""
@@ -289,16 +326,20 @@ class LayerWindow:
     def close_events(self, lengths: Tensor, repr_topk: int, normalise: bool = False, mean: bool = False) -> None:
         """Turn the first sum(lengths) remainder tokens into events of these sizes (their
         representative keys: the mean key of all their tokens when `mean`, else of the repr_topk
-        that drew the most attention; scaled to unit length per head when `normalise`)."""
-        n = int(lengths.sum())
+        that drew the most attention; scaled to unit length per head when `normalise`).
+        lengths [e] long, on the host (the stream's segmentation): sizes are read there, not from
+        the device."""
+        host = lengths.numpy() if lengths.device.type == "cpu" else lengths.cpu().numpy()
+        n = int(host.sum())
         if n == 0:
             return
-        lengths = lengths.to(self.rem_k.device)
+        width = int(host.max())
+        on_device = lengths.to(self.rem_k.device)
         keys, values, mass = self.rem_k[:, :n], self.rem_v[:, :n], self.rem_mass[:, :n]
         if mean:
-            reprs = mean_keys(keys, lengths, self.events.repr_heads)  # [e, H_r, D]
+            reprs = mean_keys(keys, on_device, self.events.repr_heads, width)  # [e, H_r, D]
         else:
-            reprs = representative_keys(keys, mass, lengths, repr_topk)
+            reprs = representative_keys(keys, mass, on_device, repr_topk, width)
         if normalise:
             reprs = unit_keys(reprs)
         self.events.append(keys, values, lengths, reprs)

@@ -40,6 +40,7 @@ def attend(
     v_mem: Tensor | None,  # [H_kv, M, D]
     scaling: float,
     with_mass: bool = True,
+    mem_valid: Tensor | None = None,  # [M] bool: which memory rows count (a selection padded to its budget); None: all
 ) -> tuple[Tensor, Tensor | None]:
     """Returns (output [H_q, c, D], attention mass each window key received [H_q, L], float32;
     None unless `with_mass`).
@@ -55,6 +56,9 @@ def attend(
     in the queries' dtype.
     """
     c = q_local.shape[1]
+    if mem_valid is not None:  # (a device's step: the memory written out, its padding masked)
+        memory = lambda q, k, v, scale: _memory_materialised(q, k, v, scale, mem_valid)  # noqa: E731
+        return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, with_mass)
     cpu = q_local.device.type == "cpu"
     if cpu and PRODUCTS_ON_CPU is not False and not with_mass and c >= PRODUCTS_FROM and _all_bf16(q_local, k_local, v_local, q_mem, k_mem, v_mem):
         return _attend_products(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling), None
@@ -177,13 +181,18 @@ def _memory_flash(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> tuple[Tens
     return o.float().reshape(h_kv, g * c, d), lse.reshape(h_kv, g * c)
 
 
-def _memory_materialised(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
-    """As `_memory_flash`, with the probabilities written out."""
+def _memory_materialised(q: Tensor, k: Tensor, v: Tensor, scaling: float,
+                         valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """As `_memory_flash`, with the probabilities written out; valid [M] bool: the keys that count
+    (the others get probability 0; none: log-sum-exp -inf and output 0)."""
     h_kv, g, c, d = q.shape
     s = torch.matmul(q.reshape(h_kv, g * c, d), k.transpose(1, 2)).float()  # [H_kv, g*c, M]
     s.mul_(scaling)
+    if valid is not None:
+        s.masked_fill_(~valid, float("-inf"))
     lse = torch.logsumexp(s, -1)
-    s.sub_(lse.unsqueeze(-1)).exp_()
+    shift = lse if valid is None else lse.masked_fill(lse == float("-inf"), 0.0)  # (no key counts: 0, not NaN)
+    s.sub_(shift.unsqueeze(-1)).exp_()
     return torch.matmul(s.to(v.dtype), v).float(), lse
 
 

@@ -54,6 +54,8 @@ class StoredEvents:
     changes the files. No faiss graph over a store: it would need RAM and upkeep per event.
     """
 
+    device_resident = False  # its rows are read on the host (a step reads its selection back to read them)
+
     def __init__(self, store: "Store", layer: int, kv_cache_mb: int | None = None) -> None:
         """kv_cache_mb: RAM of the event cache, all layers together (None: the store's profile's)."""
         self.store, self.layer = store, layer

@@ -1,0 +1,66 @@
+"""The step a GPU takes (`engine.window.DEVICE_STEP`: events selected and gathered on the device,
+padded to the budget, the padding masked in the attention), run on the CPU against the CPU's
+step: the same events selected at every layer and step, the same logits but for rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from emllm.config import load_profile
+from emllm.engine import window
+from emllm.engine.stream import Engine
+
+
+def _run(device_step: bool, monkeypatch, question: bool) -> tuple[list[torch.Tensor], list[tuple]]:
+    monkeypatch.setattr(window, "DEVICE_STEP", device_step)
+    prof = load_profile("smollm2").replace(chunk_size=16, n_init=4, n_local=32, n_mem=24, min_block=2, max_block=8,
+                                           repr_topk=2)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
+    engine = Engine(AutoModelForCausalLM.from_config(cfg).eval(), prof)
+    picked: list[tuple] = []
+    engine.on_retrieval = lambda layer, sel, q: picked.append((layer, sel.ids.tolist()))
+    g = torch.Generator().manual_seed(1)
+    # a repeated stretch: copies of events, which a question's selection counts once
+    text = torch.randint(0, 300, (200,), generator=g)
+    logits = [engine.feed(torch.cat((text, text[:64], torch.randint(0, 300, (100,), generator=g))))]
+    if question:
+        engine.begin_question()  # every token scores the events; identical events take one place
+        logits.append(engine.step(torch.randint(0, 300, (12,), generator=g))[-1])
+    for _ in range(6):
+        logits.append(engine.step(logits[-1].argmax()[None], with_surprise=False)[-1])
+    return logits, picked
+
+
+@pytest.mark.parametrize("question", [False, True])
+def test_the_device_step_selects_as_the_cpus_and_computes_the_same(monkeypatch, question):
+    cpu_logits, cpu_picked = _run(False, monkeypatch, question)
+    dev_logits, dev_picked = _run(True, monkeypatch, question)
+    assert len(cpu_picked) > 20 and cpu_picked == dev_picked
+    for a, b in zip(cpu_logits, dev_logits):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+
+
+def test_the_padding_does_not_count(monkeypatch):
+    """A selection far smaller than the budget: most of the padded rows are padding, and the
+    output is still the CPU step's."""
+    from emllm.math.attention import attend
+
+    g = torch.Generator().manual_seed(2)
+    q_loc, q_mem = torch.randn(4, 3, 16, generator=g), torch.randn(4, 3, 16, generator=g)
+    k_loc, v_loc = torch.randn(2, 10, 16, generator=g), torch.randn(2, 10, 16, generator=g)
+    k_mem, v_mem = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
+    want, mass = attend(q_loc, k_loc, v_loc, q_mem, k_mem, v_mem, 0.25)
+    pad = torch.randn(2, 20, 16, generator=g) * 100  # large keys: they would dominate were they counted
+    valid = torch.tensor([True] * 5 + [False] * 20)
+    got, got_mass = attend(q_loc, k_loc, v_loc, q_mem, torch.cat((k_mem, pad), 1), torch.cat((v_mem, pad), 1), 0.25,
+                           mem_valid=valid)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_mass, mass, atol=1e-6, rtol=0)
+    # nothing valid in the memory: the window alone
+    alone, _ = attend(q_loc, k_loc, v_loc, None, None, None, 0.25)
+    none, _ = attend(q_loc, k_loc, v_loc, q_mem, pad, pad, 0.25, mem_valid=torch.zeros(20, dtype=torch.bool))
+    torch.testing.assert_close(none, alone, atol=1e-6, rtol=0)
