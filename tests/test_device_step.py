@@ -64,3 +64,35 @@ def test_the_padding_does_not_count(monkeypatch):
     alone, _ = attend(q_loc, k_loc, v_loc, None, None, None, 0.25)
     none, _ = attend(q_loc, k_loc, v_loc, q_mem, pad, pad, 0.25, mem_valid=torch.zeros(20, dtype=torch.bool))
     torch.testing.assert_close(none, alone, atol=1e-6, rtol=0)
+
+
+def test_both_storages_pad_and_score_alike(tmp_path, tiny):
+    """The store's events (read on the host) and the same events in RAM (`buffers.padded_rows`)
+    give the same padded rows and the same exact scores."""
+    from emllm.memory.events import EventMemory
+    from emllm.memory.selection import select_events_mask
+    from emllm.store import Store, StoredEvents
+
+    from .helpers import ingest_store, words
+
+    folder, prof, _, _ = tiny
+    ingest_store(tmp_path / "s", folder, prof, [("a", words(3, 300))])
+    with Store.open(tmp_path / "s") as st:
+        stored = StoredEvents(st, 1)
+        n = len(stored)
+        lengths = stored.event_lengths()
+        k, v = stored.gather(torch.arange(n))
+        reprs = stored.repr_keys()
+        ram = EventMemory(k.shape[0], reprs.shape[1], k.shape[2], k.dtype, torch.device("cpu"))
+        ram.append(k, v, lengths, reprs)
+        g, budget = torch.Generator().manual_seed(4), int(lengths.sum()) // 3
+        for _ in range(5):
+            q = torch.randn(reprs.shape[1], reprs.shape[2], generator=g)
+            assert torch.equal(stored.scores(q), ram.scores(q))
+            mask = select_events_mask(ram.scores(q), lengths, budget)
+            assert 0 < int(mask.sum()) < n
+            (sk, sv, s_ok), (rk, rv, r_ok) = stored.gather_masked(mask, budget), ram.gather_masked(mask, budget)
+            assert torch.equal(s_ok, r_ok) and int(s_ok.sum()) == int(lengths[mask].sum())
+            assert torch.equal(sk[:, s_ok], rk[:, r_ok]) and torch.equal(sv[:, s_ok], rv[:, r_ok])  # (padding: any)
+            ids = mask.nonzero().flatten()
+            assert torch.equal(rk[:, r_ok], ram.gather(ids)[0])

@@ -20,7 +20,7 @@ from emllm.engine.rotated import RotatedWindow
 from emllm.memory.buffers import SlidingRows, token_index
 from emllm.memory.events import EventStorage
 from emllm.memory.selection import (
-    TOKEN_SCORINGS, Selection, event_scores, fold_query, mean_keys, representative_keys, select_events,
+    TOKEN_SCORINGS, Selection, fold_query, mean_keys, representative_keys, select_events,
     select_events_mask, unit_keys, update_contiguity,
 )
 
@@ -208,7 +208,7 @@ class LayerWindow:
 
     def _device_step(self, q: Tensor, st: StepInfo) -> bool:
         on = DEVICE_STEP if DEVICE_STEP is not None else q.device.type != "cpu"
-        return on and self.events.device_resident and not st.contiguity_budget
+        return on and not st.contiguity_budget and self.events.on_device(q.device)
 
     def _retrieve_on_device(self, query: Tensor, st: StepInfo) -> tuple[Tensor, Tensor, Tensor]:
         """`retrieve` and the gather, on the device: the events selected as a mask (every event
@@ -220,7 +220,7 @@ class LayerWindow:
             raw = self.events.token_scores(query)  # [T, E]
             scores = TOKEN_SCORINGS[st.token_scoring or "max"](raw)
         else:
-            scores = event_scores(self.events.repr_keys(), query)
+            scores = self.events.scores(query)
         mask = select_events_mask(scores, self.events.event_lengths(), st.budget, st.groups)
         if st.on_retrieval is not None:
             ids = mask.nonzero().flatten()

@@ -83,3 +83,23 @@ def token_index(starts: Tensor, lengths: Tensor) -> Tensor:
     total = lengths.sum()
     base = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=int(total))
     return base + torch.arange(int(total), device=starts.device)
+
+
+def padded_rows(keys: Tensor, values: Tensor, lengths: Tensor, mask: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows of the events `mask` [E] (bool) selects, in stream order, padded to `size`:
+    keys/values [H, T, D] every event's rows, consecutive, lengths [E] -> ([H, size, D],
+    [H, size, D], valid [size] bool, the selected rows first). The shapes are fixed by `size`, not
+    by the selection, so nothing is read back to the host (a step on a GPU does not wait). The
+    selection must fit in `size` (one within that budget does)."""
+    t = keys.shape[1]
+    if t == 0:
+        none = keys.new_zeros(keys.shape[0], size, keys.shape[2])
+        return none, values.new_zeros(none.shape), torch.zeros(size, dtype=torch.bool, device=mask.device)
+    take = torch.repeat_interleave(mask, lengths, output_size=t)  # [T] the tokens selected
+    slot = torch.where(take, torch.cumsum(take, 0) - 1, size)  # each one's row; the others: a spare row
+    rows = torch.full((size + 1,), t, dtype=torch.long, device=mask.device)
+    rows.scatter_(0, slot, torch.arange(t, device=mask.device))
+    rows = rows[:size]
+    valid = rows < t
+    rows.clamp_(max=t - 1)
+    return keys[:, rows], values[:, rows], valid

@@ -12,9 +12,9 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from emllm.memory.buffers import GrowBuffer, token_index
+from emllm.memory.buffers import GrowBuffer, padded_rows, token_index
 from emllm.memory.index import EventIndex
-from emllm.memory.selection import Selection, token_scores
+from emllm.memory.selection import Selection, event_scores, token_scores
 
 
 @runtime_checkable
@@ -22,9 +22,6 @@ class EventStorage(Protocol):
     """What the engine asks of one layer's events (`engine.window.LayerWindow.events`)."""
 
     random_access: bool  # gathering any events is cheap: a step gathers its whole selection
-    # the rows live on the engine's device: a step may select and gather there, padded to its
-    # budget (`gather_masked`), reading nothing back to the host
-    device_resident: bool
     writer: bool  # a store writer's: the stream must compute as if resumed from what it keeps
     repr_heads: int  # heads of the representative keys (query heads, or KV heads for mean keys)
 
@@ -62,9 +59,17 @@ class EventStorage(Protocol):
     def gather(self, ids: Tensor, prefetch: bool = False) -> tuple[Tensor, Tensor]:
         """Keys and values of events `ids` (in that order), concatenated: [H_kv, n, D] each."""
 
+    def on_device(self, device: torch.device) -> bool:
+        """Whether a step on `device` can select and gather there (`gather_masked`, `scores` and
+        `token_scores` on that device, nothing read back to the host): its rows are there."""
+
     def gather_masked(self, mask: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
-        """(`device_resident` storages) the events `mask` [E] selects, padded to `size` rows:
+        """(`on_device` storages) the events `mask` [E] selects, padded to `size` rows:
         keys, values [H_kv, size, D] and valid [size] bool."""
+
+    def scores(self, query: Tensor) -> Tensor:
+        """(`on_device` storages) every event's exact score for query [H_r, D] -> [E] float32,
+        on the query's device."""
 
 
 class EventMemory:
@@ -80,7 +85,6 @@ class EventMemory:
     # gathering events is one index into tensors in memory: a step gathers its whole selection
     # rather than keep the last step's (LayerWindow._gather)
     random_access = True
-    device_resident = True
     writer = False  # (a store writer's memory: the stream must compute as if resumed from it)
 
     def __init__(
@@ -138,6 +142,9 @@ class EventMemory:
     def event_lengths(self) -> Tensor:
         return self.lengths.view()
 
+    def on_device(self, device: torch.device) -> bool:
+        return True  # (it lives on the engine's device)
+
     def gather(self, ids: Tensor, prefetch: bool = False) -> tuple[Tensor, Tensor]:
         """Keys and values of events `ids` (in that order), concatenated: [H_kv, n, D] each.
         (prefetch: a hint for a store's files; nothing to do in RAM.)"""
@@ -145,19 +152,10 @@ class EventMemory:
         return self.keys.view()[:, idx], self.values.view()[:, idx]
 
     def gather_masked(self, mask: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Keys and values of the events `mask` [E] (bool, on the memory's device) selects, in
-        stream order, padded to `size` rows: ([H_kv, size, D], [H_kv, size, D], valid [size] bool,
-        the selected rows first). Shapes fixed by `size`, not by the selection: nothing is read
-        back to the host. The selection must fit in `size` (a selection within that budget does)."""
-        t = self.keys.n
-        if t == 0:
-            none = self.keys.buf.new_zeros(self.keys.buf.shape[0], size, self.keys.buf.shape[2])
-            return none, none.clone(), torch.zeros(size, dtype=torch.bool, device=mask.device)
-        take = torch.repeat_interleave(mask, self.lengths.view(), output_size=t)  # [T] tokens selected
-        slot = torch.where(take, torch.cumsum(take, 0) - 1, size)  # each one's row; the rest: a spare row
-        rows = torch.full((size + 1,), t, dtype=torch.long, device=mask.device)
-        rows.scatter_(0, slot, torch.arange(t, device=mask.device))
-        rows = rows[:size]
-        valid = rows < t
-        rows.clamp_(max=max(t - 1, 0))
-        return self.keys.view()[:, rows], self.values.view()[:, rows], valid
+        """Keys and values of the events `mask` [E] selects, padded to `size` rows
+        (`buffers.padded_rows`: nothing read back to the host)."""
+        return padded_rows(self.keys.view(), self.values.view(), self.lengths.view(), mask, size)
+
+    def scores(self, query: Tensor) -> Tensor:
+        """Every event's exact score for `query` [H_r, D] -> [E] float32, on the memory's device."""
+        return event_scores(self.index.vectors(), query)

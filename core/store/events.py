@@ -54,8 +54,6 @@ class StoredEvents:
     changes the files. No faiss graph over a store: it would need RAM and upkeep per event.
     """
 
-    device_resident = False  # its rows are read on the host (a step reads its selection back to read them)
-
     def __init__(self, store: "Store", layer: int, kv_cache_mb: int | None = None) -> None:
         """kv_cache_mb: RAM of the event cache, all layers together (None: the store's profile's)."""
         self.store, self.layer = store, layer
@@ -282,6 +280,23 @@ class StoredEvents:
 
     def event_lengths(self) -> Tensor:
         return self.lengths.view()
+
+    def on_device(self, device: torch.device) -> bool:
+        return False  # (its rows are read on the host: a step reads its selection back to read them)
+
+    def scores(self, query: Tensor) -> Tensor:
+        """Every event's exact score for query [H_r, D] -> [E] float32 on the query's device
+        (computed on the host, as the scan's)."""
+        return self.token_scores(query[None])[0].to(query.device)
+
+    def gather_masked(self, mask: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
+        """`gather` of the events `mask` [E] selects, padded to `size` rows (the mask read back)."""
+        ids = mask.nonzero().flatten()
+        k, v = self.gather(ids)
+        n = k.shape[1]
+        valid = torch.arange(size, device=k.device) < n
+        pad = k.new_zeros(k.shape[0], size - n, k.shape[2])
+        return torch.cat((k, pad), 1), torch.cat((v, pad), 1), valid
 
     def gather(self, ids: Tensor, prefetch: bool = False) -> tuple[Tensor, Tensor]:
         """Keys and values of events `ids`: [H_kv, n, D] each, on the ids' device.
