@@ -96,3 +96,39 @@ def test_both_storages_pad_and_score_alike(tmp_path, tiny):
             assert torch.equal(sk[:, s_ok], rk[:, r_ok]) and torch.equal(sv[:, s_ok], rv[:, r_ok])  # (padding: any)
             ids = mask.nonzero().flatten()
             assert torch.equal(rk[:, r_ok], ram.gather(ids)[0])
+
+
+def test_a_store_on_the_device_step_ingests_and_answers_as_on_the_cpus(tmp_path, tiny, monkeypatch):
+    """A store's events copied to the device (`StoredEvents.on_device`): ingested with the
+    device step, the store holds the same events and rows but for rounding, and the greedy
+    answers from it, and from the other store with the CPU's step, are the same."""
+    from emllm.store import Store
+
+    from .helpers import answers_of, ingest_store, load_tiny, store_arrays, words
+
+    folder, prof, _, _ = tiny
+    docs = [("a", words(5, 400)), ("b", words(6, 300))]
+    ingest_store(tmp_path / "cpu", folder, prof, docs)
+    monkeypatch.setattr(window, "DEVICE_STEP", True)
+    ingest_store(tmp_path / "dev", folder, prof, docs)
+    with Store.open(tmp_path / "dev") as st:
+        assert st.events.rows > 20  # (retrieval at every step of most of the stream)
+    a, b = store_arrays(tmp_path / "cpu"), store_arrays(tmp_path / "dev")
+    assert a.keys() == b.keys()
+    import numpy as np
+
+    for name in a:  # tokens, flags, events: the same; what the attention computed: but for rounding
+        if a[name] != b[name]:
+            assert name.endswith((".k", ".v", ".r", "surprise.f32")), name
+            x, y = np.frombuffer(a[name], np.float32), np.frombuffer(b[name], np.float32)
+            np.testing.assert_allclose(y, x, atol=2e-5, rtol=0, err_msg=name)
+    model, tok = load_tiny(folder)
+    with Store.open(tmp_path / "dev") as st:
+        from emllm.app.stream import open_engine
+
+        eng = open_engine(st, model)
+        assert eng.windows[0].events.on_device(torch.device("cpu"))
+    dev_answers = answers_of(tmp_path / "dev", [model], tok, 12) + answers_of(tmp_path / "cpu", [model], tok, 12)
+    monkeypatch.setattr(window, "DEVICE_STEP", False)
+    cpu_answers = answers_of(tmp_path / "dev", [model], tok, 12) + answers_of(tmp_path / "cpu", [model], tok, 12)
+    assert dev_answers == cpu_answers

@@ -162,7 +162,7 @@ class Engine:
         key = (self.n_events, self.rem_start)
         if self._groups is None or self._groups[0] != key:
             spans = event_spans(self.windows[0].events.event_lengths(), self.profile.n_init)
-            self._groups = key, span_groups(self.ids.view(), spans)
+            self._groups = key, span_groups(self.ids.view(), spans).to(self.device)
         return self._groups[1]
 
     @property
@@ -260,6 +260,8 @@ class Engine:
             f = boundary_flags(self.surprise.view(), start, pr.surprise_window, pr.gamma)
         self.flags.append(f)
         self._close_events()
+        for w in self.windows:  # (a store's: every layer's rows a device step left there, in one read)
+            w.events.flush()
         return logits
 
     def _close_events(self) -> None:

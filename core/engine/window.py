@@ -221,7 +221,7 @@ class LayerWindow:
             scores = TOKEN_SCORINGS[st.token_scoring or "max"](raw)
         else:
             scores = self.events.scores(query)
-        mask = select_events_mask(scores, self.events.event_lengths(), st.budget, st.groups)
+        mask = select_events_mask(scores, self.events.lengths_on(scores.device), st.budget, st.groups)
         if st.on_retrieval is not None:
             ids = mask.nonzero().flatten()
             st.on_retrieval(self.layer_idx, Selection(ids, scores[ids], raw), query)

@@ -63,6 +63,12 @@ class EventStorage(Protocol):
         """Whether a step on `device` can select and gather there (`gather_masked`, `scores` and
         `token_scores` on that device, nothing read back to the host): its rows are there."""
 
+    def lengths_on(self, device: torch.device) -> Tensor:
+        """[E] tokens of each event, on `device` (no copy where they are kept there)."""
+
+    def flush(self) -> None:
+        """The step is over: write what it left on the device (`Store.defer`)."""
+
     def gather_masked(self, mask: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
         """(`on_device` storages) the events `mask` [E] selects, padded to `size` rows:
         keys, values [H_kv, size, D] and valid [size] bool."""
@@ -144,6 +150,12 @@ class EventMemory:
 
     def on_device(self, device: torch.device) -> bool:
         return True  # (it lives on the engine's device)
+
+    def lengths_on(self, device: torch.device) -> Tensor:
+        return self.lengths.view().to(device)
+
+    def flush(self) -> None:
+        pass  # (nothing is written anywhere)
 
     def gather(self, ids: Tensor, prefetch: bool = False) -> tuple[Tensor, Tensor]:
         """Keys and values of events `ids` (in that order), concatenated: [H_kv, n, D] each.

@@ -11,6 +11,7 @@ from emllm.config import Profile
 from emllm.memory import prune, sketch
 from emllm.memory.cache import EventCache
 from emllm.memory.buffers import GrowBuffer, token_index
+from emllm.memory.resident import ResidentEvents, device_budget
 from emllm.memory.selection import Selection, scores_in_blocks, select_events, token_scores
 from emllm.store.errors import StoreError
 from emllm.store.rows import finite, mappable, _BY_NAME, RowFile
@@ -120,22 +121,32 @@ class StoredEvents:
         self.resident_cap = (mb << 20) // (g.layers * self.dim * rdt.itemsize)  # events per layer
         self.resident = GrowBuffer((0, self.dim), 0, rdt, torch.device("cpu"))
         self.resident_norms = GrowBuffer((0,), 0, torch.float32, torch.device("cpu"))
+        self.score_dtype = rdt
+        # every event's rows on the device a step runs on, while they fit its budget (`on_device`)
+        self.on_dev: ResidentEvents | None = None
+        self.on_dev_cap = 0  # bytes this layer's copy may take
+        self.on_dev_refused = False  # (too large once: the host path from then on)
+        self.pending_tokens = 0  # token rows a device step has deferred (`Store.defer`), not yet written
 
     def __len__(self) -> int:
         return self.lengths.n
 
     def mark(self) -> tuple[int, int, int]:
         """(events, tokens in RAM, end of the last event) now: what `truncate` comes back to."""
+        self.store.flush_deferred()
         return self.lengths.n, self.ram_k.n, self.event_end
 
     def truncate(self, mark: tuple[int, int, int]) -> None:
         """Forget the events a reader closed in RAM after `mark` (the files are never changed)."""
         events, ram_tokens, event_end = mark
+        self.store.flush_deferred()
         if self.store.writable:
             raise ValueError("a writer's events are in the store's files: they are not truncated")
         if events < self.r.rows or events > self.lengths.n:
             raise ValueError("a mark of another memory")
         self.lengths.n = self.starts.n = events
+        if self.on_dev is not None:
+            self.on_dev.truncate(events, event_end - self.base)
         self.resident.n = self.resident_norms.n = min(self.resident.n, events)
         self.ram_r.n = events - self.r.rows
         self.ram_k.n = self.ram_v.n = ram_tokens
@@ -145,7 +156,7 @@ class StoredEvents:
 
     @property
     def n_tokens(self) -> int:
-        return self.n_disk + self.ram_k.n
+        return self.n_disk + self.ram_k.n + self.pending_tokens
 
     def add_tokens(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """The keys and values [H_kv, c, D] of tokens the engine reads, in stream order: a
@@ -153,10 +164,32 @@ class StoredEvents:
         (the engine's window holds them so: a stream continued from the files computes the same)."""
         if not self.all_tokens:
             return keys, values
+        if self._defers():  # (kept as they are: written at the step's end, with every layer's)
+            self._defer_tokens(keys, values)
+            return keys, values
         k, v = self._put(keys.transpose(0, 1).cpu(), values.transpose(0, 1).cpu())
         if k is None:
             return keys, values
         return k.transpose(0, 1).to(keys.device), v.transpose(0, 1).to(values.device)
+
+    def _defers(self) -> bool:
+        """Whether a step's rows stay on the device until its end (`Store.defer`): where every event
+        is there (`on_device`) and the format keeps them as they are (nothing to decode now)."""
+        return self.on_dev is not None and self.lossless and self.fmt.reprs.bits is None
+
+    def _defer_tokens(self, keys: Tensor, values: Tensor) -> None:
+        """keys/values [H_kv, c, D] on the device, to `_put` at the step's end."""
+        self.pending_tokens += keys.shape[1]
+
+        def write(kv: list[Tensor]) -> None:
+            self.pending_tokens -= kv[0].shape[0]
+            self._put(kv[0], kv[1])
+
+        self.store.defer(write, [keys.transpose(0, 1), values.transpose(0, 1)])
+
+    def flush(self) -> None:
+        """Write what a device step deferred (every layer's: one read back for the step)."""
+        self.store.flush_deferred()
 
     def _put(self, k: Tensor, v: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """Append token rows k/v [n, H_kv, D] to the files (a writer) or RAM (a reader); returns
@@ -177,18 +210,32 @@ class StoredEvents:
     def append(self, keys: Tensor, values: Tensor, lengths: Tensor, reprs: Tensor) -> None:
         """Close events of these sizes over the next tokens: keys/values [H_kv, n, D] (a
         version-5 store has them from `add_tokens`), lengths [e], reprs [e, H_r, D]."""
-        lengths = lengths.cpu()
+        lengths = lengths if lengths.device.type == "cpu" else lengths.cpu()  # (the host's, from the stream)
         offsets = torch.cumsum(lengths, 0) - lengths + self.event_end
-        self.event_end += int(lengths.sum())
-        if not self.all_tokens:
-            self._put(keys.transpose(0, 1).cpu(), values.transpose(0, 1).cpu())
-        rows = self.fmt.reprs.encode(reprs.cpu())
-        if self.store.writable:
-            self.r.append(rows)
+        self.event_end += int(lengths.numpy().sum())
+        deferred = self._defers()
+        if deferred:  # the reprs encoded on the device (a float format: a cast), written at the step's end
+            if not self.all_tokens:
+                self._defer_tokens(keys, values)
+            rows = self.fmt.reprs.encode(reprs)
+            self.store.defer(lambda r: (self.r if self.store.writable else self.ram_r).append(r[0]), [rows])
         else:
-            self.ram_r.append(rows)
+            if not self.all_tokens:
+                self._put(keys.transpose(0, 1).cpu(), values.transpose(0, 1).cpu())
+            rows = self.fmt.reprs.encode(reprs.cpu())
+            if self.store.writable:
+                self.r.append(rows)
+            else:
+                self.ram_r.append(rows)
         self.starts.append(offsets)
         self.lengths.append(lengths)
+        dev = self.on_dev
+        if dev is not None:
+            if dev.bytes_for(dev.keys.n + keys.shape[1], dev.lengths.n + lengths.numel()) > self.on_dev_cap:
+                self.store.flush_deferred()  # (the host path reads the files: everything written first)
+                self.on_dev, self.on_dev_refused = None, True  # outgrew the device: the host path from here
+            else:
+                dev.append(keys, values, lengths, self._decoded(rows).reshape(-1, self.dim).to(self.score_dtype))
 
     def _repr_block(self, start: int, stop: int) -> Tensor:
         """Representative keys of events start..stop-1, [n, H_r * D] (the store's float dtype, or
@@ -227,6 +274,8 @@ class StoredEvents:
     def token_scores(self, queries: Tensor) -> Tensor:
         """Every event's exact score for each query [T, H_r, D] -> [T, E] float32, on the host:
         each row the bits the scan gives (a question's chunk: `selection.TOKEN_SCORINGS`)."""
+        if self.on_dev is not None and self.on_dev.device == queries.device:
+            return self.on_dev.token_scores(queries)
         n = len(self)
         # the resident keys where a selection keeps them; else the file's, read once for all T
         rows = self._resident_rows(n) if n <= self.resident_cap else self._repr_block(0, n)
@@ -282,15 +331,48 @@ class StoredEvents:
         return self.lengths.view()
 
     def on_device(self, device: torch.device) -> bool:
-        return False  # (its rows are read on the host: a step reads its selection back to read them)
+        """Whether every event's rows are on `device` (copied there at the first step that asks,
+        kept there as events close) while they fit its budget (`resident.device_budget`, shared by
+        the layers); past it, the host path: rows read from the files for each selection."""
+        if self.on_dev is None and not self.on_dev_refused:
+            self.on_dev = self._copy_to(device)
+            self.on_dev_refused = self.on_dev is None
+        return self.on_dev is not None and self.on_dev.device == device
+
+    def _copy_to(self, device: torch.device) -> ResidentEvents | None:
+        g = self.store.geometry
+        dev = ResidentEvents(g.kv_heads, g.head_dim, self.dim, self.dtype, self.score_dtype, device)
+        tokens, events = self.event_end - self.base, len(self)
+        self.on_dev_cap = device_budget(device) / g.layers
+        if dev.bytes_for(tokens, events) > self.on_dev_cap:
+            return None
+        dev.keys.reserve(tokens + 1024)
+        dev.values.reserve(tokens + 1024)
+        for a in range(self.base, self.event_end, RESIDENT_BLOCK):
+            k, v = self._read(torch.arange(a, min(self.event_end, a + RESIDENT_BLOCK)))
+            dev.keys.append(k.transpose(0, 1).to(device))
+            dev.values.append(v.transpose(0, 1).to(device))
+        for a in range(0, events, RESIDENT_BLOCK):
+            dev.reprs.append(_finite_reprs(self, self._repr_block(a, min(events, a + RESIDENT_BLOCK))).to(device, self.score_dtype))
+        dev.lengths.append(self.lengths.view().to(device))
+        return dev
+
+    def lengths_on(self, device: torch.device) -> Tensor:
+        dev = self.on_dev
+        return dev.lengths.view() if dev is not None and dev.device == device else self.lengths.view().to(device)
 
     def scores(self, query: Tensor) -> Tensor:
         """Every event's exact score for query [H_r, D] -> [E] float32 on the query's device
-        (computed on the host, as the scan's)."""
+        (the scan's bits: on the device where the rows are there, else on the host)."""
+        if self.on_dev is not None and self.on_dev.device == query.device:
+            return self.on_dev.scores(query)
         return self.token_scores(query[None])[0].to(query.device)
 
     def gather_masked(self, mask: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
-        """`gather` of the events `mask` [E] selects, padded to `size` rows (the mask read back)."""
+        """The events `mask` [E] selects, padded to `size` rows: from the device's copy, or
+        gathered on the host (the mask read back)."""
+        if self.on_dev is not None and self.on_dev.device == mask.device:
+            return self.on_dev.gather_masked(mask, size)
         ids = mask.nonzero().flatten()
         k, v = self.gather(ids)
         n = k.shape[1]
@@ -337,6 +419,7 @@ class StoredEvents:
 
     def _read(self, idx: Tensor, prefetch: bool = False) -> tuple[Tensor, Tensor]:
         """Token rows idx [n] of the layer's events (files, then a reader's RAM): [n, H_kv, D] each."""
+        self.store.flush_deferred()
         disk = idx < self.n_disk
         dec_k = lambda rows: self.store.decode_keys(self.layer, rows, self.dtype)  # noqa: E731
         dec_v = lambda rows: self.fmt.decode(rows, self.dtype)  # noqa: E731

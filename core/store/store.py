@@ -81,6 +81,8 @@ class Store:
     def __init__(self, path: Path, manifest: dict, writable: bool, lock_fd: int | None, folder: Folder | None = None) -> None:
         self.path, self.manifest, self.writable, self._lock_fd = path, manifest, writable, lock_fd
         self.folder = folder or Folder(path)
+        # rows a device step leaves on the device, brought to the host together at its end (`defer`)
+        self._deferred: list[tuple[Callable[[list[Tensor]], None], list[Tensor]]] = []
         g = manifest["geometry"]
         self.geometry = Geometry(**g)
         rows = manifest["rows"]
@@ -407,6 +409,7 @@ class Store:
         """
         from safetensors.torch import save
 
+        self.flush_deferred()
         self.tidy()
         self.update_sketch()
         for rf in self.all_files():
@@ -509,6 +512,28 @@ class Store:
                     rf.append(eq)
             self._equalisers[layer] = eq
         return eq
+
+    def defer(self, write: Callable[[list[Tensor]], None], tensors: list[Tensor]) -> None:
+        """Have `write` called with host copies of `tensors` (on a device) at `flush_deferred`:
+        the rows every layer of a device step produces come back to the host in one read at the
+        step's end, not one read a layer in its middle."""
+        self._deferred.append((write, tensors))
+
+    def flush_deferred(self) -> None:
+        """Bring every deferred tensor to the host in one copy, then call the writes in order."""
+        if not self._deferred:
+            return
+        items, self._deferred = self._deferred, []
+        parts = [t.detach().contiguous().view(-1).view(torch.uint8) for _, ts in items for t in ts]
+        host = torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu()  # (the step's one read back)
+        at = 0
+        for write, ts in items:
+            copies = []
+            for t in ts:
+                n = t.numel() * t.element_size()
+                copies.append(host[at : at + n].clone().view(t.dtype).view(t.shape))  # (clone: aligned for the view)
+                at += n
+            write(copies)
 
     def forget_equaliser(self, layer: int) -> None:
         """Drop a layer's equaliser fitted in RAM (a reader's, on a store without keys yet)."""
