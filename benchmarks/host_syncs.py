@@ -11,8 +11,9 @@ the count taken here is the count there. A `.cpu()` of a tensor already on the h
 rows) is counted as the code makes it: the count is an upper bound.
 
 The benchmark reads 400 tokens with a tiny random Llama of each depth (the count depends on the
-code's structure, not on the model's size), then counts one chunk's step and one generated
-token's, for the step the CPU takes and the one a GPU takes (`engine.window.DEVICE_STEP`).
+code's structure, not on the model's size), its events in RAM and in a store, then counts one
+chunk's step and one generated token's, for the step the CPU takes and the one a GPU takes
+(`engine.window.DEVICE_STEP`).
 """
 
 from __future__ import annotations
@@ -61,32 +62,46 @@ class HostReads(TorchDispatchMode):
         return sum(self.counts.values())
 
 
-def step_reads(layers: int, tokens: int = 400, device_step: bool = False) -> tuple[HostReads, HostReads]:
-    """(a chunk's reads, a generated token's) of an in-RAM engine over a tiny random Llama that has
-    read `tokens` tokens (events in memory, retrieval at every step). device_step: the step a GPU
-    takes (`engine.window.DEVICE_STEP`: selection and gather on the device); else the CPU's."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def step_reads(layers: int, tokens: int = 400, device_step: bool = False, store: bool = False) -> tuple[HostReads, HostReads]:
+    """(a chunk's reads, a generated token's) of an engine over a tiny random Llama that has read
+    `tokens` tokens (events closed, retrieval at every step). device_step: the step a GPU takes
+    (`engine.window.DEVICE_STEP`: selection and gather on the device); else the CPU's. store: the
+    events in a store (a temporary one, written as `emllm ingest` writes), else in RAM."""
+    import contextlib
+    import tempfile
+    from pathlib import Path
 
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from emllm import models
     from emllm.config import load_profile
     from emllm.engine import window
     from emllm.engine.stream import Engine
 
+    tok = AutoTokenizer.from_pretrained(models.resolve("smollm2").path)  # (a store records its tokenizer)
     prof = load_profile("smollm2").replace(chunk_size=8, n_init=4, n_local=32, n_mem=24, min_block=2, max_block=8,
                                            repr_topk=2)
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
-    engine = Engine(AutoModelForCausalLM.from_config(cfg).eval(), prof)
+                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
     g = torch.Generator().manual_seed(1)
     saved, window.DEVICE_STEP = window.DEVICE_STEP, device_step
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(setattr, window, "DEVICE_STEP", saved)
+        if store:
+            from emllm.app import stream
+
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            st = stack.enter_context(stream.create_store(folder / "s", "tiny", model, tok, prof))
+            engine = stream.open_engine(st, model)
+        else:
+            engine = Engine(model, prof)
         engine.feed(torch.randint(0, 300, (tokens,), generator=g))
         with HostReads() as chunk:
             engine.step(torch.randint(0, 300, (prof.chunk_size,), generator=g))
         with HostReads() as token:
             engine.step(torch.randint(0, 300, (1,), generator=g), with_surprise=False)
-    finally:
-        window.DEVICE_STEP = saved
     return chunk, token
 
 
@@ -98,17 +113,17 @@ def main() -> None:
     ap.add_argument("--layers", default="2,4,8,30")
     args = ap.parse_args()
     rows = []
-    for step in ("cpu", "device"):
+    for step, store in (("cpu", False), ("device", False), ("cpu", True), ("device", True)):
         rows = []
         for n in (int(x) for x in args.layers.split(",")):
-            chunk, token = step_reads(n, device_step=step == "device")
-            rows.append({"step": step, "layers": n, "chunk": chunk.total, "token": token.total,
+            chunk, token = step_reads(n, device_step=step == "device", store=store)
+            rows.append({"step": step, "events": "store" if store else "RAM", "layers": n, "chunk": chunk.total, "token": token.total,
                          "chunk_by_kind": dict(chunk.counts), "token_by_kind": dict(token.counts)})
             print(json.dumps(rows[-1]))
         if len(rows) > 1:
             a, b = rows[0], rows[-1]
             span = b["layers"] - a["layers"]
-            print(json.dumps({"step": step, "per_layer_chunk": (b["chunk"] - a["chunk"]) / span,
+            print(json.dumps({"step": step, "events": "store" if store else "RAM", "per_layer_chunk": (b["chunk"] - a["chunk"]) / span,
                               "per_layer_token": (b["token"] - a["token"]) / span}))
 
 

@@ -3,6 +3,7 @@ the device step's count: a number that does not grow with the model's layers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks.host_syncs import HostReads, step_reads
@@ -29,16 +30,20 @@ def test_the_instrument_sees_a_steps_reads():
     assert chunk.counts["scalar"] > 0 and token.counts["scalar"] > 0
 
 
-def test_the_device_steps_reads_do_not_grow_with_the_layers():
-    """The step a GPU takes (issue 70): a few reads a step, none a layer."""
-    chunk2, token2 = step_reads(2, device_step=True)
-    chunk8, token8 = step_reads(8, device_step=True)
-    assert chunk8.total == chunk2.total <= 8 and token8.total == token2.total <= 8
+@pytest.mark.parametrize("store", [False, True])
+def test_the_device_steps_reads_do_not_grow_with_the_layers(store):
+    """The step a GPU takes (issue 70): a few reads a step, none a layer (a step that closes an
+    event or not may differ by one), its events in RAM or in a store."""
+    chunk2, token2 = step_reads(2, device_step=True, store=store)
+    chunk8, token8 = step_reads(8, device_step=True, store=store)
+    assert max(chunk2.total, chunk8.total, token2.total, token8.total) <= 8
+    assert abs(chunk8.total - chunk2.total) <= 1 and abs(token8.total - token2.total) <= 1
 
 
 def test_the_cpus_step_reads_a_layers_selection_on_the_host():
     """On the CPU the selection runs on the host (numpy, faster there): its reads grow with the
     layers, which is why a GPU takes the other step."""
-    chunk2, _ = step_reads(2)
-    chunk8, _ = step_reads(8)
-    assert chunk8.total > chunk2.total
+    for store in (False, True):
+        chunk2, _ = step_reads(2, store=store)
+        chunk8, _ = step_reads(8, store=store)
+        assert chunk8.total >= chunk2.total + 6 * 4
