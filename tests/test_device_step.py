@@ -132,3 +132,35 @@ def test_a_store_on_the_device_step_ingests_and_answers_as_on_the_cpus(tmp_path,
     monkeypatch.setattr(window, "DEVICE_STEP", False)
     cpu_answers = answers_of(tmp_path / "dev", [model], tok, 12) + answers_of(tmp_path / "cpu", [model], tok, 12)
     assert dev_answers == cpu_answers
+
+
+def test_a_store_that_outgrows_the_device_goes_on_from_its_files(tmp_path, tiny, monkeypatch):
+    """Past the device's budget a layer drops its copy (its deferred rows written first) and takes
+    the host path: the store written is the one written with room to spare, and so are its answers."""
+    from emllm.memory import resident
+
+    from .helpers import answers_of, ingest_store, load_tiny, store_arrays, words
+
+    folder, prof, _, _ = tiny
+    docs = [("a", words(7, 500))]
+    monkeypatch.setattr(window, "DEVICE_STEP", True)
+    ingest_store(tmp_path / "roomy", folder, prof, docs)
+    monkeypatch.setitem(resident._BUDGETS, torch.device("cpu"), 200_000.0)  # a few hundred tokens a layer
+    ingest_store(tmp_path / "tight", folder, prof, docs)
+    from emllm.app.stream import open_engine
+    from emllm.store import Store
+
+    with Store.open(tmp_path / "tight") as st:
+        model, tok = load_tiny(folder)
+        eng = open_engine(st, model)
+        assert st.events.rows > 20 and not eng.windows[0].events.on_device(torch.device("cpu"))
+    a, b = store_arrays(tmp_path / "roomy"), store_arrays(tmp_path / "tight")
+    import numpy as np
+
+    assert a.keys() == b.keys()
+    for name in a:
+        if a[name] != b[name]:  # (the attention's rounding: the host path attends differently)
+            assert name.endswith((".k", ".v", ".r", "surprise.f32")), name
+            np.testing.assert_allclose(np.frombuffer(b[name], np.float32), np.frombuffer(a[name], np.float32),
+                                       atol=2e-5, rtol=0, err_msg=name)
+    assert answers_of(tmp_path / "tight", [model], tok, 12) == answers_of(tmp_path / "roomy", [model], tok, 12)
