@@ -62,11 +62,13 @@ class HostReads(TorchDispatchMode):
         return sum(self.counts.values())
 
 
-def step_reads(layers: int, tokens: int = 400, device_step: bool = False, store: bool = False) -> tuple[HostReads, HostReads]:
+def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False, store: bool = False,
+               device: str = "cpu") -> tuple[HostReads, HostReads]:
     """(a chunk's reads, a generated token's) of an engine over a tiny random Llama that has read
     `tokens` tokens (events closed, retrieval at every step). device_step: the step a GPU takes
     (`engine.window.DEVICE_STEP`: selection and gather on the device); else the CPU's. store: the
-    events in a store (a temporary one, written as `emllm ingest` writes), else in RAM."""
+    events in a store (a temporary one, written as `emllm ingest` writes), else in RAM. device:
+    where the model runs (device_step None: the step that device takes by default)."""
     import contextlib
     import tempfile
     from pathlib import Path
@@ -84,7 +86,7 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool = False, store:
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model = AutoModelForCausalLM.from_config(cfg).eval().to(device)
     g = torch.Generator().manual_seed(1)
     saved, window.DEVICE_STEP = window.DEVICE_STEP, device_step
     with contextlib.ExitStack() as stack:

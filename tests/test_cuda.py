@@ -159,3 +159,16 @@ def test_model_split_between_cuda_and_cpu(tiny, tmp_path):
     assert a.n_events > 5 and a.n_events == b.n_events
     assert (la - lb).abs().max().item() <= TOL
     assert ta == tb
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_a_steps_reads_back_on_cuda_do_not_grow_with_the_layers(store):
+    """On the GPU the engine takes the device step by default: a step's reads back to the host
+    (each a synchronisation there) are a few, whatever the layers, its events in RAM or a store."""
+    from benchmarks.host_syncs import step_reads
+
+    counts = [step_reads(n, device_step=None, store=store, device=str(CUDA)) for n in (2, 8)]
+    (chunk2, token2), (chunk8, token8) = counts
+    if CUDA.type == "cuda":
+        assert max(chunk2.total, chunk8.total, token2.total, token8.total) <= 8
+        assert abs(chunk8.total - chunk2.total) <= 1 and abs(token8.total - token2.total) <= 1
