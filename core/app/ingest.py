@@ -31,12 +31,12 @@ class DiskSpaceError(StoreError):
 
 
 def bytes_per_token(store: Store) -> float:
-    """Bytes a store grows by per token read: keys and values of every layer, a share of a
+    """Bytes a store grows by per token read: keys and values of every layer with memory, a share of a
     representative key (one per event; events are at least min_block tokens), the token arrays."""
     g, prof = store.geometry, store.info.profile
     fmt = store.kv_format
-    kv = g.layers * 2 * fmt.row_bytes(g.kv_heads, g.head_dim)
-    reprs = g.layers * fmt.reprs.row_bytes(store.repr_heads, g.head_dim) / max(1, prof.min_block)
+    kv = len(g.with_memory) * 2 * fmt.row_bytes(g.kv_heads, g.head_dim)
+    reprs = len(g.with_memory) * fmt.reprs.row_bytes(store.repr_heads, g.head_dim) / max(1, prof.min_block)
     return kv + reprs + 4 + 4 + 1
 
 

@@ -59,7 +59,7 @@ def retrieval_doc(trace, st, tok, query: str, layer: int | None = None, top: int
                   window_start: int | None = None) -> dict:
     """The retrieval recorded in `trace` as data: coverage heatmap, most retrieved events, one layer.
     window_start: the stream position where the local window began when the question was read."""
-    n_layers = st.geometry.layers
+    layer_ids = [w.layer_idx for w in trace.engine.windows]  # the layers with memory: the coverage's rows
     n = st.info.rows.tokens
     cov = trace.coverage(n, BINS) if n else None
     counts = trace.counts()  # [layers, E]
@@ -77,7 +77,7 @@ def retrieval_doc(trace, st, tok, query: str, layer: int | None = None, top: int
     by_layers = (counts > 0).sum(0)
     order = torch.sort(by_layers, descending=True, stable=True).indices.tolist()[:top]
     out = {
-        "query": query, "layers": n_layers, "bins": BINS, "steps": trace.steps, "span": n,
+        "query": query, "layers": len(layer_ids), "layer_ids": layer_ids, "bins": BINS, "steps": trace.steps, "span": n,
         # attended at every step, never retrieved: the first n_init tokens and the local window
         "initial_tokens": min(n, st.info.profile.n_init),
         "window_start": n if window_start is None else max(0, min(n, window_start)),

@@ -140,7 +140,7 @@ class SelectionRecorder(RetrievalListener):
         self._cut()
         if len(self._tail):
             eng, pr = self.engine, self.engine.profile
-            w = eng.windows[layer]
+            w = eng.layers[layer]
             # A layer retrieves only once it has events, so the window no longer holds initial tokens:
             # the tail is the remainder, then the window (during the step: its last n_local tokens,
             # then the step's chunk)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from emllm import models
 from emllm.config import Profile, ProfileMismatchError
-from emllm.engine.stream import Engine, check_supported, repr_heads
+from emllm.engine.stream import Engine, check_supported, repr_heads, sliding_layers
 from emllm.models import ModelSource, config_hash
 from emllm.store import Geometry, Identity, Store, StoreError, StoredEvents, tokenizer_hash, weights_hash, weights_sample
 
@@ -64,7 +64,10 @@ def geometry_of(model: Any) -> Geometry:
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return Geometry(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, cfg.vocab_size, dtype)
+    sliding = sliding_layers(cfg)
+    memory_layers = tuple(i for i, w in enumerate(sliding) if w is None) if any(sliding) else None
+    return Geometry(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, cfg.vocab_size,
+                    dtype, memory_layers)
 
 
 def encode(tok: Any, text: str) -> list[int]:
@@ -124,7 +127,8 @@ def open_engine(store: Store, model: Any, kv_cache_mb: int | None = None) -> Eng
 
 
 def _geometry_text(g: Geometry) -> str:
-    return f"{g.layers} layers, {g.q_heads}/{g.kv_heads} heads of {g.head_dim}, vocabulary {g.vocab}, {g.dtype}"
+    mem = "" if g.memory_layers is None else f" (memory in {', '.join(map(str, g.memory_layers))})"
+    return f"{g.layers} layers{mem}, {g.q_heads}/{g.kv_heads} heads of {g.head_dim}, vocabulary {g.vocab}, {g.dtype}"
 
 
 def pending_tokens(store: Store) -> list[int]:

@@ -49,7 +49,7 @@ class Trace(RetrievalListener):
         return self._step + 1
 
     def heard(self, layer: int, sel: Selection, query: Tensor | None = None) -> None:
-        if layer == 0 or self._step < 0:
+        if layer == self.engine.windows[0].layer_idx or self._step < 0:  # (the first layer with memory)
             self._step += 1
         scoring = "z" if query is not None and query.dim() == 3 else "dot"  # ([T, H_r, D]: a question's tokens)
         self.records.append(Record(self._step, layer, sel.ids.cpu(), sel.scores.float().cpu(), scoring))
@@ -59,16 +59,16 @@ class Trace(RetrievalListener):
         return event_spans(self.engine.windows[0].events.event_lengths(), self.engine.profile.n_init)
 
     def counts(self) -> Tensor:
-        """[layers, E]: how many steps each layer retrieved each event."""
-        n_layers = len(self.engine.windows)
+        """[layers, E]: how many steps each layer with memory (`Engine.windows`) retrieved each event."""
+        row = {w.layer_idx: i for i, w in enumerate(self.engine.windows)}
         e = len(self.engine.windows[0].events)
-        out = torch.zeros(n_layers, e, dtype=torch.long)
+        out = torch.zeros(len(row), e, dtype=torch.long)
         for r in self.records:
-            out[r.layer, r.ids[r.ids < e]] += 1
+            out[row[r.layer], r.ids[r.ids < e]] += 1
         return out
 
     def coverage(self, n_tokens: int, bins: int) -> Tensor:
-        """[layers, bins] in [0, 1]: for each layer and each stretch of n_tokens / bins stream
+        """[layers, bins] in [0, 1]: for each layer with memory and each stretch of n_tokens / bins stream
         positions, the share of its tokens in events the layer retrieved at any step."""
         spans = self.event_spans()
         hit = self.counts() > 0  # [layers, E]

@@ -31,9 +31,10 @@ from emllm.math.rope import Rotary
 from emllm.math.segmentation import enforce_block_sizes, key_adjacency, refine, surprise_starts
 from emllm.math.surprise import boundary_flags, token_surprise
 from emllm.engine.sampling import Chooser, greedy
+from emllm.engine.sliding import SlidingLayer
 from emllm.engine.window import LayerWindow, StepInfo
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 TOKEN_SLACK = 256  # generated tokens between two rotations of a layer's whole window
 
 
@@ -59,11 +60,23 @@ def check_supported(model: PreTrainedModel) -> None:
         raise UnsupportedModelError(f"model type {mt!r}: no shared rotary embedding found at model.model.rotary_emb")
 
 
+def sliding_layers(cfg) -> list[int | None]:
+    """Per layer, the sliding window it attends within where the model mixes sliding-window and
+    global layers (Gemma 2 and 3: `layer_types`), None for a global one. Such a sliding layer gets
+    no memory (`engine.sliding`). A model whose layers all slide (Mistral) is not mixed: every
+    entry is None, and its window bounds the profile's instead (`Engine`)."""
+    types = getattr(cfg, "layer_types", None) or []
+    sw = getattr(cfg, "sliding_window", None)
+    if not sw or "sliding_attention" not in types or "full_attention" not in types:
+        return [None] * cfg.num_hidden_layers
+    return [sw if t == "sliding_attention" else None for t in types]
+
+
 @dataclass
 class Hooks:
     """The `emllm` keyword of one forward: each layer's window, and what they share this step."""
 
-    layers: list[LayerWindow]
+    layers: list[LayerWindow | SlidingLayer]  # by the model's layer index
     step: StepInfo
 
 
@@ -102,11 +115,15 @@ class Engine:
     def __init__(
         self, model: PreTrainedModel, profile: Profile, memory: Callable[[int], EventStorage] | None = None
     ) -> None:
-        """memory: layer index -> that layer's event memory (default: in RAM; the store gives its own)."""
+        """memory: i -> the event memory of the i-th layer that holds one (`windows[i]`; every layer
+        but a mixed model's sliding ones: `sliding_layers`). Default: in RAM; a store gives its own."""
         check_supported(model)
         cfg = model.config
         sw = getattr(cfg, "sliding_window", None)
-        if sw and getattr(cfg, "use_sliding_window", True) and profile.n_local + profile.chunk_size > sw:
+        sliding = sliding_layers(cfg)
+        mixed = any(sliding)
+        if (not mixed and sw and getattr(cfg, "use_sliding_window", True)
+                and profile.n_local + profile.chunk_size > sw):
             raise UnsupportedModelError(
                 f"the model attends within a sliding window of {sw} tokens; the profile's local window "
                 f"n_local + chunk_size = {profile.n_local + profile.chunk_size} exceeds it: lower n_local"
@@ -127,7 +144,13 @@ class Engine:
         if attention.PRODUCTS_ON_CPU is None:  # emulated bfloat16 products are slower than the kernel
             attention.PRODUCTS_ON_CPU = native_bf16("cpu")
         model.set_attn_implementation(attention.NAME)
-        self.rotary = Rotary(model.model.rotary_emb)
+        rope = model.model.rotary_emb
+        typed = getattr(rope, "layer_types", None) is not None  # one table per kind of layer (Gemma 3)
+        kinds = getattr(cfg, "layer_types", None)
+        global_kind = next((kinds[i] for i, w in enumerate(sliding) if w is None), None) if typed else None
+        self.rotary = Rotary(rope, global_kind)
+        self.sliding_rotary = Rotary(rope, "sliding_attention" if typed else None) if mixed else None
+        self.sliding_window = sw if mixed else None
         self.dtype = next(model.parameters()).dtype
         # Where the token ids go: the input embedding's device (accelerate moves them on from there).
         self.device = input_device(model)
@@ -135,12 +158,24 @@ class Engine:
         # Each layer's memory lives on its layer's device (a model split with accelerate's device_map).
         layer_devices = [device_of(layer, self.device) for layer in model.model.layers]
         heads = repr_heads(profile, cfg.num_key_value_heads, cfg.num_attention_heads)
-        memory = memory or (lambda i: EventMemory(cfg.num_key_value_heads, heads, head_dim, self.dtype, layer_devices[i],
-                                                   profile.faiss_threshold))
+        with_memory = [i for i, w in enumerate(sliding) if w is None]
+        memory = memory or (lambda j: EventMemory(cfg.num_key_value_heads, heads, head_dim, self.dtype,
+                                                   layer_devices[with_memory[j]], profile.faiss_threshold))
+        # the layers that hold memory, in order; `layers`: every layer's hook, by its index
         self.windows = [
-            LayerWindow(i, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, self.dtype, layer_devices[i], memory(i))
-            for i in range(cfg.num_hidden_layers)
+            LayerWindow(i, cfg.num_key_value_heads, cfg.num_attention_heads, head_dim, self.dtype, layer_devices[i], memory(j))
+            for j, i in enumerate(with_memory)
         ]
+        by_index = {w.layer_idx: w for w in self.windows}
+        self.layers: list[LayerWindow | SlidingLayer] = [
+            by_index.get(i) or SlidingLayer(i, cfg.num_key_value_heads, head_dim, self.dtype, layer_devices[i], sliding[i])
+            for i in range(n_layers)
+        ]
+        if profile.refine_from_layer is not None and not self.refinement_layers():
+            from emllm.config import ProfileError
+
+            raise ProfileError(f"profile {profile.name!r}: refine_from_layer = {profile.refine_from_layer} but the "
+                               f"model's last layer with memory is layer {with_memory[-1]}")
         self.ids = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         self.surprise = GrowBuffer((0,), 0, torch.float32, torch.device("cpu"))  # NaN: none
         self.flags = GrowBuffer((0,), 0, torch.bool, torch.device("cpu"))
@@ -150,6 +185,14 @@ class Engine:
         self.on_retrieval: Callable[[int, Selection, Tensor], None] | None = None
         self.answering = False  # a question is being read or answered (`begin_question`)
         self._groups: tuple[tuple[int, int], Tensor] | None = None  # `event_groups`: ((events, rem_start), labels)
+
+    def refinement_layers(self) -> list[LayerWindow]:
+        """The layers whose keys build refinement's similarity graph: those with memory from the
+        profile's refine_from_layer on (None: the last third of them, at least one)."""
+        first = self.profile.refine_from_layer
+        if first is None:
+            return self.windows[len(self.windows) - max(1, len(self.windows) // 3):]
+        return [w for w in self.windows if w.layer_idx >= first]
 
     def begin_question(self) -> None:
         """What comes next is a question and its answer: retrieval scores with the profile's
@@ -224,7 +267,8 @@ class Engine:
         step = StepInfo(cos, sin, pr.n_local, pr.n_init, budget, pr.n_mem - budget, pr.neighbours, centering,
                         bool(pr.query_centering or pr.question_centering), self.on_retrieval,
                         pr.representative == "attention", slack, scoring,
-                        self.event_groups() if scoring and pr.distinct_events else None)
+                        self.event_groups() if scoring and pr.distinct_events else None,
+                        self._sliding_rope(c))
         if self.model.config._attn_implementation != attention.NAME:  # someone ran the plain model meanwhile
             self.model.set_attn_implementation(attention.NAME)
         x = chunk.to(self.device)[None]
@@ -233,7 +277,7 @@ class Engine:
             position_ids=torch.zeros_like(x),  # identity rotation: the attention gets keys before RoPE
             use_cache=False,
             logits_to_keep=0 if with_surprise else 1,  # (0: all)
-            emllm=Hooks(self.windows, step),  # reaches the attention function of every layer
+            emllm=Hooks(self.layers, step),  # reaches the attention function of every layer
         )
         logits = out.logits[0]  # [c, V] ([1, V] without surprise)
         if with_surprise:
@@ -264,6 +308,12 @@ class Engine:
             w.events.flush()
         return logits
 
+    def _sliding_rope(self, c: int) -> tuple[Tensor, Tensor] | None:
+        """cos/sin of the sliding layers for a step of c tokens (their window: size - 1 before them)."""
+        if self.sliding_window is None:
+            return None
+        return self.sliding_rotary.table(min(self.n_tokens, self.sliding_window - 1) + c, self.device, self.dtype)
+
     def _close_events(self) -> None:
         """Close every event that lies wholly in the evicted part of the stream (shared by all layers)."""
         pr = self.profile
@@ -291,11 +341,9 @@ class Engine:
         """
         pr = self.profile
         n = int(starts[-1])
-        first = pr.refine_from_layer
-        if first is None:
-            first = len(self.windows) - max(1, len(self.windows) // 3)
-        dev = self.windows[first].rem_k.device  # layers may sit on several devices
-        keys = torch.stack([w.rem_k[:, :n].to(dev) for w in self.windows[first:]])  # [layers, H_kv, n, D]
+        layers = self.refinement_layers()
+        dev = layers[0].rem_k.device  # layers may sit on several devices
+        keys = torch.stack([w.rem_k[:, :n].to(dev) for w in layers])  # [layers, H_kv, n, D]
         a = key_adjacency(keys)
         metric = "modularity" if pr.segmentation.endswith("M") else "conductance"
         # Every event of the stretch is closed, so all of them (the last one, [starts[-2], n),
@@ -313,7 +361,7 @@ class Engine:
         out: dict[str, Tensor] = {"rem_start": torch.tensor(self.rem_start), "n_tokens": torch.tensor(self.n_tokens)}
         if self.last_logits is not None:
             out["last_logits"] = self.last_logits
-        for w in self.windows:
+        for w in self.layers:
             for name, t in w.state().items():
                 out[f"layer{w.layer_idx}.{name}"] = t
         return out
@@ -353,7 +401,7 @@ class Engine:
         self.last_logits = state.get("last_logits")
         if self.last_logits is not None and tuple(self.last_logits.shape) != (self.model.config.vocab_size,):
             raise ValueError("last_logits of the wrong shape")
-        for w in self.windows:
+        for w in self.layers:
             prefix = f"layer{w.layer_idx}."
             w.load_state({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 

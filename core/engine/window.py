@@ -55,6 +55,9 @@ class StepInfo:
     # [E] group labels of the events for a question's token scoring (`memory.distinct`): identical
     # events take one place in its selection (profile distinct_events); None: every event competes
     groups: Tensor | None = None
+    # cos/sin [>= window, rotary_dim] of the sliding-window layers of a model that mixes them with
+    # global ones (their own rope base: Gemma 3); None: the model has none
+    sliding_rope: tuple[Tensor, Tensor] | None = None
 
 
 @dataclass
@@ -144,8 +147,10 @@ class LayerWindow:
         self._held = None  # events may have been forgotten (a reader's truncate): ids name others
 
     # -- the attention call ------------------------------------------------------------------
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float, st: StepInfo) -> Tensor:
-        """q [H_q, c, D], k/v [H_kv, c, D], all pre-RoPE; st: what this forward's layers share.
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float, st: StepInfo,
+                softcap: float | None = None) -> Tensor:
+        """q [H_q, c, D], k/v [H_kv, c, D], all pre-RoPE; st: what this forward's layers share;
+        softcap: the model's cap on attention scores (Gemma 2), None: none.
         Returns [H_q, c, D]."""
         c = q.shape[1]
         # as the memory keeps them (a store's format may round them): the stream computes the same
@@ -200,7 +205,7 @@ class LayerWindow:
                 self.query_sum += query.float()
                 self.query_n += 1
 
-        out, mass = attend(q_loc, k_rot, v_att, q_mem, k_mem, v_mem, scaling, st.mass, mem_valid)
+        out, mass = attend(q_loc, k_rot, v_att, q_mem, k_mem, v_mem, scaling, st.mass, mem_valid, softcap)
         if mass is None:  # (the mass buffers keep their shapes, and the state its format: zeros)
             mass = torch.zeros(self.n_q_heads, k_loc.shape[1], dtype=torch.float32, device=k_loc.device)
         self._slide(k_loc, v_loc, mass, st)

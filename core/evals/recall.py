@@ -54,14 +54,14 @@ class RecallProbe(RetrievalListener):
         self.last: dict[int, tuple[Selection, Tensor, int]] = {}  # layer -> (selection, query, events then)
 
     def heard(self, layer: int, sel: Selection, query: Tensor) -> None:
-        n = len(self.engine.windows[layer].events)  # (the step may close events after retrieving)
+        n = len(self.engine.layers[layer].events)  # (the step may close events after retrieving)
         self.last[layer] = (Selection(sel.ids.cpu(), sel.scores.cpu()), query.detach().float().cpu(), n)
 
 
 def needle_recall(engine: Any, probe: RecallProbe, needles: Sequence[tuple[int, int]]) -> list[NeedleRecall]:
     """For each needle (a token span [start, end) of the stream), what the question's retrieval
     did with it (module docstring). The engine's stream must begin with the document."""
-    windows = engine.windows
+    windows = engine.windows  # the layers with memory
     n_layers = len(windows)
     n_init = engine.profile.n_init
     starts, ends = event_spans(windows[0].events.event_lengths(), n_init).unbind(1)
@@ -70,7 +70,7 @@ def needle_recall(engine: Any, probe: RecallProbe, needles: Sequence[tuple[int, 
     def ranks(layer: int) -> Tensor:
         if layer not in ranks_of:
             _, query, n = probe.last[layer]
-            events = windows[layer].events
+            events = engine.layers[layer].events
             if query.dim() == 3:  # a question's tokens, scored as the profile says (`LayerWindow.retrieve`)
                 scores = TOKEN_SCORINGS[engine.profile.question_scoring](events.token_scores(query)[:, :n]).cpu()
             else:
@@ -92,7 +92,7 @@ def needle_recall(engine: Any, probe: RecallProbe, needles: Sequence[tuple[int, 
             out.append(NeedleRecall(j, where, n_layers, n_layers, [], 0, n_layers))
             continue
         held, whole, best = 0, 0, []
-        for layer in range(n_layers):
+        for layer in (w.layer_idx for w in windows):
             if layer not in probe.last:  # this layer did not retrieve (no events yet)
                 best.append(0)
                 continue

@@ -20,7 +20,8 @@ NAME = "emllm"
 
 
 class LayerHook(Protocol):
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float, step: Any) -> Tensor: ...
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float, step: Any,
+                softcap: float | None = None) -> Tensor: ...
 
 
 class Hooks(Protocol):
@@ -41,6 +42,7 @@ def attend(
     scaling: float,
     with_mass: bool = True,
     mem_valid: Tensor | None = None,  # [M] bool: which memory rows count (a selection padded to its budget); None: all
+    softcap: float | None = None,  # scores s become softcap * tanh(s / softcap) (Gemma 2); None: as they are
 ) -> tuple[Tensor, Tensor | None]:
     """Returns (output [H_q, c, D], attention mass each window key received [H_q, L], float32;
     None unless `with_mass`).
@@ -56,9 +58,10 @@ def attend(
     in the queries' dtype.
     """
     c = q_local.shape[1]
-    if mem_valid is not None:  # (a device's step: the memory written out, its padding masked)
-        memory = lambda q, k, v, scale: _memory_materialised(q, k, v, scale, mem_valid)  # noqa: E731
-        return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, with_mass)
+    if mem_valid is not None or softcap is not None:
+        # (a device's step: the memory written out, its padding masked; capped scores: no kernel caps them)
+        memory = lambda q, k, v, scale: _memory_materialised(q, k, v, scale, mem_valid, softcap)  # noqa: E731
+        return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, with_mass, softcap)
     cpu = q_local.device.type == "cpu"
     if cpu and PRODUCTS_ON_CPU is not False and not with_mass and c >= PRODUCTS_FROM and _all_bf16(q_local, k_local, v_local, q_mem, k_mem, v_mem):
         return _attend_products(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling), None
@@ -181,13 +184,18 @@ def _memory_flash(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> tuple[Tens
     return o.float().reshape(h_kv, g * c, d), lse.reshape(h_kv, g * c)
 
 
+def _capped(s: Tensor, softcap: float | None) -> Tensor:
+    """Scores s (float32, in place) capped as Gemma 2 caps them: softcap * tanh(s / softcap)."""
+    return s if softcap is None else s.div_(softcap).tanh_().mul_(softcap)
+
+
 def _memory_materialised(q: Tensor, k: Tensor, v: Tensor, scaling: float,
-                         valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                         valid: Tensor | None = None, softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """As `_memory_flash`, with the probabilities written out; valid [M] bool: the keys that count
     (the others get probability 0; none: log-sum-exp -inf and output 0)."""
     h_kv, g, c, d = q.shape
     s = torch.matmul(q.reshape(h_kv, g * c, d), k.transpose(1, 2)).float()  # [H_kv, g*c, M]
-    s.mul_(scaling)
+    _capped(s.mul_(scaling), softcap)
     if valid is not None:
         s.masked_fill_(~valid, float("-inf"))
     lse = torch.logsumexp(s, -1)
@@ -196,7 +204,7 @@ def _memory_materialised(q: Tensor, k: Tensor, v: Tensor, scaling: float,
     return torch.matmul(s.to(v.dtype), v).float(), lse
 
 
-def _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, with_mass=True):
+def _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, with_mass=True, softcap=None):
     """`attend` with the window's probabilities written out (exponentiated once, they serve the
     output and the mass), the memory's part computed by `memory` (`_memory_flash` or
     `_memory_materialised`) and merged by log-sum-exp.
@@ -210,7 +218,7 @@ def _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, wit
     g = h_q // h_kv
     # GQA without repeating keys: the g query heads of one KV head share its key matrix.
     s = torch.bmm(q_local.reshape(h_kv, g * c, d).float(), k_local.float().transpose(1, 2))  # [H_kv, g*c, L]
-    s.mul_(scaling)
+    _capped(s.mul_(scaling), softcap)
     causal = torch.ones(c, c, dtype=torch.bool, device=s.device).triu_(1)
     s.view(h_kv, g, c, length)[..., length - c :].masked_fill_(causal, float("-inf"))
     mx = s.amax(-1)  # [H_kv, g*c]; finite: each query sees itself
@@ -294,6 +302,26 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
+def attend_band(q: Tensor, k: Tensor, v: Tensor, size: int, scaling: float,
+                softcap: float | None = None) -> Tensor:
+    """A sliding-window layer's attention, as the plain model's: q [H_q, c, D] the last c rows of
+    the window k/v [H_kv, L, D] (all rotated alike), each query seeing itself and the size - 1
+    keys before it. Returns [H_q, c, D] in q's dtype."""
+    h_q, c, d = q.shape
+    h_kv, length, _ = k.shape
+    rows = torch.arange(length - c, length, device=q.device)[:, None]
+    cols = torch.arange(length, device=q.device)[None]
+    seen = (cols <= rows) & (cols > rows - size)  # [c, L]
+    if softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=seen, scale=scaling, enable_gqa=h_q != h_kv)[0]
+    g = h_q // h_kv
+    s = torch.matmul(q.reshape(h_kv, g * c, d).float(), k.float().transpose(1, 2))  # [H_kv, g*c, L]
+    s = _capped(s.mul_(scaling), softcap).view(h_kv, g, c, length).masked_fill_(~seen, float("-inf"))
+    p = torch.softmax(s, -1).view(h_kv, g * c, length)
+    return torch.bmm(p, v.float()).view(h_q, c, d).to(q.dtype)
+
+
 def emllm_attention(
     module: torch.nn.Module,
     query: Tensor,  # [1, H_q, c, D]
@@ -315,7 +343,9 @@ def emllm_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     layer: LayerHook = hooks.layers[module.layer_idx]
-    out = layer.forward(query[0], key[0], value[0], float(scaling), hooks.step)  # [H_q, c, D]
+    softcap = kwargs.get("softcap")  # (Gemma 2's attention logit soft-capping)
+    out = layer.forward(query[0], key[0], value[0], float(scaling), hooks.step,
+                        None if softcap is None else float(softcap))  # [H_q, c, D]
     return out.transpose(0, 1).unsqueeze(0), None  # [1, c, H_q, D], as transformers expects
 
 
@@ -323,4 +353,4 @@ def register() -> None:
     AttentionInterface.register(NAME, emllm_attention)
 
 
-__all__ = ["attend", "emllm_attention", "register", "NAME", "apply_rotary"]
+__all__ = ["attend", "attend_band", "emllm_attention", "register", "NAME", "apply_rotary"]

@@ -39,9 +39,13 @@ class Rotary:
     from the length itself, so for those each length has its own table (a small LRU).
     """
 
-    def __init__(self, rotary_emb: nn.Module) -> None:
+    def __init__(self, rotary_emb: nn.Module, layer_type: str | None = None) -> None:
+        """layer_type: the kind of layer whose table this is, for a module that keeps one per kind
+        (Gemma 3: local and global bases) and takes it as its third argument; None: it keeps one."""
         self.module = rotary_emb
-        rt = str(getattr(rotary_emb, "rope_type", "default"))
+        self.layer_type = layer_type
+        rt = getattr(rotary_emb, "rope_type", "default")
+        rt = str(rt.get(layer_type, "default") if isinstance(rt, dict) else rt)
         self.length_dependent = rt == "longrope" or "dynamic" in rt  # as transformers' dynamic_rope_update
         self._cache: OrderedDict[tuple, tuple[Tensor, Tensor]] = OrderedDict()
 
@@ -52,9 +56,12 @@ class Rotary:
         # s_d: the factor the model's attention applies at position 0 (module doc), read from the
         # module itself in the model dtype rather than re-derived, then divided out in float32
         zero = torch.zeros(1, 1, dtype=torch.long, device=device)
-        s_d = self.module(torch.empty(0, device=device, dtype=dtype), zero)[0][0, 0, :1].float()  # [1]
-        cos, sin = self.module(probe, pos)  # [1, length, rotary_dim] float32, scaled by s
+        s_d = self._call(torch.empty(0, device=device, dtype=dtype), zero)[0][0, 0, :1].float()  # [1]
+        cos, sin = self._call(probe, pos)  # [1, length, rotary_dim] float32, scaled by s
         return (cos[0] / s_d).to(dtype), (sin[0] / s_d).to(dtype)
+
+    def _call(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        return self.module(x, pos) if self.layer_type is None else self.module(x, pos, self.layer_type)
 
     def table(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin: [length, rotary_dim] for positions 0..length-1 (read-only: may be cached views)."""

@@ -55,24 +55,27 @@ class StoredEvents:
     changes the files. No faiss graph over a store: it would need RAM and upkeep per event.
     """
 
-    def __init__(self, store: "Store", layer: int, kv_cache_mb: int | None = None) -> None:
-        """kv_cache_mb: RAM of the event cache, all layers together (None: the store's profile's)."""
-        self.store, self.layer = store, layer
+    def __init__(self, store: "Store", slot: int, kv_cache_mb: int | None = None) -> None:
+        """slot: which of the store's layers with memory (`Geometry.with_memory`; every layer but a
+        mixed model's sliding ones); kv_cache_mb: RAM of the event cache, all layers together
+        (None: the store's profile's)."""
+        self.store, self.slot = store, slot
+        self.layer = store.geometry.with_memory[slot]  # the model's index, named in errors
         g = store.geometry
         dt = self.dtype = _BY_NAME[g.dtype][0]  # the compute dtype: keys and values are decoded to it
         self.fmt = store.kv_format  # how the files keep them (emllm.memory.quant)
         self.row = (g.kv_heads, g.head_dim)
         self.repr_heads = store.repr_heads  # rows of a representative key: KV heads (version 7) or query heads
         self.dim = self.repr_heads * g.head_dim
-        self.k, self.v, self.r = store.layer_files[layer]
+        self.k, self.v, self.r = store.layer_files[slot]
         # A reader of a store that has a sketch, once its keys exceed repr_cache_mb, scores the
         # sketches, then exactly only the events that can be selected (core/memory/sketch.py); a
         # writer always scans (its selections are part of the bytes it writes, so they must not
         # depend on when the sketch was fitted).
         self.sketch: tuple[RowFile, RowFile, Tensor, Tensor] | None = None  # coords, norms, mean, basis
         if store.sketch_files is not None and not store.writable:
-            p, nrm = store.sketch_files[layer]
-            self.sketch = (p, nrm, *store.sketch_basis(layer))
+            p, nrm = store.sketch_files[slot]
+            self.sketch = (p, nrm, *store.sketch_basis(slot))
         self.lengths = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         self.starts = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         lengths = store.events.read().long()
@@ -92,7 +95,7 @@ class StoredEvents:
         # a reader's own events' representative keys, as the file's rows (decoded as they are read)
         self.ram_r = GrowBuffer((0, *self.r.row), 0, self.r.dtype, torch.device("cpu"))
         mb = store.manifest["profile"].get("kv_cache_mb", Profile.kv_cache_mb) if kv_cache_mb is None else kv_cache_mb
-        cap = (mb << 20) // (g.layers * 2 * g.kv_heads * g.head_dim * dt.itemsize)  # tokens per layer
+        cap = (mb << 20) // (len(g.with_memory) * 2 * g.kv_heads * g.head_dim * dt.itemsize)  # tokens per layer
         # A ring smaller than one step's retrieval would only churn: no cache then.
         n_mem = store.manifest["profile"].get("n_mem", 0)
         self.cache = EventCache(cap, self.row, dt) if cap > 0 and cap >= n_mem else None
@@ -100,14 +103,14 @@ class StoredEvents:
         # one copy, while the store's keys and values fit the page cache (`mappable`). A writer
         # reads with pread and its window keeps the last step's events: its resident memory stays
         # its own however long the stream (a 1M-token ingest); so does a reader of a larger store.
-        kv_bytes = 2 * g.layers * self.k.rows * self.k.row_bytes
+        kv_bytes = 2 * len(g.with_memory) * self.k.rows * self.k.row_bytes
         self.random_access = not store.writable and self.cache is None and mappable(kv_bytes)
         # The same for what a reader's sketched selection reads at every step: the sketches, and
         # the representative keys it scores exactly (scattered rows): one index of a map instead of
         # a pread per run (docs/benchmark-log.md, the store at scale).
         sketch_files = self.sketch[:2] if self.sketch is not None else ()  # coords, norms
         retrieval_bytes = sum(f.rows * f.row_bytes for f in (self.r, *sketch_files))
-        self.retrieval_mapped = not store.writable and mappable(g.layers * retrieval_bytes)
+        self.retrieval_mapped = not store.writable and mappable(len(g.with_memory) * retrieval_bytes)
         # A writer's window computes each step as the same stream resumed from its files would
         # (no window kept rotated across tokens: LayerWindow.forward)
         self.writer = store.writable
@@ -118,7 +121,7 @@ class StoredEvents:
         # half the RAM of float32, and a question's first token sooner, for a generated token a
         # little slower: docs/benchmark-log.md); integer rows decoded to float32.
         rdt = self.r.dtype if self.fmt.reprs.bits is None else torch.float32
-        self.resident_cap = (mb << 20) // (g.layers * self.dim * rdt.itemsize)  # events per layer
+        self.resident_cap = (mb << 20) // (len(g.with_memory) * self.dim * rdt.itemsize)  # events per layer
         self.resident = GrowBuffer((0, self.dim), 0, rdt, torch.device("cpu"))
         self.resident_norms = GrowBuffer((0,), 0, torch.float32, torch.device("cpu"))
         self.score_dtype = rdt
@@ -152,7 +155,7 @@ class StoredEvents:
         self.ram_k.n = self.ram_v.n = ram_tokens
         self.event_end = event_end
         if self.n_tokens == 0:  # the next first rows fit the equaliser again, as a writer's would
-            self.store.forget_equaliser(self.layer)
+            self.store.forget_equaliser(self.slot)
 
     @property
     def n_tokens(self) -> int:
@@ -194,10 +197,10 @@ class StoredEvents:
     def _put(self, k: Tensor, v: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """Append token rows k/v [n, H_kv, D] to the files (a writer) or RAM (a reader); returns
         them decoded, or (None, None) when the format keeps them as they are."""
-        rk, rv = self.store.encode_keys(self.layer, k), self.fmt.encode(v)
+        rk, rv = self.store.encode_keys(self.slot, k), self.fmt.encode(v)
         dk = dv = None
         if not self.lossless or not self.store.writable:
-            dk, dv = self.store.decode_keys(self.layer, rk, self.dtype), self.fmt.decode(rv, self.dtype)
+            dk, dv = self.store.decode_keys(self.slot, rk, self.dtype), self.fmt.decode(rv, self.dtype)
         if self.store.writable:
             self.k.append(rk)
             self.v.append(rv)
@@ -343,7 +346,7 @@ class StoredEvents:
         g = self.store.geometry
         dev = ResidentEvents(g.kv_heads, g.head_dim, self.dim, self.dtype, self.score_dtype, device)
         tokens, events = self.event_end - self.base, len(self)
-        self.on_dev_cap = device_budget(device) / g.layers
+        self.on_dev_cap = device_budget(device) / len(g.with_memory)
         if dev.bytes_for(tokens, events) > self.on_dev_cap:
             return None
         dev.keys.reserve(tokens + 1024)
@@ -421,7 +424,7 @@ class StoredEvents:
         """Token rows idx [n] of the layer's events (files, then a reader's RAM): [n, H_kv, D] each."""
         self.store.flush_deferred()
         disk = idx < self.n_disk
-        dec_k = lambda rows: self.store.decode_keys(self.layer, rows, self.dtype)  # noqa: E731
+        dec_k = lambda rows: self.store.decode_keys(self.slot, rows, self.dtype)  # noqa: E731
         dec_v = lambda rows: self.fmt.decode(rows, self.dtype)  # noqa: E731
         take = (lambda f, i: f.rows_at(i, prefetch)) if self.random_access else RowFile.take
         if bool(disk.all()):

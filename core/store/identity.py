@@ -75,3 +75,26 @@ class Geometry:
     head_dim: int
     vocab: int
     dtype: str  # of keys, values, representative keys (the model's)
+    # the layers that hold memory, increasing, where not all do (a model that mixes sliding-window
+    # and global layers: only the global ones; version 9); None: every layer
+    memory_layers: tuple[int, ...] | None = None
+
+    @property
+    def with_memory(self) -> tuple[int, ...]:
+        """The indices of the layers with memory: a store keeps files for these only."""
+        return tuple(range(self.layers)) if self.memory_layers is None else self.memory_layers
+
+    @classmethod
+    def of(cls, d: dict) -> "Geometry":
+        """From a manifest's (validated) geometry."""
+        ml = d.get("memory_layers")
+        return cls(**{**d, "memory_layers": None if ml is None else tuple(ml)})
+
+    def as_dict(self) -> dict:
+        """As the manifest records it (memory_layers only where not every layer holds memory)."""
+        d = dict(self.__dict__)
+        if d["memory_layers"] is None:
+            del d["memory_layers"]
+        else:
+            d["memory_layers"] = list(d["memory_layers"])
+        return d

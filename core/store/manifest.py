@@ -17,12 +17,13 @@ from emllm.store.identity import Geometry
 # as the store doubles (files named by the events it was fitted on). Older stores are read (scanned:
 # a version-2 sketch is not used); a version-3 sketch is a version-4 one fitted once.
 
-FORMAT_VERSION = 8  # 5: kv_format (keys and values in a format of their own: bfloat16, int8, int4);
+FORMAT_VERSION = 9  # 5: kv_format (keys and values in a format of their own: bfloat16, int8, int4);
 # 6: key_equaliser (an integer store's keys equalised per channel before they are quantised);
 # 7: repr_heads (representative keys kept per KV head: mean keys of a GQA model, 1/group the bytes);
-# 8: digests (every committed byte hashed: emllm.store.digests). Every store is written as version 8:
-# an emllm before it could read one, but an append of its own would leave the digests behind the
-# bytes, and the store would then be refused as damaged.
+# 8: digests (every committed byte hashed: emllm.store.digests); 9: geometry.memory_layers (a model
+# that mixes sliding-window and global layers keeps files for the global ones only). Every store is
+# written as the newest version: an emllm before 8 could read a version-8 store, but an append of its
+# own would leave the digests behind the bytes, and the store would then be refused as damaged.
 MANIFEST = "manifest.json"
 
 def checksum(manifest: dict) -> str:
@@ -138,10 +139,16 @@ def _validate(m: dict) -> None:
     except ProfileError as e:
         raise _Invalid(str(e).replace(f"profile {prof['name']!r} (in the store): ", "profile.")) from None
     g = m.get("geometry")
-    _need(isinstance(g, dict) and set(g) == set(Geometry.__dataclass_fields__), "geometry has other fields")
+    fields = set(Geometry.__dataclass_fields__)
+    _need(isinstance(g, dict) and fields - {"memory_layers"} <= set(g) <= fields, "geometry has other fields")
     for k, hi in (("layers", 1024), ("kv_heads", 1024), ("q_heads", 4096), ("head_dim", 4096), ("vocab", 1 << 24)):
         _int(g, k, 1, hi, at="geometry.")
     _need(g["q_heads"] % g["kv_heads"] == 0, "q_heads is not a multiple of kv_heads")
+    if "memory_layers" in g:  # version 9: a model whose sliding-window layers hold no memory
+        ml = g["memory_layers"]
+        _need(v >= 9 and isinstance(ml, list) and ml and all(type(i) is int for i in ml)
+              and ml == sorted(set(ml)) and 0 <= ml[0] and ml[-1] < g["layers"],
+              "geometry.memory_layers is not a list of increasing layer indices")
     _need(g["dtype"] in ("float32", "float16", "bfloat16"), f"dtype {g['dtype']!r} is not one a store holds")
     if "kv_format" in m:
         from emllm.memory.quant import FORMATS
@@ -312,7 +319,7 @@ class Manifest:
         g = m["geometry"]
         return cls(
             version=m["version"], created=m["created"], updated=m["updated"], identity=dict(m["identity"]),
-            profile=profile_of(m), profile_keys=dict(m["profile"]), geometry=Geometry(**g),
+            profile=profile_of(m), profile_keys=dict(m["profile"]), geometry=Geometry.of(g),
             kv_format=m.get("kv_format", g["dtype"]),
             rows=Rows(m["rows"]["tokens"], m["rows"]["events"], m["rows"]["event_tokens"]),
             job=Job(job["tokens"], job["done"], job["complete"], job.get("documents")) if job else None,

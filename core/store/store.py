@@ -84,7 +84,7 @@ class Store:
         # rows a device step leaves on the device, brought to the host together at its end (`defer`)
         self._deferred: list[tuple[Callable[[list[Tensor]], None], list[Tensor]]] = []
         g = manifest["geometry"]
-        self.geometry = Geometry(**g)
+        self.geometry = Geometry.of(g)
         rows = manifest["rows"]
         # how keys and values are kept (stores before version 5: in the compute dtype)
         self.kv_format = kv_format(manifest.get("kv_format", self.geometry.dtype), self.geometry.head_dim)
@@ -110,7 +110,7 @@ class Store:
                 f(f"layers/{i:02d}.v", kvf.row(h, d), kvf.row_dtype, kv_rows),
                 f(f"layers/{i:02d}.r", kvf.reprs.row(hr, d), kvf.reprs.row_dtype, rows["events"]),
             )
-            for i in range(self.geometry.layers)
+            for i in self.geometry.with_memory  # (by slot: layer_files[j] is the j-th layer with memory's)
         ]
         # An integer store of version 6 equalises each layer's keys per channel before quantising
         # them (memory.quant.fit_equaliser): `layers/NN.e` holds the layer's [2, H_kv, D] centre
@@ -118,8 +118,8 @@ class Store:
         self.key_equalised = bool(manifest.get("key_equaliser")) and kvf.bits is not None
         eq_rows = 2 if self.key_equalised and kv_rows else 0
         self.equaliser_files = [f(f"layers/{i:02d}.e", (h, d), torch.float32, eq_rows)
-                                for i in range(self.geometry.layers)] if self.key_equalised else []
-        self._equalisers: list[Tensor | None] = [None] * self.geometry.layers
+                                for i in self.geometry.with_memory] if self.key_equalised else []
+        self._equalisers: list[Tensor | None] = [None] * len(self.geometry.with_memory)
         job = manifest.get("job")
         # written once when a job starts (set_job), read-only after: never truncated
         self.job: RowFile | None = f(job["file"], (), torch.int32, job["tokens"], False) if job else None
@@ -206,7 +206,7 @@ class Store:
             "updated": now,
             "identity": identity.as_dict(),
             "profile": profile,
-            "geometry": dict(geometry.__dict__),
+            "geometry": geometry.as_dict(),
             "kv_format": fmt.name,
             "key_equaliser": fmt.bits is not None,
             **({"repr_heads": hr} if hr != geometry.q_heads else {}),
@@ -255,7 +255,7 @@ class Store:
             if m["rows"]["tokens"] or m.get("job") or m["documents"] or m.get("state"):
                 raise StoreError(f"{path} is not empty: it is kept")
             names = [MANIFEST, "tokens.i32", "surprise.f32", "flags.u8", "events.i32", DIGESTS]
-            names += [f"layers/{i:02d}.{x}" for i in range(st.geometry.layers) for x in "kvr"]
+            names += [f"layers/{i:02d}.{x}" for i in st.geometry.with_memory for x in "kvr"]
             folder = st.folder
             for name in names:
                 folder.unlink(name)
@@ -449,8 +449,9 @@ class Store:
         prof = self.manifest["profile"]
         return prof["sketch_threshold"] if "sketch_threshold" in prof else prof.get("faiss_threshold")
 
-    def sketch_basis(self, layer: int) -> tuple[Tensor, Tensor]:
-        """(mean [dim], basis [dim, dims]) of a layer's sketch."""
+    def sketch_basis(self, slot: int) -> tuple[Tensor, Tensor]:
+        """(mean [dim], basis [dim, dims]) of a layer's sketch (slot: its index among the layers
+        with memory, as `layer_files`; so are the other methods' slots)."""
         if self._basis is None:
             from safetensors.torch import load
 
@@ -460,7 +461,7 @@ class Store:
                 with os.fdopen(fd, "rb") as f:
                     self._basis = load(self._checked(f.read(), self.manifest["sketch"]))
                 g = self.geometry
-                for i in range(g.layers):
+                for i in range(len(g.with_memory)):  # (keyed by slot, as layer_files)
                     mean, basis = self._basis[f"{i}.mean"], self._basis[f"{i}.basis"]
                     dim = self.repr_heads * g.head_dim
                     if mean.shape != (dim,) or basis.shape != (dim, self.manifest["sketch"]["dims"]):
@@ -469,7 +470,7 @@ class Store:
                         raise ValueError(f"layer {i}'s basis is not float32")
             except Exception as e:  # noqa: BLE001 - any parse failure is a damaged file
                 raise StoreError(f"cannot read {name}: {e}; the store is damaged") from None
-        return self._basis[f"{layer}.mean"], self._basis[f"{layer}.basis"]
+        return self._basis[f"{slot}.mean"], self._basis[f"{slot}.basis"]
 
     def _sketch_names(self, trained_on: int) -> tuple[str, list[tuple[str, str]]]:
         """The basis file and each layer's (coordinates, norms) files of a sketch fitted on
@@ -478,7 +479,7 @@ class Store:
         until the manifest stops naming them."""
         first = trained_on == self.sketch_threshold()
         basis, tag = ("sketch.safetensors", "") if first else (f"sketch-{trained_on}.safetensors", f".{trained_on}")
-        return basis, [(f"layers/{i:02d}{tag}.p", f"layers/{i:02d}{tag}.n") for i in range(self.geometry.layers)]
+        return basis, [(f"layers/{i:02d}{tag}.p", f"layers/{i:02d}{tag}.n") for i in self.geometry.with_memory]
 
     def sketch_target(self, n: int) -> int | None:
         """The events the sketch of a store of n events is fitted on: the threshold t, doubled while
@@ -489,15 +490,15 @@ class Store:
             return None
         return t << ((n // t).bit_length() - 1)
 
-    def key_equaliser(self, layer: int, first_keys: Tensor | None = None) -> Tensor | None:
+    def key_equaliser(self, slot: int, first_keys: Tensor | None = None) -> Tensor | None:
         """A layer's key equaliser [2, H_kv, D] float32 (None where the store keeps keys without
         one): read from its file, or fitted on `first_keys` [n, H_kv, D], the layer's first rows,
         and appended to the file by a writer (committed with those rows)."""
         if not self.key_equalised:
             return None
-        eq = self._equalisers[layer]
+        eq = self._equalisers[slot]
         if eq is None:
-            rf = self.equaliser_files[layer]
+            rf = self.equaliser_files[slot]
             g = self.geometry
             if rf.rows:
                 eq = rf.read_copy(0, 2)
@@ -510,7 +511,7 @@ class Store:
                 eq = quant.fit_equaliser(first_keys)
                 if self.writable:
                     rf.append(eq)
-            self._equalisers[layer] = eq
+            self._equalisers[slot] = eq
         return eq
 
     def defer(self, write: Callable[[list[Tensor]], None], tensors: list[Tensor]) -> None:
@@ -535,18 +536,18 @@ class Store:
                 at += n
             write(copies)
 
-    def forget_equaliser(self, layer: int) -> None:
+    def forget_equaliser(self, slot: int) -> None:
         """Drop a layer's equaliser fitted in RAM (a reader's, on a store without keys yet)."""
-        if self.key_equalised and not self.equaliser_files[layer].rows:
-            self._equalisers[layer] = None
+        if self.key_equalised and not self.equaliser_files[slot].rows:
+            self._equalisers[slot] = None
 
-    def encode_keys(self, layer: int, k: Tensor) -> Tensor:
+    def encode_keys(self, slot: int, k: Tensor) -> Tensor:
         """A layer's keys [n, H_kv, D], the next rows of its stream, as its key file keeps them."""
-        return quant.encode_keys(self.kv_format, k, self.key_equaliser(layer, k))
+        return quant.encode_keys(self.kv_format, k, self.key_equaliser(slot, k))
 
-    def decode_keys(self, layer: int, rows: Tensor, dtype: torch.dtype) -> Tensor:
+    def decode_keys(self, slot: int, rows: Tensor, dtype: torch.dtype) -> Tensor:
         """Rows of a layer's key file -> keys [n, H_kv, D] in dtype."""
-        return quant.decode_keys(self.kv_format, rows, self.key_equaliser(layer), dtype)
+        return quant.decode_keys(self.kv_format, rows, self.key_equaliser(slot), dtype)
 
     def reprs_of(self, rows: Tensor) -> Tensor:
         """Representative keys [n, H_r, D] float32 from rows of a `layers/NN.r` file."""
@@ -705,8 +706,8 @@ class Store:
         try:
             rem_start = int(state["rem_start"])
             out = {}
-            for i, (k, v, _) in enumerate(self.layer_files):
-                w = n - state[f"layer{i}.local_mass"].shape[1]
+            for i, ((k, v, _), layer) in enumerate(zip(self.layer_files, self.geometry.with_memory)):
+                w = n - state[f"layer{layer}.local_mass"].shape[1]
                 if not 0 <= w <= n or not 0 <= rem_start or rem_start > max(w, n_init):
                     raise ValueError("the window does not fit the stream")
                 spans = {"init": (0, min(n_init, w)), "rem": (min(rem_start, w), w), "local": (w, n)}
@@ -715,9 +716,9 @@ class Store:
                         rows = rf.read_copy(a, b) if b > a else torch.zeros((0, *rf.row), dtype=rf.dtype)
                         x_ = self.decode_keys(i, rows, dt) if x == "k" else self.kv_format.decode(rows, dt)
                         if not finite(x_):
-                            raise StoreError(f"{self.path}: layer {i}'s keys or values are not finite: the store "
+                            raise StoreError(f"{self.path}: layer {layer}'s keys or values are not finite: the store "
                                              "is damaged or was edited; it is refused")
-                        out[f"layer{i}.{part}_{x}"] = x_.transpose(0, 1).contiguous()
+                        out[f"layer{layer}.{part}_{x}"] = x_.transpose(0, 1).contiguous()
         except (KeyError, ValueError, IndexError) as e:
             raise StoreError(f"{self.path}: its state does not fit its rows ({e}): the store is damaged") from None
         return out

@@ -1,0 +1,67 @@
+"""A sliding-window layer of a model that mixes them with global layers (Gemma 2 and 3).
+
+Such a layer never attended further than its window in the plain model, so it gets no memory:
+it keeps the keys and values of the window's last `size - 1` tokens (before RoPE) and attends as
+the plain model does, each query to itself and the `size - 1` tokens before it. Its keys are
+rotated at their rows' indices in the window with the layer's own rotary table (Gemma 3's local
+base): the same distances as the plain model's absolute positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from emllm.math.attention import attend_band
+from emllm.math.rope import apply_rotary
+
+
+@dataclass
+class SlidingLayer:
+    layer_idx: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    size: int  # the model's sliding window: a query sees itself and size - 1 tokens before it
+    n_seen: int = 0  # tokens of the stream this layer has processed
+
+    def __post_init__(self) -> None:
+        self.keys = torch.zeros(self.n_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros_like(self.keys)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float, st, softcap: float | None = None) -> Tensor:
+        """q [H_q, c, D], k/v [H_kv, c, D], pre-RoPE; st: the step's StepInfo (its sliding_rope).
+        Returns [H_q, c, D]."""
+        c = q.shape[1]
+        keys, values = torch.cat((self.keys, k), 1), torch.cat((self.values, v), 1)  # [H_kv, L, D]
+        length = keys.shape[1]
+        cos, sin = (t[:length].to(q.device) for t in st.sliding_rope)
+        out = attend_band(apply_rotary(q, cos[length - c :], sin[length - c :]), apply_rotary(keys, cos, sin),
+                          values, self.size, scaling, softcap)
+        keep = min(length, self.size - 1)
+        self.keys, self.values = keys[:, length - keep :].clone(), values[:, length - keep :].clone()
+        self.n_seen += c
+        return out
+
+    def state(self) -> dict[str, Tensor]:
+        """What continues this layer's stream: its window's keys and values, and its token count
+        (named apart from a memory layer's window, which a store keeps in its layer files)."""
+        return {"window_k": self.keys, "window_v": self.values, "n_seen": torch.tensor(self.n_seen)}
+
+    def load_state(self, state: dict[str, Tensor]) -> None:
+        """Continue from `state` (read from a store: shapes checked first, ValueError)."""
+        k, v = state.get("window_k"), state.get("window_v")
+        h, d = self.n_kv_heads, self.head_dim
+        if k is None or v is None or k.ndim != 3 or k.shape[0] != h or k.shape[2] != d or v.shape != k.shape:
+            raise ValueError(f"layer {self.layer_idx}: sliding window keys/values of the wrong shape")
+        n_seen = int(state.get("n_seen", -1))
+        if n_seen < 0 or k.shape[1] != min(n_seen, self.size - 1):
+            raise ValueError(f"layer {self.layer_idx}: a sliding window of {k.shape[1]} tokens after {n_seen}")
+        if not bool(torch.isfinite(k).all()) or not bool(torch.isfinite(v).all()):
+            raise ValueError(f"layer {self.layer_idx}: sliding window keys or values are not finite")
+        self.keys = k.to(self.device, self.dtype).contiguous()
+        self.values = v.to(self.device, self.dtype).contiguous()
+        self.n_seen = n_seen

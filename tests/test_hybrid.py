@@ -1,0 +1,183 @@
+"""Models that mix sliding-window and global layers (Gemma 2 and 3): the sliding layers keep their
+own window and no memory, the global ones the episodic memory; exact where the stream fits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma3TextConfig
+
+from emllm.app import ingest as ing, stream
+from emllm.engine.sliding import SlidingLayer
+from emllm.engine.stream import Engine, sliding_layers
+from emllm.engine.window import LayerWindow
+from emllm.store import Store, StoreError
+from emllm.store.manifest import FORMAT_VERSION
+from tests.conftest import tiny_profile
+from tests.helpers import TINY_PROFILE, TOL, assert_same_state, engine_logits, ingest_store, load_tiny, store_arrays, \
+    vanilla_logits, words
+
+WINDOW = 12  # the tiny models' sliding window: far shorter than the streams below
+LAYOUT = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+def hybrid_config(arch: str, vocab: int = 300):
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=vocab, max_position_embeddings=256,
+                  sliding_window=WINDOW, query_pre_attn_scalar=24, layer_types=LAYOUT)
+    if arch == "gemma2":  # one rope base; attention and final logits soft-capped (low caps: they bite)
+        return Gemma2Config(**common, attn_logit_softcapping=0.05, final_logit_softcapping=0.5)
+    # local and global layers of their own rope bases (far apart: a wrong table shows)
+    return Gemma3TextConfig(**common, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e4}})
+
+
+def hybrid_model(arch: str, vocab: int = 300):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(hybrid_config(arch, vocab), dtype=torch.float32).eval()
+
+
+def test_layers_that_slide_get_no_memory():
+    model = hybrid_model("gemma3")
+    eng = Engine(model, tiny_profile())
+    assert sliding_layers(model.config) == [WINDOW, WINDOW, None, WINDOW]
+    assert [w.layer_idx for w in eng.windows] == [2]  # the one global layer holds memory
+    assert [type(w) for w in eng.layers] == [SlidingLayer, SlidingLayer, LayerWindow, SlidingLayer]
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("split", [[60], [16, 16, 16, 12], [20] + [1] * 40, [7] * 8 + [4]],
+                         ids=["one-shot", "chunks", "decode", "ragged"])
+def test_hybrid_models_equal_vanilla(arch, split):
+    """The stream (60 tokens, five windows) fits the global layers' local window: emllm is the
+    plain model, its sliding layers' band included, across chunk borders and token by token."""
+    model = hybrid_model(arch)
+    ids = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(3))
+    ref = vanilla_logits(model, ids)
+    got = engine_logits(model, tiny_profile(n_local=64, chunk_size=max(split)), ids, split)
+    assert (got - ref).abs().max().item() <= TOL
+
+
+def test_softcapping_is_applied(monkeypatch):
+    """Gemma 2's attention caps matter at these scales: without them emllm would be far off."""
+    from emllm.math import attention
+
+    model = hybrid_model("gemma2")
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(4))
+    ref = vanilla_logits(model, ids)
+    monkeypatch.setattr(attention, "_capped", lambda s, cap: s)
+    got = engine_logits(model, tiny_profile(n_local=64, chunk_size=40), ids, [40])
+    assert (got - ref).abs().max().item() > 10 * TOL
+
+
+@pytest.mark.parametrize("split", ["chunks", "decode"])
+def test_sliding_layers_stay_exact_past_the_memory(split):
+    """A stream far longer than the local window (memory retrieved at the global layer): the
+    first layer, a sliding one ahead of any global layer, computes exactly what the plain model's
+    does at every token (its window sees the same keys)."""
+    model = hybrid_model("gemma3")
+    n = 200
+    ids = torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(5))
+    seen: list[torch.Tensor] = []
+    hook = model.model.layers[0].register_forward_hook(lambda m, a, out: seen.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            model.set_attn_implementation("eager")
+            model(ids[None])
+        ref = seen.pop()[0]  # [n, hidden]
+        eng = Engine(model, tiny_profile(n_local=16, chunk_size=8))
+        if split == "chunks":
+            eng.feed(ids)
+        else:
+            eng.feed(ids[:120])
+            for t in ids[120:]:
+                eng.step(t[None], with_surprise=False)
+        got = torch.cat([s[0] for s in seen])
+    finally:
+        hook.remove()
+    assert eng.n_events > 10 and eng.windows[0].events.n_tokens > 100  # the global layer read memory
+    assert (got - ref).abs().max().item() <= TOL
+    assert eng.layers[0].keys.shape[1] == WINDOW - 1  # the window and nothing more
+
+
+@pytest.fixture(scope="module")
+def gemma_folder(tmp_path_factory):
+    """A tiny Gemma 3 with SmolLM2's tokenizer, saved as a model folder, and the tiny profile."""
+    from emllm import models
+
+    root = tmp_path_factory.mktemp("gemma")
+    tok = AutoTokenizer.from_pretrained(models.resolve("smollm2").path)
+    folder = root / "model"
+    hybrid_model("gemma3", len(tok)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    prof = root / "tiny.yaml"
+    prof.write_text(TINY_PROFILE)
+    return folder, prof
+
+
+def test_a_store_keeps_files_for_the_global_layers_only_and_appends_exactly(gemma_folder, tmp_path):
+    folder, prof = gemma_folder
+    a, b = words(2, 300), words(3, 250)
+    ingest_store(tmp_path / "one", folder, prof, [("a", a), ("b", b)])
+    ingest_store(tmp_path / "two", folder, prof, [("a", a)])
+    model, tok = load_tiny(folder)
+    with Store.open(tmp_path / "two", writable=True) as st:
+        engine = stream.open_engine(st, model)  # the sliding layers' windows restored from the state
+        ing.add_documents(st, tok, [("b", b)])
+        ing.run_job(st, engine, 2)
+    arrays = store_arrays(tmp_path / "one")
+    assert {k for k in arrays if k.startswith("layers/")} == {"layers/02.k", "layers/02.v", "layers/02.r"}
+    assert arrays == store_arrays(tmp_path / "two")
+    assert_same_state(tmp_path / "one", tmp_path / "two")
+    m = json.loads((tmp_path / "one" / "manifest.json").read_text())
+    assert m["version"] == FORMAT_VERSION and m["geometry"]["memory_layers"] == [2] and m["rows"]["events"] > 20
+    with Store.open(tmp_path / "one") as st:
+        state = st.load_state()
+        assert state["layer0.window_k"].shape == (2, WINDOW - 1, 16)  # a sliding layer's window, in the state
+
+
+def test_a_resumed_stream_continues_exactly(gemma_folder, tmp_path):
+    """The store's engine (its sliding windows read back from the state) computes what the
+    in-RAM engine computes over the same stream."""
+    folder, prof = gemma_folder
+    ingest_store(tmp_path / "s", folder, prof, [("a", words(4, 300))])
+    model, tok = load_tiny(folder)
+    from emllm.config import load_profile_file
+
+    with Store.open(tmp_path / "s") as st:
+        job = st.job.read().long()
+        tail = stream.pending_tokens(st)
+        engine = stream.open_engine(st, model)
+        more = torch.tensor(tok("the key is under the stone")["input_ids"])
+        got = engine.feed(torch.cat((torch.tensor(tail, dtype=torch.long), more)) if tail else more)
+    ref = Engine(model, load_profile_file(prof))
+    ref.feed(job[: job.numel() - len(tail)])
+    want = ref.feed(torch.cat((torch.tensor(tail, dtype=torch.long), more)) if tail else more)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_store_of_another_layout_is_refused(gemma_folder, tmp_path, tiny):
+    """A store of the hybrid model opened with a model of another layout, and a manifest whose
+    memory_layers were edited: refused with one line, nothing lost."""
+    folder, prof = gemma_folder
+    ingest_store(tmp_path / "s", folder, prof, [("a", words(5, 100))])
+    other = load_tiny(tiny[0])[0]
+    with Store.open(tmp_path / "s") as st, pytest.raises(StoreError, match="geometry"):
+        stream.open_engine(st, other)
+    from emllm.store.manifest import checksum
+
+    path = tmp_path / "s" / "manifest.json"
+    good = path.read_text()
+    for bad in ([3, 2], [2, 4], [], "2"):  # not increasing, past the last layer, none, not a list
+        m = json.loads(good)
+        m["geometry"]["memory_layers"] = bad
+        m["checksum"] = checksum(m)
+        path.write_text(json.dumps(m))
+        with pytest.raises(StoreError, match="memory_layers"):
+            Store.open(tmp_path / "s")
+    path.write_text(good)
+    with Store.open(tmp_path / "s") as st:
+        assert st.info.rows.tokens > 0
