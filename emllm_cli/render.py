@@ -292,7 +292,7 @@ def retrieval_view(r: dict, tokens: int):
     lines.append(" initial tokens and ", style="dim")
     lines.append("w", style="green")
     lines.append(" local window: attended always, never retrieved;  · not retrieved\n", style="dim")
-    for i, row in enumerate(r["coverage"]):
+    for i, row in zip(r.get("layer_ids") or range(len(r["coverage"])), r["coverage"]):
         lines.append(f"{i:>3} ", style="dim")
         for b, x in enumerate(row):
             lo, hi = b * width, (b + 1) * width
