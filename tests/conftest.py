@@ -88,6 +88,16 @@ def qwen05():
 
 
 @pytest.fixture(scope="session")
+def gemma270():
+    """(model, tokenizer, profile) of the embedded Gemma 3 270M in float32 (sliding-window and
+    global layers)."""
+    from emllm import models
+    src = models.resolve("gemma3-270m")
+    model, tok = models.load(src)
+    return model, tok, src.profile
+
+
+@pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """(model folder, profile file, second model folder, folder with another tokenizer)."""
     from emllm import models
