@@ -200,6 +200,15 @@ def stop_token_ids(tok, model) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def leading_ids(tok) -> list[int]:
+    """The token the tokenizer puts before any text ([BOS] where it adds one by default: Gemma,
+    Llama; [] for Qwen, SmolLM2). A stream without a chat template starts with it, as the plain
+    model's input does (Gemma reads badly without it)."""
+    bos = getattr(tok, "bos_token_id", None)
+    ids = tok("a")["input_ids"]
+    return [bos] if bos is not None and ids and ids[0] == bos else []
+
+
 def config_hash(model) -> str:
     """A short hash of the model's architecture config, for store identity."""
     d = model.config.to_dict()
@@ -208,4 +217,4 @@ def config_hash(model) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-__all__ = ["resolve", "load", "compute_dtype", "native_bf16", "DTYPES", "stop_token_ids", "ModelSource", "ModelNotFoundError", "ProfileError", "config_hash", "DEFAULT_MODEL", "default_model", "device_of", "input_device"]
+__all__ = ["resolve", "load", "compute_dtype", "native_bf16", "DTYPES", "stop_token_ids", "leading_ids", "ModelSource", "ModelNotFoundError", "ProfileError", "config_hash", "DEFAULT_MODEL", "default_model", "device_of", "input_device"]

@@ -221,3 +221,29 @@ def test_gemma3_270m_greedy_continuation_equals_vanilla(gemma270):
     eng = Engine(model, prof.replace(chunk_size=ids.numel()))
     eng.step(ids)
     assert eng.generate(24) == ref and len(set(ref)) > 3
+
+
+@pytest.mark.slow
+def test_a_stream_without_a_chat_template_starts_with_the_bos_the_tokenizer_adds(gemma270):
+    """Gemma reads badly without its <bos>: a base model's stream and the passkey's prompts start
+    with it, and the plain model cut to its context keeps it at the front."""
+    import random
+
+    from emllm.app.stream import StreamFormat, encode_framing
+    from emllm.evals import passkey
+
+    model, tok, _ = gemma270
+    fmt = StreamFormat.for_tokenizer(tok)
+    assert not fmt.chat and encode_framing(tok, fmt.prefix) == [tok.bos_token_id] == [2]
+    p = passkey.build_prompt(tok, 600, 0.5, random.Random(0))
+    assert p.document[0] == tok.bos_token_id and p.document.count(tok.bos_token_id) == 1
+    seen = []
+    real = model.generate
+    try:
+        model.generate = lambda x, **kw: (seen.append(x[0].tolist()), real(x, **{**kw, "max_new_tokens": 1}))[1]
+        model.config.max_position_embeddings, ctx = 300, model.config.max_position_embeddings
+        passkey.run_baseline(model, tok, p, max_new_tokens=4)
+    finally:
+        model.generate = real
+        model.config.max_position_embeddings = ctx
+    assert seen[0][0] == tok.bos_token_id and len(seen[0]) == 296 and seen[0][1:] == (p.document + p.question)[-295:]

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from emllm import models
 from emllm.config import Profile, ProfileMismatchError
 from emllm.engine.stream import Engine, check_supported, repr_heads, sliding_layers
-from emllm.models import ModelSource, config_hash
+from emllm.models import ModelSource, config_hash, leading_ids
 from emllm.store import Geometry, Identity, Store, StoreError, StoredEvents, tokenizer_hash, weights_hash, weights_sample
 
 
@@ -39,7 +39,8 @@ class StreamFormat:
             if text.count(_MARK) == 1:
                 prefix, suffix = text.split(_MARK)
                 return cls(True, prefix, suffix)
-        return cls(False, "", "\nAnswer:")
+        lead = leading_ids(tok)  # (a BOS-adding tokenizer's BOS: the plain model's input starts with it)
+        return cls(False, tok.convert_ids_to_tokens(lead[0]) if lead else "", "\nAnswer:")
 
 
 def reopen_text(tok: Any, chat: bool) -> str:

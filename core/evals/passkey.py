@@ -12,7 +12,7 @@ from typing import Callable, Collection
 
 import torch
 
-from emllm.models import input_device
+from emllm.models import input_device, leading_ids
 from emllm.evals.recall import RecallProbe, needle_recall
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -91,7 +91,7 @@ def build_prompt(tok, length: int, depth: float, rng: random.Random) -> Prompt:
     # which would test the template rather than the memory (docs/benchmark-log.md, passkey).
     before, after = "", "\n"
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    head = enc(before + INTRO)
+    head = leading_ids(tok) + enc(before + INTRO)
     needle = enc(NEEDLE.format(key=key))
     question = enc(QUESTION) + enc(after + ANSWER_PREFIX)
     unit = enc(FILLER)
@@ -156,7 +156,9 @@ def run_baseline(model, tok, prompt: Prompt, max_new_tokens: int = 10) -> str:
     """The plain model on the prompt truncated from the left to its context."""
     model.set_attn_implementation("sdpa")
     ctx = int(getattr(model.config, "max_position_embeddings", 4096))
-    ids = (prompt.document + prompt.question)[-(ctx - max_new_tokens):]
+    lead = leading_ids(tok)  # kept at the front when the rest is cut
+    body = prompt.document[len(lead):] if prompt.document[: len(lead)] == lead else prompt.document
+    ids = lead + (body + prompt.question)[-(ctx - max_new_tokens - len(lead)):]
     x = torch.tensor([ids], device=input_device(model))
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=_stop_ids(tok, model), pad_token_id=tok.pad_token_id or tok.eos_token_id)
