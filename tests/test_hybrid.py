@@ -247,3 +247,20 @@ def test_a_stream_without_a_chat_template_starts_with_the_bos_the_tokenizer_adds
         model.generate = real
         model.config.max_position_embeddings = ctx
     assert seen[0][0] == tok.bos_token_id and len(seen[0]) == 296 and seen[0][1:] == (p.document + p.question)[-295:]
+
+
+def test_retrieval_reports_name_the_layers_with_memory(gemma_folder, tmp_path):
+    """Through the front door: a store of the hybrid model is ingested, asked, and its retrieval
+    shown for the global layer; a sliding layer's retrieval is refused in one line."""
+    import emllm
+
+    folder, prof = gemma_folder
+    with emllm.create(tmp_path / "s", str(folder), profile=str(prof), dtype="float32") as mem:
+        mem.ingest(("a", words(6, 400)))
+    with emllm.open(tmp_path / "s") as mem:
+        r = mem.retrieval("where is the key?", layer=2)
+        assert r["layer_ids"] == [2] and r["layers"] == 1 and len(r["coverage"]) == 1
+        assert r["layer"]["steps"] and r["top_events"]
+        with pytest.raises(emllm.EmllmError, match="layer 1 attends within a sliding window.*memory: 2"):
+            mem.retrieval("where is the key?", layer=1)
+        assert list(mem.answer("where is the key?", max_new_tokens=4))  # it answers

@@ -396,9 +396,12 @@ class Memory:
     def retrieval(self, query: str, layer: int | None = None, top: int = 8) -> dict:
         """What each layer retrieves for `query` read as a question (coverage per layer, the most
         retrieved events, one layer's steps): `report.retrieval_report`."""
-        if layer is not None and not 0 <= layer < self._store.geometry.layers:
-            n = self._store.geometry.layers
-            raise UsageError(f"layer {layer}: the model has {n} layers (0..{n - 1})")
+        g = self._store.geometry
+        if layer is not None and not 0 <= layer < g.layers:
+            raise UsageError(f"layer {layer}: the model has {g.layers} layers (0..{g.layers - 1})")
+        if layer is not None and layer not in g.with_memory:
+            raise UsageError(f"layer {layer} attends within a sliding window and holds no memory (layers with "
+                             f"memory: {', '.join(map(str, g.with_memory))})")
         return retrieval_report(self._store, self.model, self.tokenizer, query, layer, top)
 
     def _sampling(self, given: dict) -> Sampling:

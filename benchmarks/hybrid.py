@@ -1,0 +1,122 @@
+"""A model that mixes sliding-window and global layers (Gemma 3 270M): what surprise costs a chunk,
+and what its store costs a token against a Llama-shaped model of the same size.
+
+    python -m benchmarks.hybrid --model gemma3-270m --chunks 6 --out docs/results/hybrid-gemma3.jsonl
+
+Surprise needs the logits of every token of a chunk, where the plain model's prefill needs the
+last one's: over Gemma 3's 262,144-token vocabulary that head is most of the model's weights. Per
+chunk, side by side in lockstep (one of each in turn, after a real prefix of a full window):
+  body     the plain model's forward over the chunk, the last token's logits only
+  logits   the same forward with every token's logits (what surprise needs)
+  surprise `token_surprise` on those logits (the log-softmax and the pick: the rest of its cost)
+  emllm    emllm's whole step (memory, windows, surprise, boundaries)
+Then the bytes a store grows by per token (measured on disk after ingesting the same text) for
+the model and for a Llama-shaped model of its size whose every layer is global (random weights:
+a store's bytes do not depend on them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from emllm import models
+from emllm.app import ingest as ing, stream
+from emllm.engine.stream import Engine
+from emllm.evals.corpus import tokens as corpus_tokens
+from emllm.math.surprise import token_surprise
+
+
+def llama_like(cfg) -> LlamaConfig:
+    """A Llama of the hybrid model's shapes (layers, heads, head size, vocabulary), every layer global."""
+    return LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                       num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                       num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
+                       max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True)
+
+
+def store_bytes_per_token(model, tok, prof, text: str, root: Path, name: str) -> tuple[float, int]:
+    """(bytes on disk per token, layers with memory) of a store that has ingested `text`."""
+    path = root / name
+    with stream.create_store(path, name, model, tok, prof) as st:
+        engine = stream.open_engine(st, model)
+        ing.add_documents(st, tok, [("text", text)])
+        ing.run_job(st, engine, 8)
+        n, layers = st.tokens.rows, len(engine.windows)
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.name.startswith("job"))
+    return size / n, layers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--dtype", default=None, choices=models.DTYPES)
+    ap.add_argument("--chunks", type=int, default=6, help="timed chunks of each kind")
+    ap.add_argument("--store-tokens", type=int, default=8192, help="tokens each store reads for its bytes per token")
+    ap.add_argument("--out", default=None, help="JSON lines, appended")
+    a = ap.parse_args()
+    src = models.resolve(a.model)
+    model, tok = models.load(src, dtype=a.dtype)
+    prof = src.profile
+    cs = prof.chunk_size
+    prefix = prof.n_init + prof.n_local + prof.n_mem
+    ids = torch.tensor(corpus_tokens(tok, "prose", prefix + (a.chunks + 1) * cs))
+    eng = Engine(model, prof)
+    eng.feed(ids[:prefix])
+    model.set_attn_implementation("sdpa")
+
+    def plain(x: torch.Tensor, keep: int) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=x[None], logits_to_keep=keep).logits[0]
+
+    times: dict[str, list[float]] = {k: [] for k in ("body", "logits", "surprise", "emllm")}
+    for i in range(a.chunks + 1):  # the first round untimed (warm-up)
+        x = ids[prefix + i * cs : prefix + (i + 1) * cs]
+        t0 = time.perf_counter()
+        plain(x, 1)
+        t1 = time.perf_counter()
+        lg = plain(x, 0)
+        t2 = time.perf_counter()
+        token_surprise(lg, x, lg[-1])
+        t3 = time.perf_counter()
+        eng.step(x)
+        t4 = time.perf_counter()
+        if i:
+            for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                times[k].append(dt)
+    mean = {k: sum(v) / len(v) for k, v in times.items()}
+    head = mean["logits"] - mean["body"]  # every token's logits instead of the last one's
+    row = {"model": a.model, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+           "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "chunk": cs,
+           "vocab": model.config.vocab_size, **{f"{k}_s": round(v, 3) for k, v in mean.items()},
+           "head_share_of_emllm_step": round(head / mean["emllm"], 3),
+           "surprise_share_of_emllm_step": round(mean["surprise"] / mean["emllm"], 3),
+           "surprise_and_head_share": round((head + mean["surprise"]) / mean["emllm"], 3)}
+    print(json.dumps(row), flush=True)
+    n = a.store_tokens
+    text = tok.decode(corpus_tokens(tok, "prose", n))
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+        mine, mine_layers = store_bytes_per_token(model, tok, prof, text, Path(tmp), "hybrid")
+        torch.manual_seed(0)
+        llama = AutoModelForCausalLM.from_config(llama_like(model.config), dtype=next(model.parameters()).dtype).eval()
+        theirs, their_layers = store_bytes_per_token(llama, tok, prof, text, Path(tmp), "llama")
+    store = {"model": a.model, "store_tokens": n, "bytes_per_token": round(mine), "layers_with_memory": mine_layers,
+             "llama_bytes_per_token": round(theirs), "llama_layers_with_memory": their_layers,
+             "ratio": round(mine / theirs, 3)}
+    print(json.dumps(store), flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(json.dumps({"run": {"date": time.strftime("%Y-%m-%d %H:%M"), "argv": vars(a)}}) + "\n")
+            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(store) + "\n")
+
+
+if __name__ == "__main__":
+    main()
