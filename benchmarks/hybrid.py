@@ -10,9 +10,10 @@ chunk, side by side in lockstep (one of each in turn, after a real prefix of a f
   logits   the same forward with every token's logits (what surprise needs)
   surprise `token_surprise` on those logits (the log-softmax and the pick: the rest of its cost)
   emllm    emllm's whole step (memory, windows, surprise, boundaries)
-Then the bytes a store grows by per token (measured on disk after ingesting the same text) for
-the model and for a Llama-shaped model of its size whose every layer is global (random weights:
-a store's bytes do not depend on them).
+Then the bytes a store grows by per token (its files but the state, measured on disk after
+ingesting the same text) and the state that continues it (a sliding layer's window is there),
+for the model and for a Llama-shaped model of its size whose every layer is global (random
+weights: a store's bytes do not depend on them).
 """
 
 from __future__ import annotations
@@ -42,16 +43,19 @@ def llama_like(cfg) -> LlamaConfig:
                        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True)
 
 
-def store_bytes_per_token(model, tok, prof, text: str, root: Path, name: str) -> tuple[float, int]:
-    """(bytes on disk per token, layers with memory) of a store that has ingested `text`."""
+def store_bytes_per_token(model, tok, prof, text: str, root: Path, name: str) -> tuple[float, int, int]:
+    """(bytes per token of the files that grow with the stream, bytes of the state that continues
+    it, layers with memory) of a store that has ingested `text`."""
     path = root / name
     with stream.create_store(path, name, model, tok, prof) as st:
         engine = stream.open_engine(st, model)
         ing.add_documents(st, tok, [("text", text)])
         ing.run_job(st, engine, 8)
         n, layers = st.tokens.rows, len(engine.windows)
-    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.name.startswith("job"))
-    return size / n, layers
+    files = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith("job")]
+    state = sum(p.stat().st_size for p in files if p.name.startswith("state-"))
+    grows = sum(p.stat().st_size for p in files if not p.name.startswith("state-") and p.name != "manifest.json")
+    return grows / n, state, layers
 
 
 def main() -> None:
@@ -70,9 +74,9 @@ def main() -> None:
     ids = torch.tensor(corpus_tokens(tok, "prose", prefix + (a.chunks + 1) * cs))
     eng = Engine(model, prof)
     eng.feed(ids[:prefix])
-    model.set_attn_implementation("sdpa")
 
     def plain(x: torch.Tensor, keep: int) -> torch.Tensor:
+        model.set_attn_implementation("sdpa")  # (emllm's step sets its own)
         with torch.no_grad():
             return model(input_ids=x[None], logits_to_keep=keep).logits[0]
 
@@ -103,13 +107,13 @@ def main() -> None:
     n = a.store_tokens
     text = tok.decode(corpus_tokens(tok, "prose", n))
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
-        mine, mine_layers = store_bytes_per_token(model, tok, prof, text, Path(tmp), "hybrid")
+        mine, mine_state, mine_layers = store_bytes_per_token(model, tok, prof, text, Path(tmp), "hybrid")
         torch.manual_seed(0)
         llama = AutoModelForCausalLM.from_config(llama_like(model.config), dtype=next(model.parameters()).dtype).eval()
-        theirs, their_layers = store_bytes_per_token(llama, tok, prof, text, Path(tmp), "llama")
-    store = {"model": a.model, "store_tokens": n, "bytes_per_token": round(mine), "layers_with_memory": mine_layers,
-             "llama_bytes_per_token": round(theirs), "llama_layers_with_memory": their_layers,
-             "ratio": round(mine / theirs, 3)}
+        theirs, their_state, their_layers = store_bytes_per_token(llama, tok, prof, text, Path(tmp), "llama")
+    store = {"model": a.model, "store_tokens": n, "bytes_per_token": round(mine), "state_bytes": mine_state,
+             "layers_with_memory": mine_layers, "llama_bytes_per_token": round(theirs), "llama_state_bytes": their_state,
+             "llama_layers_with_memory": their_layers, "ratio": round(mine / theirs, 3)}
     print(json.dumps(store), flush=True)
     if a.out:
         with open(a.out, "a") as f:

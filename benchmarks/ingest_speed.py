@@ -51,12 +51,20 @@ SDPA_FLOAT32 = "sdpa_float32"
 AttentionInterface.register(SDPA_FLOAT32, _sdpa_float32)
 
 
+def plain_cache(model) -> DynamicCache:
+    """The plain model's KV cache: of a model that mixes sliding-window and global layers, its
+    sliding layers keep their window only (as transformers' generate does)."""
+    from emllm.engine.stream import sliding_layers
+
+    return DynamicCache(config=model.config) if any(sliding_layers(model.config)) else DynamicCache()
+
+
 class Vanilla:
     """The plain model over a sliding window of `window` tokens (a KV cache cut after each step),
     attention by `attn` (transformers' sdpa, or `SDPA_FLOAT32`)."""
 
     def __init__(self, model, window: int, attn: str = "sdpa") -> None:
-        self.model, self.window, self.cache, self.attn = model, window, DynamicCache(), attn
+        self.model, self.window, self.cache, self.attn = model, window, plain_cache(model), attn
 
     @torch.no_grad()
     def step(self, x: torch.Tensor) -> None:

@@ -39,10 +39,9 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from benchmarks import cache_kwargs
-from benchmarks.ingest_speed import Vanilla
+from benchmarks.ingest_speed import Vanilla, plain_cache
 from emllm import models
 from emllm.config import load_profile
 from emllm.evals.passkey import parse_length
@@ -60,7 +59,7 @@ class Full:
     """Vanilla full attention: every past token in the cache."""
 
     def __init__(self, model) -> None:
-        self.model, self.cache = model, DynamicCache()
+        self.model, self.cache = model, plain_cache(model)
 
     @property
     def n(self) -> int:
