@@ -48,6 +48,18 @@ def test_layers_that_slide_get_no_memory():
     assert [type(w) for w in eng.layers] == [SlidingLayer, SlidingLayer, LayerWindow, SlidingLayer]
 
 
+def test_refinement_builds_its_graph_from_the_layers_with_memory():
+    from emllm.config import ProfileError
+
+    model = hybrid_model("gemma3")
+    eng = Engine(model, tiny_profile(segmentation="SM", n_local=16))
+    assert [w.layer_idx for w in eng.refinement_layers()] == [2]
+    eng.feed(torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(6)))
+    assert eng.n_events > 10
+    with pytest.raises(ProfileError, match="refine_from_layer = 3 .* last layer with memory is layer 2"):
+        Engine(model, tiny_profile(refine_from_layer=3))
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 @pytest.mark.parametrize("split", [[60], [16, 16, 16, 12], [20] + [1] * 40, [7] * 8 + [4]],
                          ids=["one-shot", "chunks", "decode", "ragged"])

@@ -168,7 +168,8 @@ class Engine:
         ]
         by_index = {w.layer_idx: w for w in self.windows}
         self.layers: list[LayerWindow | SlidingLayer] = [
-            by_index.get(i) or SlidingLayer(i, cfg.num_key_value_heads, head_dim, self.dtype, layer_devices[i], sliding[i])
+            by_index[i] if i in by_index else
+            SlidingLayer(i, cfg.num_key_value_heads, head_dim, self.dtype, layer_devices[i], sliding[i])
             for i in range(n_layers)
         ]
         if profile.refine_from_layer is not None and not self.refinement_layers():
