@@ -255,6 +255,9 @@ def store_summary(s: dict):
     if "representative" in s:
         how = "the mean key of its tokens" if s["representative"] == "mean" else "its most attended tokens' keys"
         t.add_row("retrieval", f"each event found by {how} ({s['representative_heads']} heads)")
+    if s.get("memory_layers"):  # a model of sliding-window and global layers: the global ones hold memory
+        t.add_row("memory", f"in layers {', '.join(map(str, s['memory_layers']))} of {s['layers']} "
+                            "(the others attend within a sliding window)")
     t.add_row("profile", f"{shown(s['profile']['name'])}: {shown(s['profile']['segmentation'])}, n_local {s['profile']['n_local']}, "
               f"n_mem {s['profile']['n_mem']}, chunk {s['profile']['chunk_size']}")
     t.add_row("tokens", f"{s['tokens']}" + ("" if s["complete"] else "  [yellow](ingest unfinished: --resume)[/yellow]"))

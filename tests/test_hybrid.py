@@ -269,6 +269,7 @@ def test_retrieval_reports_name_the_layers_with_memory(gemma_folder, tmp_path):
     folder, prof = gemma_folder
     with emllm.create(tmp_path / "s", str(folder), profile=str(prof), dtype="float32") as mem:
         mem.ingest(("a", words(6, 400)))
+    assert emllm.store_summary(tmp_path / "s")["memory_layers"] == [2]
     with emllm.open(tmp_path / "s") as mem:
         r = mem.retrieval("where is the key?", layer=2)
         assert r["layer_ids"] == [2] and r["layers"] == 1 and len(r["coverage"]) == 1

@@ -32,7 +32,8 @@ def store_summary(st: Store) -> dict:
     return {
         "store": str(st.path), "format_version": m.version, "model": m.model,
         "identity": m.identity, "profile": m.profile_keys, "created": m.created, "updated": m.updated,
-        "layers": st.geometry.layers, "dtype": st.geometry.dtype, "format": st.kv_format.name,
+        "layers": st.geometry.layers, "memory_layers": list(st.geometry.memory_layers or []) or None,
+        "dtype": st.geometry.dtype, "format": st.kv_format.name,
         "key_equaliser": st.key_equalised,
         # how an event is found: its key (a profile without the key predates it: the paper's) and its heads
         "representative": m.profile.representative, "representative_heads": st.repr_heads,
