@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from emllm.math.attention import attend_band
+from emllm.memory.buffers import SlidingRows
 from emllm.math.rope import apply_rotary
 
 
@@ -29,27 +30,39 @@ class SlidingLayer:
     n_seen: int = 0  # tokens of the stream this layer has processed
 
     def __post_init__(self) -> None:
-        self.keys = torch.zeros(self.n_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros_like(self.keys)
+        empty = torch.zeros(self.n_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+        # sliding buffers, as a memory layer's window: a step writes its rows, the oldest leave by an offset
+        self._k, self._v = SlidingRows(empty), SlidingRows(empty)
+
+    @property
+    def keys(self) -> Tensor:
+        """[H_kv, <= size - 1, D] the window's keys before RoPE (a view: valid until the next step)."""
+        return self._k.view()
+
+    @property
+    def values(self) -> Tensor:
+        return self._v.view()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float, st, softcap: float | None = None) -> Tensor:
         """q [H_q, c, D], k/v [H_kv, c, D], pre-RoPE; st: the step's StepInfo (its sliding_rope).
         Returns [H_q, c, D]."""
         c = q.shape[1]
-        keys, values = torch.cat((self.keys, k), 1), torch.cat((self.values, v), 1)  # [H_kv, L, D]
+        keys, values = self._k.append(k), self._v.append(v)  # [H_kv, L, D]
         length = keys.shape[1]
         cos, sin = (t[:length].to(q.device) for t in st.sliding_rope)
         out = attend_band(apply_rotary(q, cos[length - c :], sin[length - c :]), apply_rotary(keys, cos, sin),
                           values, self.size, scaling, softcap)
         keep = min(length, self.size - 1)
-        self.keys, self.values = keys[:, length - keep :].clone(), values[:, length - keep :].clone()
+        self._k.drop_front(length - keep)
+        self._v.drop_front(length - keep)
         self.n_seen += c
         return out
 
     def state(self) -> dict[str, Tensor]:
         """What continues this layer's stream: its window's keys and values, and its token count
         (named apart from a memory layer's window, which a store keeps in its layer files)."""
-        return {"window_k": self.keys, "window_v": self.values, "n_seen": torch.tensor(self.n_seen)}
+        own = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731 (views a step overwrites)
+        return {"window_k": own(self.keys), "window_v": own(self.values), "n_seen": torch.tensor(self.n_seen)}
 
     def load_state(self, state: dict[str, Tensor]) -> None:
         """Continue from `state` (read from a store: shapes checked first, ValueError)."""
@@ -62,6 +75,5 @@ class SlidingLayer:
             raise ValueError(f"layer {self.layer_idx}: a sliding window of {k.shape[1]} tokens after {n_seen}")
         if not bool(torch.isfinite(k).all()) or not bool(torch.isfinite(v).all()):
             raise ValueError(f"layer {self.layer_idx}: sliding window keys or values are not finite")
-        self.keys = k.to(self.device, self.dtype).contiguous()
-        self.values = v.to(self.device, self.dtype).contiguous()
+        self._k, self._v = SlidingRows(k.to(self.device, self.dtype)), SlidingRows(v.to(self.device, self.dtype))
         self.n_seen = n_seen
