@@ -6,10 +6,16 @@ and what its store costs a token against a Llama-shaped model of the same size.
 Surprise needs the logits of every token of a chunk, where the plain model's prefill needs the
 last one's: over Gemma 3's 262,144-token vocabulary that head is most of the model's weights. Per
 chunk, side by side in lockstep (one of each in turn, after a real prefix of a full window):
-  body     the plain model's forward over the chunk, the last token's logits only
-  logits   the same forward with every token's logits (what surprise needs)
-  surprise `token_surprise` on those logits (the log-softmax and the pick: the rest of its cost)
-  emllm    emllm's whole step (memory, windows, surprise, boundaries)
+  body       the plain model's forward over the chunk, the last token's logits only
+  probes     the same with the logits of the shortlist's probe rows (the last one among them)
+  logits     the same forward with every token's logits (what exact surprise needs)
+  surprise   `token_surprise` on those logits (the log-softmax and the pick: the rest of its cost)
+  shortlist  `shortlist_surprise` on the probes' hidden states (profile surprise_head: shortlist);
+             its cost is this and what the probes add to the body
+  emllm      emllm's whole step with the profile's surprise head
+  emllm_full the same with surprise_head: full
+The two engines read the same stream: how far the shortlist's surprise is from the exact one, and
+how many boundaries both place (F1), are printed with the times.
 Then the bytes a store grows by per token (its files but the state, measured on disk after
 ingesting the same text) and the state that continues it (a sliding layer's window is there),
 for the model and for a Llama-shaped model of its size whose every layer is global (random
@@ -32,7 +38,7 @@ from emllm import models
 from emllm.app import ingest as ing, stream
 from emllm.engine.stream import Engine
 from emllm.evals.corpus import tokens as corpus_tokens
-from emllm.math.surprise import token_surprise
+from emllm.math.surprise import Head, probe_positions, shortlist_surprise, token_surprise
 
 
 def llama_like(cfg) -> LlamaConfig:
@@ -73,36 +79,63 @@ def main() -> None:
     prefix = prof.n_init + prof.n_local + prof.n_mem
     ids = torch.tensor(corpus_tokens(tok, "prose", prefix + (a.chunks + 1) * cs))
     eng = Engine(model, prof)
+    full = Engine(model, prof.replace(surprise_head="full"))
     eng.feed(ids[:prefix])
+    full.feed(ids[:prefix])
+    lm = model.get_output_embeddings()
+    head = Head(lm.weight, lm.bias, getattr(model.config.get_text_config(), "final_logit_softcapping", None))
 
-    def plain(x: torch.Tensor, keep: int) -> torch.Tensor:
+    def plain(x: torch.Tensor, keep: int | torch.Tensor, hidden: list | None = None) -> torch.Tensor:
         model.set_attn_implementation("sdpa")  # (emllm's step sets its own)
+        hook = model.model.register_forward_hook(lambda m, i, o: hidden.append(o[0][0])) if hidden is not None else None
         with torch.no_grad():
-            return model(input_ids=x[None], logits_to_keep=keep).logits[0]
+            out = model(input_ids=x[None], logits_to_keep=keep).logits[0]
+        if hook is not None:
+            hook.remove()
+        return out
 
-    times: dict[str, list[float]] = {k: [] for k in ("body", "logits", "surprise", "emllm")}
+    kinds = ("body", "probes", "logits", "surprise", "shortlist", "emllm", "emllm_full")
+    at = probe_positions(cs)
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     for i in range(a.chunks + 1):  # the first round untimed (warm-up)
         x = ids[prefix + i * cs : prefix + (i + 1) * cs]
-        t0 = time.perf_counter()
+        hidden: list = []
+        t = [time.perf_counter()]
         plain(x, 1)
-        t1 = time.perf_counter()
+        t.append(time.perf_counter())
+        zp = plain(x, at, hidden)
+        t.append(time.perf_counter())
         lg = plain(x, 0)
-        t2 = time.perf_counter()
+        t.append(time.perf_counter())
         token_surprise(lg, x, lg[-1])
-        t3 = time.perf_counter()
+        t.append(time.perf_counter())
+        with torch.no_grad():
+            shortlist_surprise(hidden[0], x, lg[-1], head, i, at, zp)
+        t.append(time.perf_counter())
         eng.step(x)
-        t4 = time.perf_counter()
+        t.append(time.perf_counter())
+        full.step(x)
+        t.append(time.perf_counter())
         if i:
-            for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                times[k].append(dt)
+            for k, t0, t1 in zip(kinds, t, t[1:]):
+                times[k].append(t1 - t0)
     mean = {k: sum(v) / len(v) for k, v in times.items()}
-    head = mean["logits"] - mean["body"]  # every token's logits instead of the last one's
+    head_s = mean["logits"] - mean["body"]  # every token's logits instead of the last one's
+    diff = (eng.surprise.view() - full.surprise.view()).abs()[1:]
+    fa, fb = full.flags.view(), eng.flags.view()
     row = {"model": a.model, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
            "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "chunk": cs,
-           "vocab": model.config.vocab_size, **{f"{k}_s": round(v, 3) for k, v in mean.items()},
-           "head_share_of_emllm_step": round(head / mean["emllm"], 3),
-           "surprise_share_of_emllm_step": round(mean["surprise"] / mean["emllm"], 3),
-           "surprise_and_head_share": round((head + mean["surprise"]) / mean["emllm"], 3)}
+           "vocab": model.config.vocab_size, "surprise_head": prof.surprise_head,
+           **{f"{k}_s": round(v, 3) for k, v in mean.items()},
+           "full_head_and_surprise_share_of_full_step": round((head_s + mean["surprise"]) / mean["emllm_full"], 3),
+           "shortlist_share_of_step": round((mean["shortlist"] + mean["probes"] - mean["body"]) / mean["emllm"], 3),
+           "step_ratio": round(mean["emllm"] / mean["emllm_full"], 3),
+           "tokens_compared": int(diff.numel()),
+           "surprise_abs_diff_median": round(float(diff.median()), 4), "surprise_abs_diff_p99": round(float(diff.quantile(0.99)), 4),
+           "surprise_abs_diff_max": round(float(diff.max()), 4),
+           "boundaries_exact": int(fa.sum()), "boundaries_shortlist": int(fb.sum()),
+           "boundary_f1": round(2 * int((fa & fb).sum()) / max(1, int(fa.sum() + fb.sum())), 4),
+           "events_exact": full.n_events, "events_shortlist": eng.n_events}
     print(json.dumps(row), flush=True)
     n = a.store_tokens
     text = tok.decode(corpus_tokens(tok, "prose", n))

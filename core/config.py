@@ -33,6 +33,7 @@ _INT_MAX = 1 << 24
 REPRESENTATIVES = ("attention", "mean")
 QUESTION_SCORINGS = ("mean", "max", "lse")
 DTYPES = ("auto", "float32", "bfloat16")
+SURPRISE_HEADS = ("full", "shortlist")
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,11 @@ class Profile:
     # the repr_topk tokens that drew the most attention in the local window; "mean", the mean key
     # of all its tokens, which needs no attention mass (docs/benchmarks.md compares them).
     representative: str = _choice("mean", REPRESENTATIVES)
+    # How surprise is computed: "full", every token's logits over the whole vocabulary (exact);
+    # "shortlist", over the tokens a chunk makes likely (exact there) and a sample standing for the
+    # rest (`math.surprise.shortlist_nll`), for models whose head outweighs the rest of the model
+    # (Gemma 3's 262k vocabulary): boundaries then cost a small share of a chunk instead of most of it.
+    surprise_head: str = _choice("full", SURPRISE_HEADS)
     # compute dtype: auto is bfloat16 where the device computes it natively (CUDA, CPUs with
     # AVX-512 BF16 or AMX), else float32. A store records the dtype it was computed in.
     dtype: str = _choice("auto", DTYPES)

@@ -13,6 +13,7 @@ from emllm.app import ingest as ing, stream
 from emllm.engine.sliding import SlidingLayer
 from emllm.engine.stream import Engine, sliding_layers
 from emllm.engine.window import LayerWindow
+from emllm.math import surprise
 from emllm.store import Store, StoreError
 from emllm.store.manifest import FORMAT_VERSION
 from tests.conftest import tiny_profile
@@ -219,9 +220,25 @@ def test_gemma3_270m_equals_vanilla(gemma270, gemma_case, split):
     rotated at their rows in the window, not at the stream's positions: docs/benchmark-log.md)."""
     model, _, prof = gemma270
     ids, ref, plain_gap = gemma_case
-    got = engine_logits(model, prof.replace(chunk_size=max(split)), ids, split)
+    # every token's logits: the exact surprise head (the profile's shortlist computes the last one's)
+    got = engine_logits(model, prof.replace(chunk_size=max(split), surprise_head="full"), ids, split)
     err, scale = (got - ref).abs().max().item(), ref.abs().max().item()
     assert plain_gap < 1e-4 * scale and err <= 1e-4 * scale, (err, plain_gap, scale)
+
+
+@pytest.mark.slow
+def test_gemma3_270m_with_its_shortlist_surprise_gives_the_same_last_logits(gemma270, gemma_case):
+    """The profile's surprise head (a shortlist) changes no logit the model returns: each chunk's
+    last one is the plain model's, as with the full head."""
+    model, _, prof = gemma270
+    ids, ref, _ = gemma_case
+    assert prof.surprise_head == "shortlist"
+    eng = Engine(model, prof.replace(chunk_size=500))
+    last = [eng.step(ids[off : off + 500])[-1].float() for off in range(0, 1300, 500)]
+    assert isinstance(eng._head, surprise.Head)  # the check passed: the later chunks took the shortlist
+    scale = ref.abs().max().item()
+    for row, got in zip((499, 999, 1299), last):
+        assert (got - ref[row]).abs().max().item() <= 1e-4 * scale
 
 
 @pytest.mark.slow

@@ -29,7 +29,8 @@ from emllm.memory.selection import Selection
 from emllm.models import device_of, input_device, native_bf16
 from emllm.math.rope import Rotary
 from emllm.math.segmentation import enforce_block_sizes, key_adjacency, refine, surprise_starts
-from emllm.math.surprise import boundary_flags, token_surprise
+from emllm.math import surprise as surprise_math
+from emllm.math.surprise import Head, boundary_flags, probe_positions, shortlist_surprise, token_surprise
 from emllm.engine.sampling import Chooser, greedy
 from emllm.engine.sliding import SlidingLayer
 from emllm.engine.window import LayerWindow, StepInfo
@@ -186,6 +187,9 @@ class Engine:
         self.on_retrieval: Callable[[int, Selection, Tensor], None] | None = None
         self.answering = False  # a question is being read or answered (`begin_question`)
         self._groups: tuple[tuple[int, int], Tensor] | None = None  # `event_groups`: ((events, rem_start), labels)
+        # profile surprise_head "shortlist": the model's head as surprise computes it, once checked
+        # against the model's own logits (None: not yet; False: they differ, every logit is computed)
+        self._head: Head | bool | None = None if profile.surprise_head == "shortlist" else False
 
     def refinement_layers(self) -> list[LayerWindow]:
         """The layers whose keys build refinement's similarity graph: those with memory from the
@@ -253,8 +257,8 @@ class Engine:
     @torch.no_grad()
     def step(self, chunk: Tensor, with_surprise: bool = True) -> Tensor:
         """One forward over `chunk` [c] (at most chunk_size tokens); returns its logits [c, V]
-        (with_surprise=False: the last token's only, [1, V]; nothing needs the others, and the
-        model's head then computes one row instead of c)."""
+        (with_surprise=False, or surprise from a shortlist head: the last token's only, [1, V];
+        nothing needs the others, and the model's head then computes one row instead of c)."""
         pr = self.profile
         c = chunk.numel()
         window = min(self.n_tokens, pr.n_local) + c
@@ -273,16 +277,32 @@ class Engine:
         if self.model.config._attn_implementation != attention.NAME:  # someone ran the plain model meanwhile
             self.model.set_attn_implementation(attention.NAME)
         x = chunk.to(self.device)[None]
-        out = self.model(
-            input_ids=x,
-            position_ids=torch.zeros_like(x),  # identity rotation: the attention gets keys before RoPE
-            use_cache=False,
-            logits_to_keep=0 if with_surprise else 1,  # (0: all)
-            emllm=Hooks(self.layers, step),  # reaches the attention function of every layer
-        )
-        logits = out.logits[0]  # [c, V] ([1, V] without surprise)
+        # a chunk of a few tokens computes every logit: the probes would cost as much
+        shortlist = with_surprise and isinstance(self._head, Head) and c > 2 * surprise_math.SHORTLIST_PROBES
+        probes = probe_positions(c).to(self.device) if shortlist else None
+        hidden: list[Tensor] = []  # the final hidden states [1, c, d], for a shortlist's surprise
+        keep = shortlist or with_surprise and self._head is None  # (None: the head is checked at this step)
+        hook = self.model.model.register_forward_hook(lambda m, a, o: hidden.append(o[0])) if keep else None
+        try:
+            out = self.model(
+                input_ids=x,
+                position_ids=torch.zeros_like(x),  # identity rotation: the attention gets keys before RoPE
+                use_cache=False,
+                logits_to_keep=probes if shortlist else 0 if with_surprise else 1,  # (0: all)
+                emllm=Hooks(self.layers, step),  # reaches the attention function of every layer
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
+        logits = out.logits[0]  # [c, V] ([1, V] without surprise; [P, V] at the probes with a shortlist)
         if with_surprise:
-            s = token_surprise(logits, x[0], self.last_logits).cpu()
+            if shortlist:
+                s = shortlist_surprise(hidden[0][0], x[0], self.last_logits, self._head, self.n_tokens, probes, logits).cpu()
+                logits = logits[-1:]
+            else:
+                s = token_surprise(logits, x[0], self.last_logits).cpu()
+                if self._head is None:
+                    self._head = self._check_head(hidden[0][0, -1:], logits[-1:])
             if self.n_tokens == 0:
                 s[0] = float("nan")
         else:
@@ -308,6 +328,18 @@ class Engine:
         for w in self.windows:  # (a store's: every layer's rows a device step left there, in one read)
             w.events.flush()
         return logits
+
+    def _check_head(self, hidden: Tensor, logits: Tensor) -> Head | bool:
+        """The model's head as a `Head` if it turns `hidden` [1, d] into the model's own `logits`
+        [1, V]; False if it does not (a model that transforms its logits otherwise: every logit is
+        computed, as with surprise_head "full")."""
+        lm = self.model.get_output_embeddings()
+        if not isinstance(lm, torch.nn.Linear):
+            return False
+        head = Head(lm.weight, lm.bias, getattr(self.model.config.get_text_config(), "final_logit_softcapping", None))
+        mine, theirs = head.logits(hidden).float(), logits.float()
+        # the same product over one row instead of the chunk's: rounding apart, nothing else
+        return head if bool((mine - theirs).abs().max() <= 0.02 * theirs.abs().max().clamp_min(1)) else False
 
     def _sliding_rope(self, c: int) -> tuple[Tensor, Tensor] | None:
         """cos/sin of the sliding layers for a step of c tokens (their window: size - 1 before them)."""
