@@ -71,6 +71,33 @@ def test_results_log_reads_back_its_grid_only(tmp_path):
     assert lines[-3] == '{"length": 8, "dep' and '"grid": {"model": "m", "seed": 0, "sizes": [1, 2]}' in lines[-2]
 
 
+def test_a_log_written_before_a_profile_key_existed_is_the_same_grid(tmp_path):
+    """A run kept by code whose profiles had fewer keys is carried on by today's: a missing key
+    meant what that code did (the default, or the store's BEFORE_THE_KEY value); another value
+    of it is another grid."""
+    import dataclasses
+
+    from emllm.app.stream import profile_dict
+    from emllm.config import load_profile
+    from emllm.evals import results_log
+
+    today = {"model": "m", "profile": profile_dict(load_profile("smollm2"))}
+    old = {**today, "profile": {k: v for k, v in today["profile"].items() if k not in ("surprise_head", "distinct_events")}}
+    old["profile"]["distinct_events"] = True  # (written with the key: it stays as it was)
+    log = tmp_path / "r.jsonl"
+    results_log.start_run(log, old)
+    results_log.append(log, {"length": 8, "trial": 0})
+    assert results_log.results_of(log, today) == [{"length": 8, "trial": 0}]
+    assert results_log.last_grid(log) == results_log.normal(today)
+    other = {**today, "profile": {**today["profile"], "surprise_head": "shortlist"}}
+    assert results_log.results_of(log, other) == []
+    gone = {**old, "profile": {k: v for k, v in old["profile"].items() if k != "distinct_events"}}
+    results_log.start_run(log, gone)  # before distinct_events: the code of then kept every copy
+    assert results_log.last_grid(log) != results_log.normal(today)
+    assert results_log.last_grid(log)["profile"]["distinct_events"] is False
+    assert {f.name for f in dataclasses.fields(type(load_profile("smollm2")))} == set(results_log.last_grid(log)["profile"])
+
+
 def test_a_grid_with_reread_answers_as_reread_does_from_the_same_read(tiny):
     """run_grid(reread=True): a "reread" row per trial, answered as `app.reread.reread` answers on a
     fresh read of the prompt, saying whether the tokens read again held the whole needle; the

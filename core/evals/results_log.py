@@ -9,11 +9,15 @@ cut short by a kill is ended before anything is appended, and ignored when read.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any, Iterator
+
+from emllm.config import Profile
+from emllm.store.manifest import BEFORE_THE_KEY
 
 
 def end_line(path: Path | str) -> None:
@@ -40,9 +44,19 @@ def start_run(path: Path | str, grid: dict[str, Any], **header: Any) -> None:
     append(path, {"run": time.strftime("%Y-%m-%d %H:%M:%S"), **header, "grid": grid})
 
 
-def normal(grid: dict[str, Any]) -> dict[str, Any]:
-    """`grid` as it reads back from the log (tuples become lists)."""
-    return json.loads(json.dumps(grid))
+def normal(grid: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`grid` as it reads back from the log (tuples become lists), its profile (if it has one)
+    with every key: a key added since the log was written has the value that code used."""
+    grid = json.loads(json.dumps(grid))
+    if isinstance(grid, dict) and isinstance(grid.get("profile"), dict):
+        grid["profile"] = {**_profile_defaults(), **BEFORE_THE_KEY, **grid["profile"]}
+    return grid
+
+
+def _profile_defaults() -> dict[str, Any]:
+    return json.loads(json.dumps({f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                                  for f in dataclasses.fields(Profile)
+                                  if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}))
 
 
 def records(path: Path | str) -> Iterator[dict[str, Any]]:
@@ -61,7 +75,7 @@ def results_of(path: Path | str, grid: dict[str, Any]) -> list[dict[str, Any]]:
     grid, out, ours = normal(grid), [], False
     for r in records(path):
         if "run" in r:  # a header (older ones have no grid: never ours)
-            ours = r.get("grid") == grid
+            ours = normal(r.get("grid")) == grid
         elif ours:
             out.append(r)
     return out
@@ -73,7 +87,7 @@ def last_grid(path: Path | str) -> dict[str, Any] | None:
     for r in records(path):
         if "run" in r:
             last = r.get("grid")
-    return last
+    return normal(last) if last is not None else None
 
 
 __all__ = ["append", "end_line", "last_grid", "normal", "records", "results_of", "start_run"]
