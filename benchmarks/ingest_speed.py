@@ -72,7 +72,9 @@ class Vanilla:
         past = self.cache.get_seq_length()
         dev = models.input_device(self.model)
         pos = torch.arange(past, past + x.numel(), device=dev)[None]
-        self.model(input_ids=x.to(dev)[None], **cache_kwargs(self.model, self.cache), position_ids=pos, use_cache=True)
+        # the last token's logits, as a plain prefill (generate) computes
+        self.model(input_ids=x.to(dev)[None], **cache_kwargs(self.model, self.cache), position_ids=pos, use_cache=True,
+                   logits_to_keep=1)
         for layer in self.cache.layers:  # slide: keep the last `window` tokens
             layer.keys, layer.values = layer.keys[:, :, -self.window :], layer.values[:, :, -self.window :]
 

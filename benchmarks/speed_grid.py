@@ -81,7 +81,8 @@ class Full:
         self.model.set_attn_implementation("sdpa")
         dev = models.input_device(self.model)
         pos = torch.arange(self.n, self.n + x.numel(), device=dev)[None]
-        return self.model(input_ids=x.to(dev)[None], **cache_kwargs(self.model, self.cache), position_ids=pos, use_cache=True).logits[0, -1]
+        return self.model(input_ids=x.to(dev)[None], **cache_kwargs(self.model, self.cache), position_ids=pos, use_cache=True,
+                          logits_to_keep=1).logits[0, -1]  # the last token's logits, as a plain prefill computes
 
 
 def fill_memory(engine, m: int, gen: torch.Generator) -> None:
