@@ -91,8 +91,7 @@ def test_the_engine_takes_its_surprise_from_the_shortlist(arch, monkeypatch):
     short, full = Engine(model, prof.replace(surprise_head="shortlist")), Engine(model, prof)
     for off in range(0, 120, 40):
         a, b = short.step(ids[off : off + 40]), full.step(ids[off : off + 40])
-        # the first chunk computes every logit (the head is checked against them), the others the last
-        assert a.shape == ((40, 300) if off == 0 else (1, 300)) and torch.allclose(a[-1], b[-1], atol=1e-5)
+        assert a.shape == (1, 300) and torch.allclose(a[0], b[-1], atol=1e-5)
     assert isinstance(short._head, S.Head)
     model.set_attn_implementation("eager")
     with torch.no_grad():
@@ -103,9 +102,6 @@ def test_the_engine_takes_its_surprise_from_the_shortlist(arch, monkeypatch):
     for off in range(0, 120, 40):
         if off:  # the first token of a chunk: the last logits of the one before, exactly
             want.append(S._nll(z[off - 1 : off], ids[off : off + 1]).item())
-        if off == 0:  # the first chunk's head is checked on its full logits: exact
-            want += S._nll(z[:39], ids[1:40]).tolist()
-            continue
         at = S.probe_positions(40)
         rows = S.shortlist_rows(head.logits(hidden[off + at]), ids[off + 1 : off + 40], 6)
         tail, scale = S.tail_sample(rows, 300, 40, off)
@@ -113,12 +109,12 @@ def test_the_engine_takes_its_surprise_from_the_shortlist(arch, monkeypatch):
                           scale, {int(p) for p in at if p < 39})
     got = short.surprise.view()
     assert torch.isnan(got[0]) and torch.allclose(got[1:].double(), torch.tensor(want[1:], dtype=torch.float64), atol=1e-4)
-    assert not torch.allclose(got[41:], full.surprise.view()[41:], atol=1e-3)  # (the estimate, not the exact)
+    assert not torch.allclose(got[1:], full.surprise.view()[1:], atol=1e-3)  # (the estimate, not the exact)
 
 
 def test_a_head_that_is_not_the_models_computes_every_logit():
-    """A model whose logits are the head's transformed (here doubled after it): the check on the
-    first chunk finds it, and surprise stays exact."""
+    """A model whose logits are the head's transformed (here doubled after it): the check before
+    the first chunk finds it, and surprise stays exact."""
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
@@ -132,3 +128,35 @@ def test_a_head_that_is_not_the_models_computes_every_logit():
     assert short._head is False
     torch.testing.assert_close(short.surprise.view(), full.surprise.view(), rtol=0, atol=0, equal_nan=True)
     assert torch.equal(short.flags.view(), full.flags.view()) and short.n_events == full.n_events > 3
+
+
+def test_a_store_appended_later_is_the_store_read_at_once(tmp_path, monkeypatch):
+    """The shortlist's sample is seeded by the chunk's place in the stream and the head is checked
+    the same way by every engine: a store that reads a second document later, with a new engine,
+    is the store that read both at once, byte for byte."""
+    from emllm import models
+    from emllm.app import ingest as ing, stream
+    from emllm.store import Store
+    from tests.helpers import TINY_PROFILE, assert_same_state, ingest_store, load_tiny, store_arrays, words
+
+    monkeypatch.setattr(S, "SHORTLIST_TOP", 64)
+    monkeypatch.setattr(S, "SHORTLIST_SAMPLE", 256)
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(models.resolve("smollm2").path)
+    folder = tmp_path / "model"
+    hybrid_model("gemma3", len(tok)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    prof = tmp_path / "p.yaml"
+    prof.write_text(TINY_PROFILE.replace("chunk_size: 16", "chunk_size: 40").replace("n_local: 32", "n_local: 80")
+                    + "surprise_head: shortlist\n")
+    a, b = words(2, 300), words(3, 250)
+    ingest_store(tmp_path / "one", folder, prof, [("a", a), ("b", b)])
+    ingest_store(tmp_path / "two", folder, prof, [("a", a)])
+    model, tok = load_tiny(folder)
+    with Store.open(tmp_path / "two", writable=True) as st:
+        engine = stream.open_engine(st, model)
+        ing.add_documents(st, tok, [("b", b)])
+        ing.run_job(st, engine, 2)
+    assert store_arrays(tmp_path / "one") == store_arrays(tmp_path / "two")
+    assert_same_state(tmp_path / "one", tmp_path / "two")
+    with Store.open(tmp_path / "one") as st:
+        assert st.info.profile.surprise_head == "shortlist" and st.info.rows.events > 10

@@ -274,6 +274,8 @@ class Engine:
                         pr.representative == "attention", slack, scoring,
                         self.event_groups() if scoring and pr.distinct_events else None,
                         self._sliding_rope(c))
+        if with_surprise and self._head is None:
+            self._head = self._check_head()
         if self.model.config._attn_implementation != attention.NAME:  # someone ran the plain model meanwhile
             self.model.set_attn_implementation(attention.NAME)
         x = chunk.to(self.device)[None]
@@ -281,8 +283,7 @@ class Engine:
         shortlist = with_surprise and isinstance(self._head, Head) and c > 2 * surprise_math.SHORTLIST_PROBES
         probes = probe_positions(c).to(self.device) if shortlist else None
         hidden: list[Tensor] = []  # the final hidden states [1, c, d], for a shortlist's surprise
-        keep = shortlist or with_surprise and self._head is None  # (None: the head is checked at this step)
-        hook = self.model.model.register_forward_hook(lambda m, a, o: hidden.append(o[0])) if keep else None
+        hook = self.model.model.register_forward_hook(lambda m, a, o: hidden.append(o[0])) if shortlist else None
         try:
             out = self.model(
                 input_ids=x,
@@ -301,8 +302,6 @@ class Engine:
                 logits = logits[-1:]
             else:
                 s = token_surprise(logits, x[0], self.last_logits).cpu()
-                if self._head is None:
-                    self._head = self._check_head(hidden[0][0, -1:], logits[-1:])
             if self.n_tokens == 0:
                 s[0] = float("nan")
         else:
@@ -329,17 +328,26 @@ class Engine:
             w.events.flush()
         return logits
 
-    def _check_head(self, hidden: Tensor, logits: Tensor) -> Head | bool:
-        """The model's head as a `Head` if it turns `hidden` [1, d] into the model's own `logits`
-        [1, V]; False if it does not (a model that transforms its logits otherwise: every logit is
-        computed, as with surprise_head "full")."""
+    @torch.no_grad()
+    def _check_head(self) -> Head | bool:
+        """The model's head as a `Head` if it turns the model's last hidden state into the model's
+        own logits (one token through the plain model); False if not: a model that transforms its
+        logits otherwise keeps computing them all, as with surprise_head "full". The same answer
+        for every engine on the model, so a resumed stream cuts its events as the first read did."""
         lm = self.model.get_output_embeddings()
         if not isinstance(lm, torch.nn.Linear):
             return False
         head = Head(lm.weight, lm.bias, getattr(self.model.config.get_text_config(), "final_logit_softcapping", None))
-        mine, theirs = head.logits(hidden).float(), logits.float()
-        # the same product over one row instead of the chunk's: rounding apart, nothing else
-        return head if bool((mine - theirs).abs().max() <= 0.02 * theirs.abs().max().clamp_min(1)) else False
+        hidden: list[Tensor] = []
+        hook = self.model.model.register_forward_hook(lambda m, a, o: hidden.append(o[0]))
+        self.model.set_attn_implementation("eager")  # (the step sets emllm's back)
+        try:
+            ids = torch.tensor([[self.model.config.get_text_config().bos_token_id or 0]], device=self.device)
+            theirs = self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0].float()
+        finally:
+            hook.remove()
+        mine = head.logits(hidden[0][0, -1:]).float()
+        return head if bool((mine - theirs).abs().max() <= 1e-2 * theirs.abs().max().clamp_min(1)) else False
 
     def _sliding_rope(self, c: int) -> tuple[Tensor, Tensor] | None:
         """cos/sin of the sliding layers for a step of c tokens (their window: size - 1 before them)."""
