@@ -143,6 +143,22 @@ def ingest_store(path: Path, folder: Path, prof: Path, docs: list[tuple[str, str
         ing.run_job(st, engine, commit_every)
 
 
+def ingest_now_and_later(root: Path, folder: Path, prof: Path, first: list[tuple[str, str]],
+                         later: list[tuple[str, str]]) -> tuple[Path, Path]:
+    """Two stores of the same documents: `root/one` reads them all in one ingest, `root/two` reads
+    `first`, then `later` with a new engine over the reopened store (an append). (one, two)."""
+    from emllm.store import Store
+
+    ingest_store(root / "one", folder, prof, first + later)
+    ingest_store(root / "two", folder, prof, first)
+    model, tok = load_tiny(folder)
+    with Store.open(root / "two", writable=True) as st:
+        engine = stream.open_engine(st, model)
+        ing.add_documents(st, tok, later)
+        ing.run_job(st, engine, 2)
+    return root / "one", root / "two"
+
+
 def answers_of(store: Path, models: list, tok, max_new_tokens: int) -> list[list[int]]:
     """Each model's greedy answer to QUESTION from the store, opened anew for each."""
     from emllm.app.ask import Session

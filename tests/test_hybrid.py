@@ -17,8 +17,8 @@ from emllm.math import surprise
 from emllm.store import Store, StoreError
 from emllm.store.manifest import FORMAT_VERSION
 from tests.conftest import tiny_profile
-from tests.helpers import TINY_PROFILE, TOL, assert_same_state, engine_logits, ingest_store, load_tiny, store_arrays, \
-    vanilla_logits, words
+from tests.helpers import TINY_PROFILE, TOL, assert_same_state, engine_logits, ingest_now_and_later, ingest_store, \
+    load_tiny, store_arrays, vanilla_logits, words
 
 WINDOW = 12  # the tiny models' sliding window: far shorter than the streams below
 LAYOUT = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -133,14 +133,8 @@ def gemma_folder(tmp_path_factory):
 
 def test_a_store_keeps_files_for_the_global_layers_only_and_appends_exactly(gemma_folder, tmp_path):
     folder, prof = gemma_folder
-    a, b = words(2, 300), words(3, 250)
-    ingest_store(tmp_path / "one", folder, prof, [("a", a), ("b", b)])
-    ingest_store(tmp_path / "two", folder, prof, [("a", a)])
-    model, tok = load_tiny(folder)
-    with Store.open(tmp_path / "two", writable=True) as st:
-        engine = stream.open_engine(st, model)  # the sliding layers' windows restored from the state
-        ing.add_documents(st, tok, [("b", b)])
-        ing.run_job(st, engine, 2)
+    # the second store's engine restores the sliding layers' windows from the state
+    ingest_now_and_later(tmp_path, folder, prof, [("a", words(2, 300))], [("b", words(3, 250))])
     arrays = store_arrays(tmp_path / "one")
     assert {k for k in arrays if k.startswith("layers/")} == {"layers/02.k", "layers/02.v", "layers/02.r"}
     assert arrays == store_arrays(tmp_path / "two")

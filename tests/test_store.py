@@ -31,7 +31,7 @@ from emllm.app.ask import Session
 from emllm.config import load_profile_file
 from emllm.engine.stream import Engine
 from emllm.store import Store, StoreError
-from .helpers import EMLLM, QUESTION, assert_same_state, cli_env, ingest_store, load_tiny, run, run_in_process, store_arrays, store_files, store_state, words
+from .helpers import EMLLM, QUESTION, assert_same_state, cli_env, ingest_now_and_later, ingest_store, load_tiny, run, run_in_process, store_arrays, store_files, store_state, words
 
 
 
@@ -127,14 +127,7 @@ def test_append_equals_one_call(tiny, tmp_path, monkeypatch, fit_block):
         monkeypatch.setattr(sketch, "FIT_BLOCK_ROWS", fit_block)
     folder, prof, _, _ = tiny
     prof = _sketching(prof, tmp_path)
-    a, b = words(2, 300), words(3, 250)
-    ingest_store(tmp_path / "one", folder, prof, [("a", a), ("b", b)])
-    ingest_store(tmp_path / "two", folder, prof, [("a", a)])
-    model, tok = load_tiny(folder)
-    with Store.open(tmp_path / "two", writable=True) as st:
-        engine = stream.open_engine(st, model)
-        ing.add_documents(st, tok, [("b", b)])
-        ing.run_job(st, engine, 2)
+    ingest_now_and_later(tmp_path, folder, prof, [("a", words(2, 300))], [("b", words(3, 250))])
     assert store_arrays(tmp_path / "one") == store_arrays(tmp_path / "two")
     # fitted (and refitted as the store doubled) during the second document in one, at its append in two
     sk = json.loads((tmp_path / "one" / "manifest.json").read_text())["sketch"]

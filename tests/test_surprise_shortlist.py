@@ -135,9 +135,8 @@ def test_a_store_appended_later_is_the_store_read_at_once(tmp_path, monkeypatch)
     the same way by every engine: a store that reads a second document later, with a new engine,
     is the store that read both at once, byte for byte."""
     from emllm import models
-    from emllm.app import ingest as ing, stream
     from emllm.store import Store
-    from tests.helpers import TINY_PROFILE, assert_same_state, ingest_store, load_tiny, store_arrays, words
+    from tests.helpers import TINY_PROFILE, assert_same_state, ingest_now_and_later, store_arrays, words
 
     monkeypatch.setattr(S, "SHORTLIST_TOP", 64)
     monkeypatch.setattr(S, "SHORTLIST_SAMPLE", 256)
@@ -148,15 +147,8 @@ def test_a_store_appended_later_is_the_store_read_at_once(tmp_path, monkeypatch)
     prof = tmp_path / "p.yaml"
     prof.write_text(TINY_PROFILE.replace("chunk_size: 16", "chunk_size: 40").replace("n_local: 32", "n_local: 80")
                     + "surprise_head: shortlist\n")
-    a, b = words(2, 300), words(3, 250)
-    ingest_store(tmp_path / "one", folder, prof, [("a", a), ("b", b)])
-    ingest_store(tmp_path / "two", folder, prof, [("a", a)])
-    model, tok = load_tiny(folder)
-    with Store.open(tmp_path / "two", writable=True) as st:
-        engine = stream.open_engine(st, model)
-        ing.add_documents(st, tok, [("b", b)])
-        ing.run_job(st, engine, 2)
-    assert store_arrays(tmp_path / "one") == store_arrays(tmp_path / "two")
-    assert_same_state(tmp_path / "one", tmp_path / "two")
-    with Store.open(tmp_path / "one") as st:
+    one, two = ingest_now_and_later(tmp_path, folder, prof, [("a", words(2, 300))], [("b", words(3, 250))])
+    assert store_arrays(one) == store_arrays(two)
+    assert_same_state(one, two)
+    with Store.open(one) as st:
         assert st.info.profile.surprise_head == "shortlist" and st.info.rows.events > 10
