@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma3TextConfig
 
-from emllm.app import ingest as ing, stream
+from emllm.app import stream
 from emllm.engine.sliding import SlidingLayer
 from emllm.engine.stream import Engine, sliding_layers
 from emllm.engine.window import LayerWindow
