@@ -18,7 +18,7 @@ after it would time the disk's write-back and a cold event cache, not the steady
 visited in increasing order with the same engine, so the whole grid costs one fill to the
 largest L (and full attention's cache only up to --full-max).
 
-`--config llama-3.2-1b` builds that model's shapes with random weights (no download) and uses the
+`--config llama-3.2-1b` (or `llama-3.1-8b`) builds that model's shapes with random weights (no download) and uses the
 llama3.1 profile; `--random-weights` does the same with `--model`'s own config (its shapes without
 its weights file: timing where the weights cannot travel). `--device cuda` runs every method on the
 GPU (times taken after a device synchronise); `--dtype` as `emllm ingest --dtype`.
@@ -53,6 +53,11 @@ LLAMA_3_2_1B = dict(
     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192},
 )
+LLAMA_3_1_8B = dict(
+    LLAMA_3_2_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, head_dim=128,
+    tie_word_embeddings=False, rope_scaling={**LLAMA_3_2_1B["rope_scaling"], "factor": 8.0},
+)
+CONFIGS = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3.1-8b": LLAMA_3_1_8B}
 
 
 class Full:
@@ -112,7 +117,7 @@ def fill_memory(engine, m: int, gen: torch.Generator) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--config", choices=["llama-3.2-1b"], default=None, help="random weights of these shapes instead")
+    ap.add_argument("--config", choices=sorted(CONFIGS), default=None, help="random weights of these shapes instead")
     ap.add_argument("--random-weights", action="store_true", help="--model's shapes with random weights")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where torch sees one)")
     ap.add_argument("--dtype", default=None, choices=models.DTYPES, help="compute dtype (default: the profile's, auto)")
@@ -136,7 +141,7 @@ def main() -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
         src = models.resolve(a.model)
-        cfg = LlamaConfig(**LLAMA_3_2_1B) if a.config else AutoConfig.from_pretrained(src.path)
+        cfg = LlamaConfig(**CONFIGS[a.config]) if a.config else AutoConfig.from_pretrained(src.path)
         prof, name = (load_profile("llama3.1"), a.config) if a.config else (src.profile, f"{a.model} (random weights)")
         dt = models.compute_dtype(a.dtype or os.environ.get("EMLLM_DTYPE") or prof.dtype, device)
         torch.manual_seed(0)

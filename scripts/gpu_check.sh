@@ -9,7 +9,8 @@
 #               gguf (SmolLM2's conversion) and, for the suite, the server and CLI stack of scripts/constraints.txt
 #   .gpu/home/  an emllm home whose models/smollm2 holds SmolLM2's config and tokenizer, no weights
 # and run there (the tool `device`): `bash scripts/gpu_check.sh [STEP...]` carrying .whl and .gpu/home;
-# steps: tests grid cli prof grid1b suite (default: tests grid cli grid1b, in that order).
+# steps: tests grid cli prof grid1b grid8b suite (default: tests grid cli grid1b, in that order);
+# GRID_LENGTHS and GRID_S set the speed grids' lengths and time limit.
 # Models there are random weights of real shapes: the timings hold, the answers are noise.
 # SmolLM2's real weights travel in two halves, by two calls in a row (the machine keeps /tmp while
 # warm): carrying .gpu/w1, `bash scripts/gpu_check.sh keep`; then carrying .gpu/w2,
@@ -41,7 +42,7 @@ tests() {
 }
 
 grid() {
-  timeout 150 python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --random-weights --lengths 4k,32k,256k \
+  timeout ${GRID_S:-150} python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --random-weights --lengths ${GRID_LENGTHS:-4k,32k,256k} \
     --chunks 3 --decode 8 --out "$OUT/speed-smollm2-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed.log"
 }
 
@@ -76,8 +77,13 @@ prof() {  # where an ingest's time goes on the GPU (after cli: its model and tex
 }
 
 grid1b() {
-  timeout 150 python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --config llama-3.2-1b --lengths 4k,32k,256k \
+  timeout ${GRID_S:-150} python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --config llama-3.2-1b --lengths ${GRID_LENGTHS:-4k,32k,256k} \
     --chunks 3 --decode 8 --out "$OUT/speed-llama1b-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed-llama1b.log"
+}
+
+grid8b() {
+  timeout ${GRID_S:-150} python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --config llama-3.1-8b --lengths ${GRID_LENGTHS:-4k,32k,256k} \
+    --chunks 3 --decode 8 --out "$OUT/speed-llama8b-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed-llama8b.log"
 }
 
 keep() {  # the GGUF's first half, kept in /tmp for the call that brings the second

@@ -172,3 +172,23 @@ def test_a_steps_reads_back_on_cuda_do_not_grow_with_the_layers(store):
     if CUDA.type == "cuda":
         assert max(chunk2.total, chunk8.total, token2.total, token8.total) <= 8
         assert abs(chunk8.total - chunk2.total) <= 1 and abs(token8.total - token2.total) <= 1
+
+
+def test_a_steps_deferred_rows_come_back_from_the_host_and_the_device(tiny, tmp_path):
+    """A step's rows wait on the device for one read back at its end; rows appended from host
+    tensors (a program filling memory from the CPU) wait beside them: one flush writes both, in order."""
+    from emllm.evals.scratch import ScratchStores
+
+    folder, prof, _, _ = tiny
+    model, tok = load_tiny(folder)
+    model.to(CUDA)
+    a, b = torch.arange(6, dtype=torch.float32).view(2, 3), torch.arange(5, dtype=torch.int32)
+    got: list[list[torch.Tensor]] = []
+    with ScratchStores(model, tok, load_profile_file(prof), tmp_path) as make:
+        store = make().windows[0].events.store
+        store.defer(got.append, [a.to(CUDA), b])
+        store.defer(got.append, [b.to(CUDA) * 2, a[1:]])
+        store.flush_deferred()
+    assert [[t.device.type for t in ts] for ts in got] == [["cpu", "cpu"], ["cpu", "cpu"]]
+    assert torch.equal(got[0][0], a) and torch.equal(got[0][1], b)
+    assert torch.equal(got[1][0], b * 2) and torch.equal(got[1][1], a[1:])

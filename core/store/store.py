@@ -526,15 +526,17 @@ class Store:
             return
         items, self._deferred = self._deferred, []
         parts = [t.detach().contiguous().view(-1).view(torch.uint8) for _, ts in items for t in ts]
-        host = torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu()  # (the step's one read back)
-        at = 0
+        # one read back per device the parts live on (rows may also come from the host already)
+        host: list[Tensor | None] = [p if p.device.type == "cpu" else None for p in parts]
+        for dev in {p.device for p in parts if p.device.type != "cpu"}:
+            at = [i for i, p in enumerate(parts) if p.device == dev]
+            back = torch.cat([parts[i] for i in at]).cpu()  # (the step's one read back)
+            for i, b in zip(at, back.split([parts[i].numel() for i in at])):
+                host[i] = b
+        bytes_ = iter(host)
         for write, ts in items:
-            copies = []
-            for t in ts:
-                n = t.numel() * t.element_size()
-                copies.append(host[at : at + n].clone().view(t.dtype).view(t.shape))  # (clone: aligned for the view)
-                at += n
-            write(copies)
+            # (clone: a fresh, aligned buffer for the view to the tensor's dtype)
+            write([next(bytes_).clone().view(t.dtype).view(t.shape) for t in ts])
 
     def forget_equaliser(self, slot: int) -> None:
         """Drop a layer's equaliser fitted in RAM (a reader's, on a store without keys yet)."""
