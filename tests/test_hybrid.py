@@ -16,7 +16,7 @@ from emllm.engine.window import LayerWindow
 from emllm.math import surprise
 from emllm.store import Store, StoreError
 from emllm.store.manifest import FORMAT_VERSION
-from tests.conftest import tiny_profile
+from tests.conftest import tiny_model, tiny_profile
 from tests.helpers import TINY_PROFILE, TOL, assert_same_state, engine_logits, ingest_now_and_later, ingest_store, \
     load_tiny, store_arrays, vanilla_logits, words
 
@@ -290,3 +290,24 @@ def test_retrieval_reports_name_the_layers_with_memory(gemma_folder, tmp_path):
         with pytest.raises(emllm.EmllmError, match="layer 1 attends within a sliding window.*memory: 2"):
             mem.retrieval("where is the key?", layer=1)
         assert list(mem.answer("where is the key?", max_new_tokens=4))  # it answers
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_the_passkeys_plain_baseline_reads_a_hybrid_prompt_in_chunks_as_in_one_pass(arch, monkeypatch):
+    """The plain model's passkey baseline prefills a hybrid model's prompt in chunks (its sliding
+    layers attend within their window, not over every pair): the next logits are one pass's, and
+    `generate` from that cache gives one pass's greedy tokens."""
+    from emllm.evals import passkey
+
+    model = hybrid_model(arch)
+    monkeypatch.setattr(passkey, "PREFILL_CHUNK", 16)
+    x = torch.randint(0, 300, (1, 70), generator=torch.Generator().manual_seed(5))
+    kw = passkey._prefilled(model, x)
+    assert len(kw) == 1
+    with torch.no_grad():
+        got = model(input_ids=x[:, -1:], **kw, use_cache=True).logits[0, -1]
+        ref = model(input_ids=x).logits[0, -1]
+    assert (got - ref).abs().max().item() <= TOL
+    greedy = dict(attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(x, **greedy, **passkey._prefilled(model, x)), model.generate(x, **greedy))
+    assert passkey._prefilled(tiny_model("llama3.1"), x) == {}  # a model without sliding layers: one pass, as generate reads
