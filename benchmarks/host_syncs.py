@@ -14,6 +14,12 @@ The benchmark reads 400 tokens with a tiny random Llama of each depth (the count
 code's structure, not on the model's size), its events in RAM and in a store, then counts one
 chunk's step and one generated token's, for the step the CPU takes and the one a GPU takes
 (`engine.window.DEVICE_STEP`).
+
+`Launches` counts the operations a step dispatches that compute (views and allocations left
+out): on a GPU each is about one kernel launch, and where a layer's kernels are small (a chunk of
+512 tokens, a generated token) the host's time to launch them, not the GPU's to run them, sets
+the step's pace. `--launches` prints them a layer, the device step's against the plain model's
+layer (sdpa, a KV cache) on the same chunk and token.
 """
 
 from __future__ import annotations
@@ -62,13 +68,65 @@ class HostReads(TorchDispatchMode):
         return sum(self.counts.values())
 
 
+# ops that compute nothing (views, metadata, allocations) or only read back (counted by HostReads)
+_NO_KERNEL = {
+    "view", "_unsafe_view", "slice", "as_strided", "unsqueeze", "transpose", "expand", "select", "narrow", "permute",
+    "squeeze", "detach", "alias", "t", "split", "split_with_sizes", "unbind", "chunk", "_reshape_alias", "reshape",
+    "lift_fresh", "unfold", "diagonal", "expand_as", "movedim", "resolve_conj", "resolve_neg", "empty",
+    "empty_strided", "empty_like", "new_empty", "_local_scalar_dense",
+}
+
+
+class Launches(TorchDispatchMode):
+    """with Launches() as n: ...; n.total, n.counts (by op): the ops dispatched that compute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _NO_KERNEL:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def plain_launches(layers: int, chunk: int = 8) -> tuple[Launches, Launches]:
+    """(a chunk's launches, a generated token's) of the plain model (sdpa, a KV cache) of
+    `step_reads`'s shapes, having read 400 tokens."""
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+    from benchmarks import cache_kwargs
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=1024)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.set_attn_implementation("sdpa")
+    cache = DynamicCache(config=cfg)
+    run = lambda n: model(input_ids=torch.randint(0, 300, (1, n)), **cache_kwargs(model, cache), use_cache=True,  # noqa: E731
+                          logits_to_keep=n)
+    with torch.no_grad():
+        run(400)
+        with Launches() as c:
+            run(chunk)
+        with Launches() as t:
+            run(1)
+    return c, t
+
+
 def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False, store: bool = False,
-               device: str = "cpu") -> tuple[HostReads, HostReads]:
+               device: str = "cpu", count: type = HostReads) -> tuple[HostReads, HostReads]:
     """(a chunk's reads, a generated token's) of an engine over a tiny random Llama that has read
     `tokens` tokens (events closed, retrieval at every step). device_step: the step a GPU takes
     (`engine.window.DEVICE_STEP`: selection and gather on the device); else the CPU's. store: the
     events in a store (a temporary one, written as `emllm ingest` writes), else in RAM. device:
-    where the model runs (device_step None: the step that device takes by default)."""
+    where the model runs (device_step None: the step that device takes by default). count: what
+    to count (`Launches`: the ops that compute)."""
     import contextlib
     import tempfile
     from pathlib import Path
@@ -100,9 +158,9 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
         else:
             engine = Engine(model, prof)
         engine.feed(torch.randint(0, 300, (tokens,), generator=g))
-        with HostReads() as chunk:
+        with torch.no_grad(), count() as chunk:
             engine.step(torch.randint(0, 300, (prof.chunk_size,), generator=g))
-        with HostReads() as token:
+        with torch.no_grad(), count() as token:
             engine.step(torch.randint(0, 300, (1,), generator=g), with_surprise=False)
     return chunk, token
 
@@ -113,7 +171,19 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", default="2,4,8,30")
+    ap.add_argument("--launches", action="store_true", help="count the ops that compute (kernel launches on a GPU), a layer")
     args = ap.parse_args()
+    if args.launches:
+        lo, hi = (int(x) for x in args.layers.split(",")[:: len(args.layers.split(",")) - 1])
+        for name, f in (("emllm (device step, store)", lambda n: step_reads(n, device_step=True, store=True, count=Launches)),
+                        ("plain model (sdpa, KV cache)", plain_launches)):
+            (c_lo, t_lo), (c_hi, t_hi) = f(lo), f(hi)
+            per = lambda a, b: (b.counts - a.counts)  # noqa: E731
+            print(json.dumps({"what": name, "chunk_per_layer": (c_hi.total - c_lo.total) / (hi - lo),
+                              "token_per_layer": (t_hi.total - t_lo.total) / (hi - lo),
+                              "chunk_fixed": c_lo.total - lo * (c_hi.total - c_lo.total) / (hi - lo),
+                              "top_per_layer": {k: v / (hi - lo) for k, v in per(c_lo, c_hi).most_common(12)}}))
+        return
     rows = []
     for step, store in (("cpu", False), ("device", False), ("cpu", True), ("device", True)):
         rows = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.host_syncs import HostReads, step_reads
+from benchmarks.host_syncs import HostReads, Launches, step_reads
 
 
 def test_host_reads_counts_each_kind_of_read_and_nothing_after():
@@ -23,6 +23,14 @@ def test_host_reads_counts_each_kind_of_read_and_nothing_after():
     t.cpu()
     t.sum().item()
     assert r.total == 5  # the methods are put back
+
+
+def test_launches_counts_the_ops_that_compute_and_not_views():
+    t = torch.arange(6.0)
+    with Launches() as n:
+        u = t.view(2, 3).t()[0].unsqueeze(0)  # views: no kernel
+        (u * 2 + 1).sum()
+    assert dict(n.counts) == {"mul": 1, "add": 1, "sum": 1} and n.total == 3
 
 
 def test_the_instrument_sees_a_steps_reads():

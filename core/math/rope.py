@@ -92,13 +92,15 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
     The same roundings as x * cos + rotate_half(x) * sin (each product rounded, then the sum),
     in three passes over x instead of five (no negated copy, no concatenation): a generated
-    token rotates the whole window in every layer."""
+    token rotates the whole window in every layer. In-place on views of the output, not through
+    `out[...] -= ...`, whose assignment copies the half onto itself: one kernel fewer each (on a
+    GPU a layer's step is paced by its kernel launches)."""
     rd = cos.shape[-1]
     if rd == x.shape[-1]:
         h = rd // 2
         out = x * cos
-        out[..., :h] -= x[..., h:] * sin[..., :h]
-        out[..., h:] += x[..., :h] * sin[..., h:]
+        out[..., :h].sub_(x[..., h:] * sin[..., :h])
+        out[..., h:].add_(x[..., :h] * sin[..., h:])
         return out
     x_rot, x_pass = x[..., :rd], x[..., rd:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
