@@ -9,7 +9,7 @@
 #               gguf (SmolLM2's conversion) and, for the suite, the server and CLI stack of scripts/constraints.txt
 #   .gpu/home/  an emllm home whose models/smollm2 holds SmolLM2's config and tokenizer, no weights
 # and run there (the tool `device`): `bash scripts/gpu_check.sh [STEP...]` carrying .whl and .gpu/home;
-# steps: tests grid cli prof grid1b grid8b suite (default: tests grid cli grid1b, in that order);
+# steps: tests grid cli prof profile grid1b grid8b suite (default: tests grid cli grid1b, in that order);
 # GRID_LENGTHS and GRID_S set the speed grids' lengths and time limit.
 # Models there are random weights of real shapes: the timings hold, the answers are noise.
 # SmolLM2's real weights travel in two halves, by two calls in a row (the machine keeps /tmp while
@@ -74,6 +74,11 @@ suite() {  # the whole suite there, but for what needs SmolLM2's weights (absent
 prof() {  # where an ingest's time goes on the GPU (after cli: its model and text)
   timeout 90 python3 -m cProfile -s tottime /tmp/bin/emllm-py ingest /tmp/doc.txt --model /tmp/rand-smollm2 --profile smollm2 \
     --store /tmp/st-prof 2>&1 | head -60 | tee "$OUT/prof.log"
+}
+
+profile() {  # where a step's time goes on the GPU: kernels launched, device busy (SmolLM2's shapes, 128k)
+  timeout ${PROFILE_S:-150} python3 -m benchmarks.step_profile --device cuda --length ${PROFILE_LENGTH:-128k} --out "$OUT/profile" 2>&1 \
+    | grep -v -e Warning -e USDT | tail -3 | tee "$OUT/profile.json"
 }
 
 grid1b() {
