@@ -95,16 +95,23 @@ class Launches(TorchDispatchMode):
         return sum(self.counts.values())
 
 
+def _tiny_config(layers: int, vocab: int):
+    """The tiny random Llama both counts use (the count depends on the code, not the model's size)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=1024)
+
+
 def plain_launches(layers: int, chunk: int = 8) -> tuple[Launches, Launches]:
     """(a chunk's launches, a generated token's) of the plain model (sdpa, a KV cache) of
     `step_reads`'s shapes, having read 400 tokens."""
-    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+    from transformers import AutoModelForCausalLM, DynamicCache
 
     from benchmarks import cache_kwargs
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=1024)
+    cfg = _tiny_config(layers, vocab=300)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     model.set_attn_implementation("sdpa")
     cache = DynamicCache(config=cfg)
@@ -131,7 +138,7 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
     import tempfile
     from pathlib import Path
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from emllm import models
     from emllm.config import load_profile
@@ -142,8 +149,7 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
     prof = load_profile("smollm2").replace(chunk_size=8, n_init=4, n_local=32, n_mem=24, min_block=2, max_block=8,
                                            repr_topk=2)
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256)
+    cfg = _tiny_config(layers, vocab=len(tok))
     model = AutoModelForCausalLM.from_config(cfg).eval().to(device)
     g = torch.Generator().manual_seed(1)
     saved, window.DEVICE_STEP = window.DEVICE_STEP, device_step
@@ -173,16 +179,19 @@ def main() -> None:
     ap.add_argument("--layers", default="2,4,8,30")
     ap.add_argument("--launches", action="store_true", help="count the ops that compute (kernel launches on a GPU), a layer")
     args = ap.parse_args()
-    if args.launches:
-        lo, hi = (int(x) for x in args.layers.split(",")[:: len(args.layers.split(",")) - 1])
+    if args.launches:  # a layer's count: the difference between the fewest and the most layers
+        depths = [int(x) for x in args.layers.split(",")]
+        lo, hi = min(depths), max(depths)
+        if lo == hi:
+            ap.error("--launches needs two depths in --layers, e.g. 2,8")
         for name, f in (("emllm (device step, store)", lambda n: step_reads(n, device_step=True, store=True, count=Launches)),
                         ("plain model (sdpa, KV cache)", plain_launches)):
             (c_lo, t_lo), (c_hi, t_hi) = f(lo), f(hi)
-            per = lambda a, b: (b.counts - a.counts)  # noqa: E731
-            print(json.dumps({"what": name, "chunk_per_layer": (c_hi.total - c_lo.total) / (hi - lo),
+            per_layer = (c_hi.total - c_lo.total) / (hi - lo)
+            print(json.dumps({"what": name, "chunk_per_layer": per_layer,
                               "token_per_layer": (t_hi.total - t_lo.total) / (hi - lo),
-                              "chunk_fixed": c_lo.total - lo * (c_hi.total - c_lo.total) / (hi - lo),
-                              "top_per_layer": {k: v / (hi - lo) for k, v in per(c_lo, c_hi).most_common(12)}}))
+                              "chunk_fixed": c_lo.total - lo * per_layer,
+                              "top_per_layer": {k: v / (hi - lo) for k, v in (c_hi.counts - c_lo.counts).most_common(12)}}))
         return
     rows = []
     for step, store in (("cpu", False), ("device", False), ("cpu", True), ("device", True)):

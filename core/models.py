@@ -191,6 +191,14 @@ def input_device(model: Any) -> Any:
     return device_of(model.get_input_embeddings(), torch.device("cpu"))
 
 
+def cache_kwargs(model: Any, cache: Any) -> dict:
+    """The keyword that hands a model's forward (and `generate`) its KV cache: `cache` in recent
+    transformers 5.x (which warns on the old name), `past_key_values` before the rename."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
+
 def stop_token_ids(tok, model) -> list[int]:
     """Token ids that end an answer: the tokenizer's EOS and the generation config's."""
     ids = {tok.eos_token_id}

@@ -4,7 +4,6 @@ a haystack of filler, asked for at the end, scored by the first integer of the a
 
 from __future__ import annotations
 
-import inspect
 import random
 import re
 import time
@@ -13,7 +12,7 @@ from typing import Callable, Collection
 
 import torch
 
-from emllm.models import input_device, leading_ids
+from emllm.models import cache_kwargs, input_device, leading_ids
 from emllm.evals.recall import RecallProbe, needle_recall
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -183,12 +182,10 @@ def _prefilled(model, x: torch.Tensor) -> dict:
 
     if not any(sliding_layers(model.config)) or x.shape[1] <= PREFILL_CHUNK:
         return {}
-    cache = DynamicCache(config=model.config)
-    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kw = cache_kwargs(model, DynamicCache(config=model.config))
     for s in range(0, x.shape[1] - 1, PREFILL_CHUNK):
-        part = x[:, s : min(s + PREFILL_CHUNK, x.shape[1] - 1)]
-        model(input_ids=part, **{kw: cache}, use_cache=True, logits_to_keep=1)
-    return {kw: cache}
+        model(input_ids=x[:, s : min(s + PREFILL_CHUNK, x.shape[1] - 1)], **kw, use_cache=True, logits_to_keep=1)
+    return kw
 
 
 def _stop_ids(tok, model) -> list[int]:
