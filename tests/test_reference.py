@@ -105,11 +105,12 @@ def test_fast_path_equals_naive_reference(step, contiguity, monkeypatch):
     [(4, 2, 8, 20, 13, 1), (3, 3, 1, 9, 5, 1), (6, 2, 5, 5, 0, 1), (4, 1, 1, 1, 0, 1), (9, 3, 16, 40, 1, 1),
      (8, 2, 1, 7, 6, 1), (6, 3, 4, 4, 3, 1), (4, 2, 6, 10, 9, 6)],  # GQA decode with memory, L == c, memory dominant
 )
-@pytest.mark.parametrize("path", ["flash", "materialised", "fused"])
+@pytest.mark.parametrize("path", ["flash", "materialised", "fused", "joint"])
 def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, mem_scale, path):
     """Output and per-key attention mass on every path (the memory from the flash kernel or
-    written out; everything from the fused kernel, the mass too) against the softmax over the
-    concatenated logits in float64 (chunk, decoding, no memory, no older window, MHA and GQA)."""
+    written out; everything from the fused kernel, the mass too; one softmax over both, a GPU's)
+    against the softmax over the concatenated logits in float64 (chunk, decoding, no memory, no
+    older window, MHA and GQA)."""
     from emllm.math import attention
     gen = torch.Generator().manual_seed(h_q * 100 + c * 10 + length + m)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -119,10 +120,13 @@ def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, mem
     memory = attention._memory_flash if path == "flash" else attention._memory_materialised
     if path != "materialised" and attention._FLASH_CPU is None:
         pytest.skip("this torch has no CPU flash kernel")
+    args = (q, k, v, qm if m else None, km if m else None, vm if m else None, scaling)
     if path == "fused":
-        out, mass = attention._attend_fused(q, k, v, qm if m else None, km if m else None, vm if m else None, scaling)
+        out, mass = attention._attend_fused(*args)
+    elif path == "joint":
+        out, mass = attention._attend_joint(*args)
     else:
-        out, mass = attention._attend(q, k, v, qm if m else None, km if m else None, vm if m else None, scaling, memory)
+        out, mass = attention._attend(*args, memory)
     g = h_q // h_kv
     want_out = torch.zeros(h_q, c, d, dtype=torch.float64)
     want_mass = torch.zeros(h_q, length, dtype=torch.float64)
@@ -136,8 +140,8 @@ def test_attend_paths_equal_one_softmax_written_out(h_q, h_kv, c, length, m, mem
     torch.testing.assert_close(out.double(), want_out, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(mass.double(), want_mass, atol=1e-6, rtol=1e-5)
     # without the mass (representative: mean): the same output, bit for bit, and no mass
-    args = (q, k, v, qm if m else None, km if m else None, vm if m else None, scaling)
-    bare = attention._attend_fused(*args, False) if path == "fused" else attention._attend(*args, memory, False)
+    bare = {"fused": lambda: attention._attend_fused(*args, False),
+            "joint": lambda: attention._attend_joint(*args, False)}.get(path, lambda: attention._attend(*args, memory, False))()
     assert bare[1] is None and torch.equal(bare[0], out)
 
 

@@ -9,7 +9,7 @@ Events themselves live in an `EventStorage` (`EventMemory` in RAM, or the on-dis
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -58,6 +58,20 @@ class StepInfo:
     # cos/sin [>= window, rotary_dim] of the sliding-window layers of a model that mixes them with
     # global ones (their own rope base: Gemma 3); None: the model has none
     sliding_rope: tuple[Tensor, Tensor] | None = None
+    # (start, queries, device) -> the query tables of `query_rope`, made once for all layers
+    _query_rope: dict = field(default_factory=dict, repr=False)
+
+    def query_rope(self, start: int, c: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos/sin [2, 1, c, rotary_dim]: the window's positions start..start + c - 1, then the
+        memory's (n_local - 1) for every query: a chunk's queries rotated both ways in one pass
+        (`apply_rotary` broadcasts), the tables made once per forward, not once per layer."""
+        key = (start, c, device)
+        if key not in self._query_rope:
+            p = self.n_local - 1
+            self._query_rope[key] = tuple(
+                torch.stack((t[start : start + c], t[p : p + 1].expand(c, -1))).to(device)[:, None]
+                for t in (self.cos, self.sin))
+        return self._query_rope[key]
 
 
 @dataclass
@@ -166,20 +180,22 @@ class LayerWindow:
             if rw is None or rw.full() or rw.rows != length - 1:
                 # (float32: one query attends in float32 on the CPU, math/attention.py)
                 rw = self._rw = RotatedWindow(k_loc[:, :-1], v_loc[:, :-1], st.cos, st.sin, st.token_slack)
-            p = rw.push(k, v, st.cos, st.sin)
-            q_loc = apply_rotary(q, st.cos[p : p + 1].to(q.device), st.sin[p : p + 1].to(q.device))
+            at = rw.push(k, v, st.cos, st.sin)
             k_rot, v_att = rw.view()
         else:
             self._rw = None  # (a chunk moves the window past what it holds)
+            at = length - c
             cos, sin = st.cos[:length].to(q.device), st.sin[:length].to(q.device)
-            q_loc = apply_rotary(q, cos[length - c :], sin[length - c :])
             k_rot, v_att = apply_rotary(k_loc, cos, sin), v_loc
 
         q_mem = k_mem = v_mem = mem_valid = None
         has_memory = self.init_k.shape[1] or self.rem_k.shape[1] or len(self.events)
-        if has_memory:
-            p = st.n_local - 1  # memory sits at one fixed distance from every query
-            q_mem = apply_rotary(q, st.cos[p : p + 1].to(q.device), st.sin[p : p + 1].to(q.device))
+        if not has_memory:
+            q_loc = apply_rotary(q, st.cos[at : at + c].to(q.device), st.sin[at : at + c].to(q.device))
+        else:
+            # the queries at their window positions, and at the memory's, which sits at one fixed
+            # distance from every query (n_local - 1)
+            q_loc, q_mem = apply_rotary(q, *st.query_rope(at, c, q.device))
             parts_k, parts_v = [self.init_k], [self.init_v]
             query = q_mem.mean(1)  # [H_q, D]
             if len(self.events):
@@ -189,17 +205,18 @@ class LayerWindow:
                 else:
                     scored = fold_query(self._centred(query, st.centering), self.events.repr_heads)
                 if self._device_step(q, st):
-                    mk, mv, valid = self._retrieve_on_device(scored, st)
-                    n_init, n_rem = self.init_k.shape[1], self.rem_k.shape[1]
-                    ones = torch.ones(n_init + n_rem, dtype=torch.bool, device=valid.device)
-                    mem_valid = torch.cat((ones[:n_init], valid, ones[n_init:]))  # [init + budget + rem]
+                    # the selection padded to the budget goes last: its validity masks the memory's tail
+                    mk, mv, mem_valid = self._retrieve_on_device(scored, st)
+                    parts_k += [self.rem_k, mk]
+                    parts_v += [self.rem_v, mv]
                 else:
                     ids = self.retrieve(scored, st.budget, st.on_retrieval, st.token_scoring, st.groups).ids
                     mk, mv = self._gather(self._with_contiguity(ids.to(self.contiguity.device), st), prefetch=c > 1)
-                parts_k.append(mk)
-                parts_v.append(mv)
-            parts_k.append(self.rem_k)
-            parts_v.append(self.rem_v)
+                    parts_k += [mk, self.rem_k]
+                    parts_v += [mv, self.rem_v]
+            else:
+                parts_k.append(self.rem_k)
+                parts_v.append(self.rem_v)
             k_mem, v_mem = torch.cat(parts_k, 1), torch.cat(parts_v, 1)
             if st.keep_mean:  # (kept only when used: a store that does not centre writes zeros, as before)
                 self.query_sum += query.float()

@@ -41,7 +41,7 @@ def attend(
     v_mem: Tensor | None,  # [H_kv, M, D]
     scaling: float,
     with_mass: bool = True,
-    mem_valid: Tensor | None = None,  # [M] bool: which memory rows count (a selection padded to its budget); None: all
+    mem_valid: Tensor | None = None,  # [V <= M] bool: which of the memory's last V rows count (a selection padded to its budget); None: all
     softcap: float | None = None,  # scores s become softcap * tanh(s / softcap) (Gemma 2); None: as they are
 ) -> tuple[Tensor, Tensor | None]:
     """Returns (output [H_q, c, D], attention mass each window key received [H_q, L], float32;
@@ -54,15 +54,17 @@ def attend(
     does a generated token when no mass is kept, in float32 whatever the model's dtype (one query
     sees the whole window: no causal part); other few-query steps write the window's
     probabilities out in float32 and take the memory's part from the kernel with its
-    log-sum-exp (`_attend`); elsewhere (CUDA) everything is written out in float32. The output is
-    in the queries' dtype.
+    log-sum-exp (`_attend`); elsewhere (CUDA), and for a selection padded to its budget, one
+    softmax over memory and window written out in float32 (`_attend_joint`). The output is in the
+    queries' dtype.
     """
     c = q_local.shape[1]
-    if mem_valid is not None or softcap is not None:
-        # (a device's step: the memory written out, its padding masked; capped scores: no kernel caps them)
-        memory = lambda q, k, v, scale: _memory_materialised(q, k, v, scale, mem_valid, softcap)  # noqa: E731
-        return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, with_mass, softcap)
     cpu = q_local.device.type == "cpu"
+    if mem_valid is not None or not cpu:  # (a device's step: its padding masked)
+        return _attend_joint(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass, mem_valid, softcap)
+    if softcap is not None:  # (capped scores: no kernel caps them)
+        memory = lambda q, k, v, scale: _memory_materialised(q, k, v, scale, softcap)  # noqa: E731
+        return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, with_mass, softcap)
     if cpu and PRODUCTS_ON_CPU is not False and not with_mass and c >= PRODUCTS_FROM and _all_bf16(q_local, k_local, v_local, q_mem, k_mem, v_mem):
         return _attend_products(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling), None
     if cpu and _FLASH_CPU is not None:
@@ -74,6 +76,48 @@ def attend(
             return out.to(q_local.dtype), None
         return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, _memory_flash, with_mass)
     return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, _memory_materialised, with_mass)
+
+
+def _attend_joint(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass=True, valid=None, softcap=None):
+    """`attend` as one softmax over the memory's scores and the window's side by side, written out
+    in float32 (queries, keys and values widened first): where a layer's step is paced by the
+    kernels it launches (a GPU), about half of `_attend`'s, which merges two softmaxes by their
+    log-sum-exps. valid [V <= M] bool: which of the memory's last V rows count (a selection padded
+    to its budget)."""
+    h_q, c, d = q_local.shape
+    h_kv, length, _ = k_local.shape
+    g = h_q // h_kv
+    m = 0 if k_mem is None else k_mem.shape[1]
+    s = torch.empty(h_kv, g * c, m + length, dtype=torch.float32, device=q_local.device)  # [H_kv, g*c, M + L]
+    if m:
+        torch.bmm(q_mem.reshape(h_kv, g * c, d).float(), k_mem.float().transpose(1, 2), out=s[..., :m])
+    torch.bmm(q_local.reshape(h_kv, g * c, d).float(), k_local.float().transpose(1, 2), out=s[..., m:])
+    _capped(s.mul_(scaling), softcap)
+    if valid is not None and valid.numel():
+        s[..., m - valid.numel() : m].masked_fill_(~valid, float("-inf"))
+    # causal: query i sees the chunk's keys 0..i (and every memory key; each query sees itself)
+    s.view(h_kv, g, c, m + length)[..., m + length - c :].masked_fill_(_upper(c, s.device), float("-inf"))
+    p = torch.softmax(s, -1)
+    values = torch.cat((v_mem, v_local), 1) if m else v_local  # [H_kv, M + L, D]
+    out = torch.bmm(p, values.float()).to(q_local.dtype).view(h_q, c, d)
+    if not with_mass:
+        return out, None
+    # attention each window key received, summed over the chunk's queries
+    return out, p[..., m:].view(h_kv, g, c, length).sum(2).reshape(h_q, length)
+
+
+_UPPER: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _upper(c: int, device: torch.device) -> Tensor:
+    """[c, c] bool, True above the diagonal (the keys a chunk's query does not see yet), made once
+    per size and device (every layer of every step asks)."""
+    key = (c, device)
+    if key not in _UPPER:
+        if len(_UPPER) > 16:
+            _UPPER.clear()
+        _UPPER[key] = torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)
+    return _UPPER[key]
 
 
 # Chunks of at least this many queries take `_attend_fused` (fewer: `_attend`), [bf16/f16, f32]
@@ -190,17 +234,13 @@ def _capped(s: Tensor, softcap: float | None) -> Tensor:
 
 
 def _memory_materialised(q: Tensor, k: Tensor, v: Tensor, scaling: float,
-                         valid: Tensor | None = None, softcap: float | None = None) -> tuple[Tensor, Tensor]:
-    """As `_memory_flash`, with the probabilities written out; valid [M] bool: the keys that count
-    (the others get probability 0; none: log-sum-exp -inf and output 0)."""
+                         softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """As `_memory_flash`, with the probabilities written out."""
     h_kv, g, c, d = q.shape
     s = torch.matmul(q.reshape(h_kv, g * c, d), k.transpose(1, 2)).float()  # [H_kv, g*c, M]
     _capped(s.mul_(scaling), softcap)
-    if valid is not None:
-        s.masked_fill_(~valid, float("-inf"))
     lse = torch.logsumexp(s, -1)
-    shift = lse if valid is None else lse.masked_fill(lse == float("-inf"), 0.0)  # (no key counts: 0, not NaN)
-    s.sub_(shift.unsqueeze(-1)).exp_()
+    s.sub_(lse.unsqueeze(-1)).exp_()
     return torch.matmul(s.to(v.dtype), v).float(), lse
 
 
@@ -219,8 +259,7 @@ def _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, wit
     # GQA without repeating keys: the g query heads of one KV head share its key matrix.
     s = torch.bmm(q_local.reshape(h_kv, g * c, d).float(), k_local.float().transpose(1, 2))  # [H_kv, g*c, L]
     _capped(s.mul_(scaling), softcap)
-    causal = torch.ones(c, c, dtype=torch.bool, device=s.device).triu_(1)
-    s.view(h_kv, g, c, length)[..., length - c :].masked_fill_(causal, float("-inf"))
+    s.view(h_kv, g, c, length)[..., length - c :].masked_fill_(_upper(c, s.device), float("-inf"))
     mx = s.amax(-1)  # [H_kv, g*c]; finite: each query sees itself
     mem = None
     if k_mem is not None and k_mem.shape[1]:

@@ -96,10 +96,7 @@ def padded_rows(keys: Tensor, values: Tensor, lengths: Tensor, mask: Tensor, siz
         none = keys.new_zeros(keys.shape[0], size, keys.shape[2])
         return none, values.new_zeros(none.shape), torch.zeros(size, dtype=torch.bool, device=mask.device)
     take = torch.repeat_interleave(mask, lengths, output_size=t)  # [T] the tokens selected
-    slot = torch.where(take, torch.cumsum(take, 0) - 1, size)  # each one's row; the others: a spare row
-    rows = torch.full((size + 1,), t, dtype=torch.long, device=mask.device)
-    rows.scatter_(0, slot, torch.arange(t, device=mask.device))
-    rows = rows[:size]
+    rows = torch.nonzero_static(take, size=size, fill_value=t)[:, 0]  # [size]: theirs in order, then t
     valid = rows < t
     rows.clamp_(max=t - 1)
     return keys[:, rows], values[:, rows], valid
