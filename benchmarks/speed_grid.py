@@ -99,15 +99,20 @@ def fill_memory(engine, m: int, gen: torch.Generator) -> None:
     lengths = lengths[: int((torch.cumsum(lengths, 0) <= m).sum()) + 1]
     lengths[-1] -= int(lengths.sum()) - m
     lengths = lengths[lengths > 0]
-    batch = (torch.cumsum(lengths, 0) - 1) // 65536  # events in batches of ~64k tokens: bounded RAM
+    block = 65536
+    batch = (torch.cumsum(lengths, 0) - 1) // block  # events in batches of ~64k tokens: bounded RAM
     for w in engine.windows:
         h_kv, d = w.n_kv_heads, w.head_dim
+        # one random block a layer, its slices appended batch after batch: what the rows hold does not
+        # change a chunk's cost, and drawing a million tokens' rows afresh took minutes of the host
+        most = int(max(int(lengths[batch == b].sum()) for b in batch.unique()))
+        kb = torch.randn(h_kv, most, d, generator=gen).to(engine.dtype)
+        vb = torch.randn(h_kv, most, d, generator=gen).to(engine.dtype)
+        rb = torch.randn(block, w.events.repr_heads, d, generator=gen).to(engine.dtype)
         for b in batch.unique():
             ls = lengths[batch == b]
             m = int(ls.sum())
-            k = torch.randn(h_kv, m, d, generator=gen).to(engine.dtype)
-            v = torch.randn(h_kv, m, d, generator=gen).to(engine.dtype)
-            reprs = torch.randn(ls.numel(), w.events.repr_heads, d, generator=gen).to(engine.dtype)
+            k, v, reprs = kb[:, :m], vb[:, :m], rb[: ls.numel()]
             # a store from version 5 keeps every token's rows (add_tokens) and events index them;
             # these events then span the real window's rows and the random ones: the same cost
             w.events.add_tokens(k, v)

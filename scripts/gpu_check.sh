@@ -9,19 +9,25 @@
 #               gguf (SmolLM2's conversion) and, for the suite, the server and CLI stack of scripts/constraints.txt
 #   .gpu/home/  an emllm home whose models/smollm2 holds SmolLM2's config and tokenizer, no weights
 # and run there (the tool `device`): `bash scripts/gpu_check.sh [STEP...]` carrying .whl and .gpu/home;
-# steps: tests grid cli prof profile grid1b grid8b suite (default: tests grid cli grid1b, in that order);
+# steps: tests grid cli prof profile grid1b grid8b suite keep model gridreal (default: tests grid cli grid1b, in that order);
 # GRID_LENGTHS and GRID_S set the speed grids' lengths and time limit.
 # Models there are random weights of real shapes: the timings hold, the answers are noise.
-# SmolLM2's real weights travel in two halves, by two calls in a row (the machine keeps /tmp while
-# warm): carrying .gpu/w1, `bash scripts/gpu_check.sh keep`; then carrying .gpu/w2,
-# `bash scripts/gpu_check.sh model suite`. Its emllm home is /tmp/home, not .gpu/home (whose
-# weights file is empty).
+# SmolLM2's real weights travel in two halves, by two calls in a row after one that carried the
+# wheels (the machine keeps /tmp while warm; the wheels and a half exceed what one call carries):
+# carrying .gpu/home and .gpu/w1, `bash scripts/gpu_check.sh keep`; then carrying .gpu/home and
+# .gpu/w2, `bash scripts/gpu_check.sh model gridreal`. Its emllm home is /tmp/home, not .gpu/home
+# (whose weights file is empty).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 EMLLM_HOME=$PWD/.gpu/home
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# (a later call of a warm machine may come without the wheels, to carry the weights: /tmp/site has them)
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+elif [ ! -d /tmp/site/transformers ]; then
+  echo "no wheels carried (.whl) and none installed by an earlier call" >&2; exit 1
+fi
 # emllm laid out as pyproject.toml installs it (core/ as emllm, profiles/ as emllm.profiles)
 PP=${PP:-/tmp/pp}
 rm -rf "$PP" && mkdir -p "$PP" /tmp/bin
@@ -89,6 +95,12 @@ grid1b() {
 grid8b() {
   timeout ${GRID_S:-150} python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --config llama-3.1-8b --lengths ${GRID_LENGTHS:-4k,32k,256k} \
     --chunks 3 --decode 8 --out "$OUT/speed-llama8b-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed-llama8b.log"
+}
+
+gridreal() {  # SmolLM2's real weights (after keep and model: its emllm home is /tmp/home)
+  EMLLM_HOME=/tmp/home timeout ${GRID_S:-150} python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --model smollm2 \
+    --lengths ${GRID_LENGTHS:-4k,32k,256k} --chunks 3 --decode 8 --out "$OUT/speed-smollm2-real-gpu.jsonl" 2>&1 | grep -v Warning \
+    | tee "$OUT/speed-smollm2-real.log"
 }
 
 keep() {  # the GGUF's first half, kept in /tmp for the call that brings the second
