@@ -51,7 +51,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, a.dtype)).eval()
     tok = AutoTokenizer.from_pretrained(src.path)
     cs = prof.chunk_size
-    ids = torch.randint(0, cfg.vocab_size, (prof.n_init + prof.n_local + (a.chunks * 2 + 6) * cs + 4 * a.tokens,),
+    ids = torch.randint(0, cfg.vocab_size, (prof.n_init + prof.n_local + (a.chunks * 3 + 6) * cs + 4 * a.tokens,),
                         generator=torch.Generator().manual_seed(1))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
