@@ -60,6 +60,15 @@ def test_the_padding_does_not_count(monkeypatch):
                            mem_valid=valid)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     torch.testing.assert_close(got_mass, mass, atol=1e-6, rtol=0)
+    # the validity of the memory's last rows only (the selection goes after the initial tokens and
+    # the remainder): the rows before them always count
+    head = torch.randn(2, 4, 16, generator=g)
+    want_head, mass_head = attend(q_loc, k_loc, v_loc, q_mem, torch.cat((head, k_mem), 1), torch.cat((head, v_mem), 1), 0.25)
+    got, got_mass = attend(q_loc, k_loc, v_loc, q_mem, torch.cat((head, k_mem, pad), 1), torch.cat((head, v_mem, pad), 1),
+                           0.25, mem_valid=valid)
+    torch.testing.assert_close(got, want_head, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_mass, mass_head, atol=1e-6, rtol=0)
+    assert not torch.allclose(want_head, want, atol=1e-3)  # (the head's rows do count)
     # nothing valid in the memory: the window alone
     alone, _ = attend(q_loc, k_loc, v_loc, None, None, None, 0.25)
     none, _ = attend(q_loc, k_loc, v_loc, q_mem, pad, pad, 0.25, mem_valid=torch.zeros(20, dtype=torch.bool))

@@ -126,7 +126,8 @@ class LayerWindow:
     def state(self) -> dict[str, Tensor]:
         """The tensors that continue this layer's stream (events excluded: they are in `events`)."""
         own = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731 (views of buffers a step overwrites)
-        return {**{name: own(getattr(self, name)) if name.startswith("local") else getattr(self, name) for name in self._STATE},
+        return {**{name: own(getattr(self, name)) if name.startswith("local") or name == "rem_mass" else getattr(self, name)
+                   for name in self._STATE},
                 "n_seen": torch.tensor(self.n_seen),
                 "query_n": torch.tensor(self.query_n)}
 
@@ -223,8 +224,6 @@ class LayerWindow:
                 self.query_n += 1
 
         out, mass = attend(q_loc, k_rot, v_att, q_mem, k_mem, v_mem, scaling, st.mass, mem_valid, softcap)
-        if mass is None:  # (the mass buffers keep their shapes, and the state its format: zeros)
-            mass = torch.zeros(self.n_q_heads, k_loc.shape[1], dtype=torch.float32, device=k_loc.device)
         self._slide(k_loc, v_loc, mass, st)
         return out
 
@@ -319,13 +318,16 @@ class LayerWindow:
         return sel
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def _slide(self, k_loc: Tensor, v_loc: Tensor, mass: Tensor, st: StepInfo) -> None:
+    def _slide(self, k_loc: Tensor, v_loc: Tensor, mass: Tensor | None, st: StepInfo) -> None:
         """Keep the last n_local tokens; evicted ones go to the initial tokens or the remainder.
 
-        mass [H_q, L]: attention drawn by each window token in this step, added to what it had."""
+        mass [H_q, L]: attention drawn by each window token in this step, added to what it had;
+        None: nothing reads it (mean representatives), and the mass buffers stay zeros, keeping
+        their shapes and the state its format."""
         n_old = self.local_mass.shape[1]
         total_mass = mass  # (attend's own tensor)
-        total_mass[:, :n_old] += self.local_mass
+        if mass is not None:
+            total_mass[:, :n_old].add_(self.local_mass)
         c = k_loc.shape[1] - n_old
         self.n_seen += c
         n_out = max(0, k_loc.shape[1] - st.n_local)
@@ -338,12 +340,26 @@ class LayerWindow:
             if n_out > to_init:
                 self.rem_k = torch.cat((self.rem_k, k_loc[:, to_init:n_out]), 1)
                 self.rem_v = torch.cat((self.rem_v, v_loc[:, to_init:n_out]), 1)
-                self.rem_mass = torch.cat((self.rem_mass, total_mass[:, to_init:n_out]), 1)
+                if mass is None:
+                    self.rem_mass = self._zeros(self.rem_k.shape[1])
+                else:
+                    self.rem_mass = torch.cat((self.rem_mass, total_mass[:, to_init:n_out]), 1)
         self._lk.drop_front(n_out)
         self._lv.drop_front(n_out)
         if self._rw is not None:
             self._rw.drop_front(n_out)
-        self.local_mass = total_mass[:, n_out:]  # a view: the next step adds to it
+        if mass is None:
+            self.local_mass = self._zeros(k_loc.shape[1] - n_out)
+        else:
+            self.local_mass = total_mass[:, n_out:]  # a view: the next step adds to it
+
+    def _zeros(self, n: int) -> Tensor:
+        """[H_q, n] float32 zeros: a view of one buffer (never written), grown as needed."""
+        z = getattr(self, "_zero_mass", None)
+        if z is None or z.shape[1] < n:
+            z = self._zero_mass = torch.zeros(self.n_q_heads, max(n, 2 * (0 if z is None else z.shape[1]), 1024),
+                                              dtype=torch.float32, device=self.device)
+        return z[:, :n]
 
     def close_events(self, lengths: Tensor, repr_topk: int, normalise: bool = False, mean: bool = False) -> None:
         """Turn the first sum(lengths) remainder tokens into events of these sizes (their
@@ -366,4 +382,5 @@ class LayerWindow:
             reprs = unit_keys(reprs)
         self.events.append(keys, values, lengths, reprs)
         self.rem_k, self.rem_v = self.rem_k[:, n:].contiguous(), self.rem_v[:, n:].contiguous()
-        self.rem_mass = self.rem_mass[:, n:].contiguous()
+        # (mean representatives: the mass stays zeros, a view of `_zeros`)
+        self.rem_mass = self._zeros(self.rem_k.shape[1]) if mean else self.rem_mass[:, n:].contiguous()

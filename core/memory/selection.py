@@ -217,10 +217,14 @@ def select_mask(scores: Tensor, lengths: Tensor, budget: int | Tensor, among: Te
         out = ~among[order]
         order = order[torch.sort(out.to(torch.uint8), stable=True).indices]  # competitors first, in rank order
         n = lengths[order] * among[order]
-    keep = (torch.cumsum(n, 0) <= budget) & (budget > 0)  # a prefix: the lengths are >= 0 (no budget: none)
+    keep = torch.cumsum(n, 0) <= budget  # a prefix: the lengths are >= 0
+    if isinstance(budget, Tensor):
+        keep &= budget > 0  # (no budget: none, events of length 0 included)
+    elif budget <= 0:
+        keep.zero_()
     if among is not None:
         keep &= among[order]
-    return torch.zeros_like(keep).scatter_(0, order, keep)
+    return torch.empty_like(keep).scatter_(0, order, keep)  # (order is a permutation: every place written)
 
 
 def best_of_groups_mask(scores: Tensor, groups: Tensor) -> Tensor:
