@@ -55,3 +55,31 @@ def test_the_cpus_step_reads_a_layers_selection_on_the_host():
         chunk2, _ = step_reads(2, store=store)
         chunk8, _ = step_reads(8, store=store)
         assert chunk8.total >= chunk2.total + 6 * 4
+
+
+
+
+def test_the_device_steps_attention_dispatches_a_bounded_number_of_ops_a_layer(monkeypatch):
+    """On a GPU a layer's step is paced by the kernels it launches (docs/benchmarks.md ›
+    Accelerators): the ops each layer's attention hook (retrieval, gather, attention, the window's
+    slide) dispatches in the device step, counted on the CPU, are held where they stand, so that
+    an added op shows here. (The plain model's whole layer dispatches 41 a chunk and 36 a token.)"""
+    from emllm.engine.window import LayerWindow
+
+    seen: list[int] = []
+    forward = LayerWindow.forward
+
+    def counted(self, *a, **k):
+        with Launches() as n:
+            out = forward(self, *a, **k)
+        seen.append(n.total)
+        return out
+
+    monkeypatch.setattr(LayerWindow, "forward", counted)
+    for layers in (2, 3):
+        seen.clear()
+        step_reads(layers, device_step=True, store=True, count=HostReads)
+        chunk, token = seen[-2 * layers : -layers], seen[-layers:]  # the last two steps: a chunk, a token
+        # (the first layer also makes the step's query tables, `StepInfo.query_rope`)
+        assert max(chunk) <= 47 and max(token) <= 47, (chunk, token)
+        assert len(set(chunk[1:])) <= 1 and len(set(token[1:])) <= 1, (chunk, token)  # the others alike
