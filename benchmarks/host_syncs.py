@@ -127,13 +127,13 @@ def plain_launches(layers: int, chunk: int = 8) -> tuple[Launches, Launches]:
 
 
 def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False, store: bool = False,
-               device: str = "cpu", count: type = HostReads) -> tuple[HostReads, HostReads]:
+               device: str = "cpu", count: type = HostReads, kv_format: str | None = None) -> tuple[HostReads, HostReads]:
     """(a chunk's reads, a generated token's) of an engine over a tiny random Llama that has read
     `tokens` tokens (events closed, retrieval at every step). device_step: the step a GPU takes
     (`engine.window.DEVICE_STEP`: selection and gather on the device); else the CPU's. store: the
     events in a store (a temporary one, written as `emllm ingest` writes), else in RAM. device:
     where the model runs (device_step None: the step that device takes by default). count: what
-    to count (`Launches`: the ops that compute)."""
+    to count (`Launches`: the ops that compute). kv_format: the store's format (None: the compute dtype)."""
     import contextlib
     import tempfile
     from pathlib import Path
@@ -159,7 +159,7 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
             from emllm.app import stream
 
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            st = stack.enter_context(stream.create_store(folder / "s", "tiny", model, tok, prof))
+            st = stack.enter_context(stream.create_store(folder / "s", "tiny", model, tok, prof, kv_format=kv_format))
             engine = stream.open_engine(st, model)
         else:
             engine = Engine(model, prof)

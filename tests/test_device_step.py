@@ -143,6 +143,36 @@ def test_a_store_on_the_device_step_ingests_and_answers_as_on_the_cpus(tmp_path,
     assert dev_answers == cpu_answers
 
 
+@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+def test_an_integer_store_is_encoded_on_the_device_as_on_the_host(tmp_path, tiny, monkeypatch, kv_format):
+    """An integer store on the device step: each step's rows are encoded and decoded on the device
+    and written at the step's end (no read back a layer), and the store is the one whose rows the
+    same step sent to the host to encode, byte for byte; its answers are the CPU step's."""
+    from emllm.store import Store, StoredEvents
+
+    from .helpers import answers_of, ingest_store, load_tiny, store_arrays, words
+
+    folder, prof, _, _ = tiny
+    docs = [("a", words(5, 400)), ("b", words(6, 300))]
+    monkeypatch.setattr(window, "DEVICE_STEP", True)
+    encoded, on_device = [], StoredEvents._defer_encoded
+    monkeypatch.setattr(StoredEvents, "_defer_encoded", lambda self, k, v: encoded.append(1) or on_device(self, k, v))
+    ingest_store(tmp_path / "dev", folder, prof, docs, kv_format=kv_format)
+    assert len(encoded) > 50  # (every layer of most steps)
+    with Store.open(tmp_path / "dev") as st:
+        assert st.events.rows > 20 and st.kv_format.name == kv_format
+    # the same step, its rows encoded on the host (as before the device encoded them)
+    host_only = lambda self: self.on_dev is not None and self.lossless  # noqa: E731
+    with monkeypatch.context() as m:
+        m.setattr(StoredEvents, "_defers", host_only)
+        ingest_store(tmp_path / "host", folder, prof, docs, kv_format=kv_format)
+    assert store_arrays(tmp_path / "dev") == store_arrays(tmp_path / "host")
+    model, tok = load_tiny(folder)
+    dev_answers = answers_of(tmp_path / "dev", [model], tok, 12)
+    monkeypatch.setattr(window, "DEVICE_STEP", False)
+    assert answers_of(tmp_path / "dev", [model], tok, 12) == dev_answers
+
+
 def test_a_store_that_outgrows_the_device_goes_on_from_its_files(tmp_path, tiny, monkeypatch):
     """Past the device's budget a layer drops its copy (its deferred rows written first) and takes
     the host path: the store written is the one written with room to spare, and so are its answers."""

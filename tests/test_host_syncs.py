@@ -38,12 +38,14 @@ def test_the_instrument_sees_a_steps_reads():
     assert chunk.counts["scalar"] > 0 and token.counts["scalar"] > 0
 
 
-@pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize("store", [False, True, "int4"])
 def test_the_device_steps_reads_do_not_grow_with_the_layers(store):
     """The step a GPU takes (issue 70): a few reads a step, none a layer (a step that closes an
-    event or not may differ by one), its events in RAM or in a store."""
-    chunk2, token2 = step_reads(2, device_step=True, store=store)
-    chunk8, token8 = step_reads(8, device_step=True, store=store)
+    event or not may differ by one), its events in RAM or in a store (an integer one's rows
+    encoded on the device)."""
+    fmt = store if isinstance(store, str) else None
+    chunk2, token2 = step_reads(2, device_step=True, store=bool(store), kv_format=fmt)
+    chunk8, token8 = step_reads(8, device_step=True, store=bool(store), kv_format=fmt)
     assert max(chunk2.total, chunk8.total, token2.total, token8.total) <= 8
     assert abs(chunk8.total - chunk2.total) <= 1 and abs(token8.total - token2.total) <= 1
 

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from emllm.config import Profile
-from emllm.memory import prune, sketch
+from emllm.memory import prune, quant, sketch
 from emllm.memory.cache import EventCache
 from emllm.memory.buffers import GrowBuffer, token_index
 from emllm.memory.resident import ResidentEvents, device_budget
@@ -167,9 +167,11 @@ class StoredEvents:
         (the engine's window holds them so: a stream continued from the files computes the same)."""
         if not self.all_tokens:
             return keys, values
-        if self._defers():  # (kept as they are: written at the step's end, with every layer's)
-            self._defer_tokens(keys, values)
-            return keys, values
+        if self._defers():  # (written at the step's end, with every layer's)
+            if self.lossless:  # (kept as they are)
+                self._defer_tokens(keys, values)
+                return keys, values
+            return self._defer_encoded(keys, values)
         k, v = self._put(keys.transpose(0, 1).cpu(), values.transpose(0, 1).cpu())
         if k is None:
             return keys, values
@@ -177,8 +179,10 @@ class StoredEvents:
 
     def _defers(self) -> bool:
         """Whether a step's rows stay on the device until its end (`Store.defer`): where every event
-        is there (`on_device`) and the format keeps them as they are (nothing to decode now)."""
-        return self.on_dev is not None and self.lossless and self.fmt.reprs.bits is None
+        is there (`on_device`) and the format keeps them as they are, or the store keeps every
+        token's rows (version 5 on), which the device then encodes and decodes itself (the same
+        operations as the host's, `memory.quant`: the same bits)."""
+        return self.on_dev is not None and ((self.lossless and self.fmt.reprs.bits is None) or self.all_tokens)
 
     def _defer_tokens(self, keys: Tensor, values: Tensor) -> None:
         """keys/values [H_kv, c, D] on the device, to `_put` at the step's end."""
@@ -189,6 +193,30 @@ class StoredEvents:
             self._put(kv[0], kv[1])
 
         self.store.defer(write, [keys.transpose(0, 1), values.transpose(0, 1)])
+
+    def _defer_encoded(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """keys/values [H_kv, c, D] on the device, encoded there as `_put` encodes them (a writer's
+        rows written at the step's end, a reader's decoded rows kept in RAM then); returns them
+        decoded, on the device, as `add_tokens` does."""
+        k, v = keys.transpose(0, 1), values.transpose(0, 1)  # [c, H_kv, D]
+        eq = self.store.key_equaliser_on(self.slot, k)
+        rk, rv = quant.encode_keys(self.fmt, k, eq), self.fmt.encode(v)
+        dk, dv = quant.decode_keys(self.fmt, rk, eq, self.dtype), self.fmt.decode(rv, self.dtype)
+        self.pending_tokens += k.shape[0]
+        writer = self.store.writable
+
+        def write(rows: list[Tensor]) -> None:
+            self.pending_tokens -= rows[0].shape[0]
+            if writer:
+                self.k.append(rows[0])
+                self.v.append(rows[1])
+                self.n_disk += rows[0].shape[0]
+            else:
+                self.ram_k.append(rows[0])
+                self.ram_v.append(rows[1])
+
+        self.store.defer(write, [rk, rv] if writer else [dk, dv])
+        return dk.transpose(0, 1), dv.transpose(0, 1)
 
     def flush(self) -> None:
         """Write what a device step deferred (every layer's: one read back for the step)."""

@@ -120,6 +120,7 @@ class Store:
         self.equaliser_files = [f(f"layers/{i:02d}.e", (h, d), torch.float32, eq_rows)
                                 for i in self.geometry.with_memory] if self.key_equalised else []
         self._equalisers: list[Tensor | None] = [None] * len(self.geometry.with_memory)
+        self._equalisers_on: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}  # (slot, device): (host's, copy)
         job = manifest.get("job")
         # written once when a job starts (set_job), read-only after: never truncated
         self.job: RowFile | None = f(job["file"], (), torch.int32, job["tokens"], False) if job else None
@@ -513,6 +514,19 @@ class Store:
                     rf.append(eq)
             self._equalisers[slot] = eq
         return eq
+
+    def key_equaliser_on(self, slot: int, first_keys: Tensor) -> Tensor | None:
+        """`key_equaliser` on the device of `first_keys` [n, H_kv, D] (the layer's next rows: read
+        back only where the equaliser is fitted on them now), copied there once."""
+        if not self.key_equalised:
+            return None
+        eq = self._equalisers[slot]
+        if eq is None:
+            eq = self.key_equaliser(slot, first_keys.cpu())
+        held = self._equalisers_on.get((slot, first_keys.device))
+        if held is None or held[0] is not eq:
+            held = self._equalisers_on[(slot, first_keys.device)] = (eq, eq.to(first_keys.device))
+        return held[1]
 
     def defer(self, write: Callable[[list[Tensor]], None], tensors: list[Tensor]) -> None:
         """Have `write` called with host copies of `tensors` (on a device) at `flush_deferred`:
