@@ -46,6 +46,7 @@ from emllm import models
 from emllm.config import load_profile
 from emllm.evals.passkey import parse_length
 from emllm.evals.scratch import ScratchStores
+from emllm.memory.quant import FORMATS
 
 LLAMA_3_2_1B = dict(
     hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -106,9 +107,11 @@ def fill_memory(engine, m: int, gen: torch.Generator) -> None:
         # one random block a layer, its slices appended batch after batch: what the rows hold does not
         # change a chunk's cost, and drawing a million tokens' rows afresh took minutes of the host
         most = int(max(int(lengths[batch == b].sum()) for b in batch.unique()))
-        kb = torch.randn(h_kv, most, d, generator=gen).to(engine.dtype)
-        vb = torch.randn(h_kv, most, d, generator=gen).to(engine.dtype)
-        rb = torch.randn(block, w.events.repr_heads, d, generator=gen).to(engine.dtype)
+        # on the engine's device: a store's rows are then encoded there (an integer format) and
+        # written at each batch's end, as a step's are
+        kb = torch.randn(h_kv, most, d, generator=gen).to(engine.device, engine.dtype)
+        vb = torch.randn(h_kv, most, d, generator=gen).to(engine.device, engine.dtype)
+        rb = torch.randn(block, w.events.repr_heads, d, generator=gen).to(engine.device, engine.dtype)
         for b in batch.unique():
             ls = lengths[batch == b]
             m = int(ls.sum())
@@ -117,6 +120,8 @@ def fill_memory(engine, m: int, gen: torch.Generator) -> None:
             # these events then span the real window's rows and the random ones: the same cost
             w.events.add_tokens(k, v)
             w.events.append(k, v, ls, reprs)
+            if hasattr(w.events, "flush"):
+                w.events.flush()
 
 
 def main() -> None:
@@ -126,6 +131,8 @@ def main() -> None:
     ap.add_argument("--random-weights", action="store_true", help="--model's shapes with random weights")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where torch sees one)")
     ap.add_argument("--dtype", default=None, choices=models.DTYPES, help="compute dtype (default: the profile's, auto)")
+    ap.add_argument("--format", default=None, choices=FORMATS,
+                    help="how emllm's store keeps keys and values, as `emllm ingest --format` (default: the compute dtype)")
     ap.add_argument("--lengths", default="4k,16k,64k,256k")
     ap.add_argument("--chunks", type=int, default=2, help="timed chunks per method and length")
     ap.add_argument("--decode", type=int, default=4, help="timed greedy tokens per method and length")
@@ -180,7 +187,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     tmp = tempfile.TemporaryDirectory(dir=Path.cwd())
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: still remove the store (GBs)
-    stores = ScratchStores(model, tok, prof, tmp.name, name)
+    stores = ScratchStores(model, tok, prof, tmp.name, name, kv_format=a.format)
     em = stores()
     win, full = Vanilla(model, w_size), Full(model)
     runs = {"emllm": em.step, "window": win.step, "full": full.step}
@@ -192,6 +199,7 @@ def main() -> None:
     where = torch.cuda.get_device_name() if device.startswith("cuda") else f"{platform.machine()}, {torch.get_num_threads()} threads"
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": where, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "store_format": a.format or "compute dtype",
             "model": name, "profile": prof.name, "window": w_size, "chunk": cs, "kv_bytes_per_token": kv_bytes,
             "full_max": full_max}
     with open(a.out, "a") as f:

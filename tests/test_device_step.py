@@ -173,6 +173,52 @@ def test_an_integer_store_is_encoded_on_the_device_as_on_the_host(tmp_path, tiny
     assert answers_of(tmp_path / "dev", [model], tok, 12) == dev_answers
 
 
+def test_an_integer_stores_rows_stay_encoded_on_the_device_through_a_readers_restore(tmp_path, tiny, monkeypatch):
+    """An integer store's copy on the device keeps its rows as the files do (a quarter of the bytes
+    of bfloat16 for int4), decoded as a step gathers them; a reader that closes events of its own
+    and comes back to a snapshot (as the server does each request) holds what a fresh copy would."""
+    from emllm.app.stream import open_engine
+    from emllm.store import Store
+
+    from .helpers import ingest_store, load_tiny, words
+
+    folder, prof, _, _ = tiny
+    monkeypatch.setattr(window, "DEVICE_STEP", True)
+    ingest_store(tmp_path / "s", folder, prof, [("a", words(5, 400))], kv_format="int4")
+    model, _ = load_tiny(folder)
+
+    def same_as_a_fresh_copy(ev) -> None:
+        dev = ev.on_dev
+        assert dev is not None and dev.codec is not None
+        base, end, n = ev.base, ev.event_end, ev.n_tokens
+        k, v = ev._read_encoded(torch.arange(base, end))
+        assert torch.equal(dev.keys.view(), k) and torch.equal(dev.values.view(), v)
+        tk, tv = ev._read_encoded(torch.arange(end, n))
+        assert torch.equal(dev.tail_k, tk) and torch.equal(dev.tail_v, tv)
+        assert torch.equal(dev.lengths.view(), ev.lengths.view())
+
+    with Store.open(tmp_path / "s") as st:
+        eng = open_engine(st, model)
+        g = torch.Generator().manual_seed(3)
+        eng.step(torch.randint(0, 300, (16,), generator=g))
+        ev = eng.windows[0].events
+        assert ev.on_device(torch.device("cpu")) and ev.on_dev.codec is not None
+        dev = ev.on_dev  # (encoded rows, not decoded: int4's are under a third of float32's here)
+        assert dev.keys.view().dtype == torch.uint8 and dev.bytes_for(1, 0) == 2 * ev.fmt.row_bytes(*ev.row)
+        assert 3 * dev.bytes_for(1, 0) < 2 * ev.row[0] * ev.row[1] * 4
+        snap = eng.snapshot()
+        events = len(ev)
+        for _ in range(6):  # a reader's own events
+            eng.step(torch.randint(0, 300, (16,), generator=g))
+        assert len(ev) > events
+        same_as_a_fresh_copy(ev)
+        eng.restore(snap)
+        assert len(ev) == events
+        same_as_a_fresh_copy(ev)
+        eng.step(torch.randint(0, 300, (16,), generator=g))
+        same_as_a_fresh_copy(ev)
+
+
 def test_a_store_that_outgrows_the_device_goes_on_from_its_files(tmp_path, tiny, monkeypatch):
     """Past the device's budget a layer drops its copy (its deferred rows written first) and takes
     the host path: the store written is the one written with room to spare, and so are its answers."""

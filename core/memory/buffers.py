@@ -95,8 +95,15 @@ def padded_rows(keys: Tensor, values: Tensor, lengths: Tensor, mask: Tensor, siz
     if t == 0:
         none = keys.new_zeros(keys.shape[0], size, keys.shape[2])
         return none, values.new_zeros(none.shape), torch.zeros(size, dtype=torch.bool, device=mask.device)
+    rows, valid = padded_index(mask, lengths, t, size)
+    return keys[:, rows], values[:, rows], valid
+
+
+def padded_index(mask: Tensor, lengths: Tensor, t: int, size: int) -> tuple[Tensor, Tensor]:
+    """`padded_rows`' rows: of t token rows, those of the events `mask` [E] selects (lengths [E],
+    consecutive), in order, padded to `size` -> (rows [size] long, valid [size] bool); the padding
+    points at a real row (masked by valid). t > 0."""
     take = torch.repeat_interleave(mask, lengths, output_size=t)  # [T] the tokens selected
     rows = torch.nonzero_static(take, size=size, fill_value=t)[:, 0]  # [size]: theirs in order, then t
     valid = rows < t
-    rows.clamp_(max=t - 1)
-    return keys[:, rows], values[:, rows], valid
+    return rows.clamp_(max=t - 1), valid

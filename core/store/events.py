@@ -11,7 +11,7 @@ from emllm.config import Profile
 from emllm.memory import prune, quant, sketch
 from emllm.memory.cache import EventCache
 from emllm.memory.buffers import GrowBuffer, token_index
-from emllm.memory.resident import ResidentEvents, device_budget
+from emllm.memory.resident import Codec, ResidentEvents, device_budget
 from emllm.memory.selection import Selection, scores_in_blocks, select_events, token_scores
 from emllm.store.errors import StoreError
 from emllm.store.rows import finite, mappable, _BY_NAME, RowFile
@@ -92,6 +92,11 @@ class StoredEvents:
         self.lossless = self.fmt.row_dtype == dt
         self.ram_k = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
         self.ram_v = GrowBuffer((0, g.kv_heads, g.head_dim), 0, dt, torch.device("cpu"))
+        # (an integer store's reader) the same rows as the files would keep them, for a device's copy
+        self.encoded_resident = self.fmt.bits is not None and self.all_tokens
+        if self.encoded_resident:
+            self.ram_rk = GrowBuffer((0, *self.fmt.row(*self.row)), 0, torch.uint8, torch.device("cpu"))
+            self.ram_rv = GrowBuffer((0, *self.fmt.row(*self.row)), 0, torch.uint8, torch.device("cpu"))
         # a reader's own events' representative keys, as the file's rows (decoded as they are read)
         self.ram_r = GrowBuffer((0, *self.r.row), 0, self.r.dtype, torch.device("cpu"))
         mb = store.manifest["profile"].get("kv_cache_mb", Profile.kv_cache_mb) if kv_cache_mb is None else kv_cache_mb
@@ -148,14 +153,17 @@ class StoredEvents:
         if events < self.r.rows or events > self.lengths.n:
             raise ValueError("a mark of another memory")
         self.lengths.n = self.starts.n = events
-        if self.on_dev is not None:
-            self.on_dev.truncate(events, event_end - self.base)
         self.resident.n = self.resident_norms.n = min(self.resident.n, events)
         self.ram_r.n = events - self.r.rows
         self.ram_k.n = self.ram_v.n = ram_tokens
+        if self.encoded_resident:
+            self.ram_rk.n = self.ram_rv.n = ram_tokens
         self.event_end = event_end
+        if self.on_dev is not None:
+            self.on_dev.truncate(events, event_end - self.base, self.n_tokens - event_end)
         if self.n_tokens == 0:  # the next first rows fit the equaliser again, as a writer's would
             self.store.forget_equaliser(self.slot)
+            self.on_dev = None  # (its decoder holds the old one: copied again when asked)
 
     @property
     def n_tokens(self) -> int:
@@ -214,8 +222,13 @@ class StoredEvents:
             else:
                 self.ram_k.append(rows[0])
                 self.ram_v.append(rows[1])
+                if self.encoded_resident:
+                    self.ram_rk.append(rows[2])
+                    self.ram_rv.append(rows[3])
 
-        self.store.defer(write, [rk, rv] if writer else [dk, dv])
+        self.store.defer(write, [rk, rv] if writer else [dk, dv] + ([rk, rv] if self.encoded_resident else []))
+        if self.on_dev is not None and self.on_dev.codec is not None:
+            self.on_dev.push_tail(rk, rv)
         return dk.transpose(0, 1), dv.transpose(0, 1)
 
     def flush(self) -> None:
@@ -236,6 +249,11 @@ class StoredEvents:
         else:  # as a writer would have stored them, and read back
             self.ram_k.append(dk)
             self.ram_v.append(dv)
+            if self.encoded_resident:
+                self.ram_rk.append(rk)
+                self.ram_rv.append(rv)
+        if self.on_dev is not None and self.on_dev.codec is not None:  # (a device's copy, the host's step)
+            self.on_dev.push_tail(rk, rv)
         return (None, None) if self.lossless else (dk, dv)
 
     def append(self, keys: Tensor, values: Tensor, lengths: Tensor, reprs: Tensor) -> None:
@@ -372,7 +390,14 @@ class StoredEvents:
 
     def _copy_to(self, device: torch.device) -> ResidentEvents | None:
         g = self.store.geometry
-        dev = ResidentEvents(g.kv_heads, g.head_dim, self.dim, self.dtype, self.score_dtype, device)
+        codec = None
+        if self.encoded_resident:  # (kept encoded there: `resident.Codec`)
+            self.store.flush_deferred()
+            eq = self.store.key_equaliser(self.slot) if self.n_tokens else None
+            eq = None if eq is None else eq.to(device)
+            fmt, dt = self.fmt, self.dtype
+            codec = Codec(fmt.row(*self.row), lambda r: quant.decode_keys(fmt, r, eq, dt), lambda r: fmt.decode(r, dt))
+        dev = ResidentEvents(g.kv_heads, g.head_dim, self.dim, self.dtype, self.score_dtype, device, codec)
         tokens, events = self.event_end - self.base, len(self)
         self.on_dev_cap = device_budget(device) / len(g.with_memory)
         if dev.bytes_for(tokens, events) > self.on_dev_cap:
@@ -380,9 +405,17 @@ class StoredEvents:
         dev.keys.reserve(tokens + 1024)
         dev.values.reserve(tokens + 1024)
         for a in range(self.base, self.event_end, RESIDENT_BLOCK):
-            k, v = self._read(torch.arange(a, min(self.event_end, a + RESIDENT_BLOCK)))
+            idx = torch.arange(a, min(self.event_end, a + RESIDENT_BLOCK))
+            if codec is not None:
+                k, v = self._read_encoded(idx)
+                dev.keys.append(k.to(device))
+                dev.values.append(v.to(device))
+                continue
+            k, v = self._read(idx)
             dev.keys.append(k.transpose(0, 1).to(device))
             dev.values.append(v.transpose(0, 1).to(device))
+        if codec is not None and self.n_tokens > self.event_end:  # the tokens read since the last event
+            dev.push_tail(*self._read_encoded(torch.arange(self.event_end, self.n_tokens)))
         for a in range(0, events, RESIDENT_BLOCK):
             dev.reprs.append(_finite_reprs(self, self._repr_block(a, min(events, a + RESIDENT_BLOCK))).to(device, self.score_dtype))
         dev.lengths.append(self.lengths.view().to(device))
@@ -447,6 +480,17 @@ class StoredEvents:
                     src = token_index(out_at[fresh], lengths[fresh])
                     self.cache.insert(ids[fresh], lengths[fresh], k[src], v[src])
         return k.transpose(0, 1).to(dev), v.transpose(0, 1).to(dev)
+
+    def _read_encoded(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        """(an integer store's) token rows idx [n] as the files keep them: [n, *row] uint8 each."""
+        self.store.flush_deferred()
+        disk = idx < self.n_disk
+        if bool(disk.all()):
+            return RowFile.take(self.k, idx), RowFile.take(self.v, idx)
+        ram = idx[~disk] - self.n_disk
+        k = torch.cat((RowFile.take(self.k, idx[disk]), self.ram_rk.view()[ram]))  # (files first: idx sorted)
+        v = torch.cat((RowFile.take(self.v, idx[disk]), self.ram_rv.view()[ram]))
+        return k, v
 
     def _read(self, idx: Tensor, prefetch: bool = False) -> tuple[Tensor, Tensor]:
         """Token rows idx [n] of the layer's events (files, then a reader's RAM): [n, H_kv, D] each."""
