@@ -138,6 +138,26 @@ def test_store_written_on_cuda_is_the_cpu_store(tiny, tmp_path):
     assert answers[0] == answers[1] and answers[0]
 
 
+def test_an_integer_store_written_on_cuda_answers_as_on_the_cpu(tiny, tmp_path):
+    """An int4 store written with the model on the GPU (rows encoded there, kept encoded in the
+    device's copy): the same events and boundaries as the CPU's store, and asked on the GPU it
+    answers as the CPU does from it."""
+    folder, prof, _, _ = tiny
+    docs = [("doc", words(8, 400))]
+    ingest_store(tmp_path / "cpu", folder, prof, docs, kv_format="int4")
+    model, tok = load_tiny(folder)
+    model.to(CUDA)
+    ingest_store(tmp_path / "gpu", folder, prof, docs, kv_format="int4", model=model)
+    a, b = store_arrays(tmp_path / "cpu"), store_arrays(tmp_path / "gpu")
+    assert a.keys() == b.keys()
+    for name in a:
+        if name.endswith(".i32") or name.endswith(".u8") and "layers" not in name:  # events, boundaries
+            assert a[name] == b[name], name
+    cpu_model, _ = load_tiny(folder)
+    answers = answers_of(tmp_path / "gpu", [cpu_model, model], tok, 8)
+    assert answers[0] == answers[1] and answers[0]
+
+
 def test_model_split_between_cuda_and_cpu(tiny, tmp_path):
     """accelerate's device map with layer 1 kept in CPU RAM: its weights wait on meta and are brought
     to the GPU for each forward, so its memory lives on the GPU too (where the layer computes); the
@@ -161,13 +181,15 @@ def test_model_split_between_cuda_and_cpu(tiny, tmp_path):
     assert ta == tb
 
 
-@pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize("store", [False, True, "int4"])
 def test_a_steps_reads_back_on_cuda_do_not_grow_with_the_layers(store):
     """On the GPU the engine takes the device step by default: a step's reads back to the host
-    (each a synchronisation there) are a few, whatever the layers, its events in RAM or a store."""
+    (each a synchronisation there) are a few, whatever the layers, its events in RAM or a store
+    (an integer one's rows encoded and kept encoded on the device)."""
     from benchmarks.host_syncs import step_reads
 
-    counts = [step_reads(n, device_step=None, store=store, device=str(CUDA)) for n in (2, 8)]
+    fmt = store if isinstance(store, str) else None
+    counts = [step_reads(n, device_step=None, store=bool(store), device=str(CUDA), kv_format=fmt) for n in (2, 8)]
     (chunk2, token2), (chunk8, token8) = counts
     if CUDA.type == "cuda":
         assert max(chunk2.total, chunk8.total, token2.total, token8.total) <= 8
