@@ -64,7 +64,8 @@ def test_the_cpus_step_reads_a_layers_selection_on_the_host():
 def test_the_device_steps_attention_dispatches_a_bounded_number_of_ops_a_layer(monkeypatch):
     """On a GPU a layer's step is paced by the kernels it launches (docs/benchmarks.md ›
     Accelerators): the ops each layer's attention hook (retrieval, gather, attention, the window's
-    slide) dispatches in the device step, counted on the CPU, are held where they stand, so that
+    slide) dispatches in the device step, counted on the CPU, are held where they stand (47 a chunk,
+    43 a token, the first layer's, which also makes the step's query tables), so that
     an added op shows here. (The plain model's whole layer dispatches 41 a chunk and 36 a token.)"""
     from emllm.engine.window import LayerWindow
 
@@ -83,5 +84,5 @@ def test_the_device_steps_attention_dispatches_a_bounded_number_of_ops_a_layer(m
         step_reads(layers, device_step=True, store=True, count=HostReads)
         chunk, token = seen[-2 * layers : -layers], seen[-layers:]  # the last two steps: a chunk, a token
         # (the first layer also makes the step's query tables, `StepInfo.query_rope`)
-        assert max(chunk) <= 47 and max(token) <= 47, (chunk, token)
+        assert max(chunk) <= 47 and max(token) <= 43, (chunk, token)
         assert len(set(chunk[1:])) <= 1 and len(set(token[1:])) <= 1, (chunk, token)  # the others alike

@@ -198,7 +198,7 @@ class LayerWindow:
             # distance from every query (n_local - 1)
             q_loc, q_mem = apply_rotary(q, *st.query_rope(at, c, q.device))
             parts_k, parts_v = [self.init_k], [self.init_v]
-            query = q_mem.mean(1)  # [H_q, D]
+            query = q_mem.mean(1) if c > 1 else q_mem[:, 0]  # [H_q, D] (one query: itself, the same bits)
             if len(self.events):
                 # (summed over each group of query heads where the memory keeps a key per KV head)
                 if st.token_scoring:  # [c, H_r, D]: every token's query, centred as the mean would be

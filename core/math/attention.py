@@ -95,8 +95,8 @@ def _attend_joint(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_
     _capped(s.mul_(scaling), softcap)
     if valid is not None and valid.numel():
         s[..., m - valid.numel() : m].masked_fill_(~valid, float("-inf"))
-    # causal: query i sees the chunk's keys 0..i (and every memory key; each query sees itself)
-    s.view(h_kv, g, c, m + length)[..., m + length - c :].masked_fill_(_upper(c, s.device), float("-inf"))
+    if c > 1:  # causal: query i sees the chunk's keys 0..i (and every memory key; each query sees itself)
+        s.view(h_kv, g, c, m + length)[..., m + length - c :].masked_fill_(_upper(c, s.device), float("-inf"))
     p = torch.softmax(s, -1)
     values = torch.cat((v_mem, v_local), 1) if m else v_local  # [H_kv, M + L, D]
     out = torch.bmm(p, values.float()).to(q_local.dtype).view(h_q, c, d)
@@ -259,7 +259,8 @@ def _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, wit
     # GQA without repeating keys: the g query heads of one KV head share its key matrix.
     s = torch.bmm(q_local.reshape(h_kv, g * c, d).float(), k_local.float().transpose(1, 2))  # [H_kv, g*c, L]
     _capped(s.mul_(scaling), softcap)
-    s.view(h_kv, g, c, length)[..., length - c :].masked_fill_(_upper(c, s.device), float("-inf"))
+    if c > 1:
+        s.view(h_kv, g, c, length)[..., length - c :].masked_fill_(_upper(c, s.device), float("-inf"))
     mx = s.amax(-1)  # [H_kv, g*c]; finite: each query sees itself
     mem = None
     if k_mem is not None and k_mem.shape[1]:

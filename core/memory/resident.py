@@ -3,8 +3,8 @@ copied there so that a step scores, selects and gathers without reading back to 
 device step, `engine.window.DEVICE_STEP`). A store's events keep such a copy beside their files
 while it fits the device's budget (`store.events.StoredEvents.on_device`).
 
-An integer store's rows stay encoded there (`Codec`: a quarter to a half of the decoded rows'
-bytes, so four times the events fit an int4 store's budget), decoded as a step gathers them; the
+An integer store's rows stay encoded there (`Codec`: int4 about a third of bfloat16's bytes, int8
+a little over half, so three times or twice the events fit the budget), decoded as a step gathers them; the
 rows of the tokens read but not yet closed into events wait beside them (`push_tail`), already
 encoded, until their events close."""
 
