@@ -9,7 +9,7 @@
 #               gguf (SmolLM2's conversion) and, for the suite, the server and CLI stack of scripts/constraints.txt
 #   .gpu/home/  an emllm home whose models/smollm2 holds SmolLM2's config and tokenizer, no weights
 # and run there (the tool `device`): `bash scripts/gpu_check.sh [STEP...]` carrying .whl and .gpu/home;
-# steps: tests grid cli prof profile grid1b grid8b suite keep model gridreal (default: tests grid cli grid1b, in that order);
+# steps: tests grid cli prof profile compile grid1b grid8b suite keep model gridreal (default: tests grid cli grid1b, in that order);
 # GRID_LENGTHS, GRID_S and GRID_FORMAT set the speed grids' lengths, time limit and store format
 # (GRID_FORMAT=int4 GRID_LENGTHS=1M ... grid8b: the 8B's store at a million tokens fits that disk).
 # Models there are random weights of real shapes: the timings hold, the answers are noise.
@@ -96,6 +96,11 @@ grid1b() {
 grid8b() {
   timeout ${GRID_S:-150} python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --config llama-3.1-8b --lengths ${GRID_LENGTHS:-4k,32k,256k} \
     --chunks 3 --decode 8 ${GRID_FORMAT:+--format $GRID_FORMAT} --out "$OUT/speed-llama8b-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed-llama8b.log"
+}
+
+compile() {  # torch.compile of the device step's pure functions against them as they are (issue 70, item 4)
+  timeout ${COMPILE_S:-300} python3 -m benchmarks.compile_probe --device cuda --length ${PROFILE_LENGTH:-128k} 2>&1 \
+    | grep -v -e Warning | tail -3 | tee "$OUT/compile.json"
 }
 
 gridreal() {  # SmolLM2's real weights (after keep and model: its emllm home is /tmp/home)
