@@ -241,6 +241,8 @@ def main() -> None:
         name, prof = parse_variant(v, src.profile.replace(segmentation="S"))
         factories[f"emllm-S-{name}"] = lambda prof=prof: Engine(model, prof)
         methods.append(f"emllm-S-{name}")
+    if a.store_dir:
+        Path(a.store_dir).mkdir(parents=True, exist_ok=True)
     scratch_root = tempfile.TemporaryDirectory(dir=a.store_dir or Path.cwd())
     for f in formats:
         if f not in FORMATS:
