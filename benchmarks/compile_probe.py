@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.step_profile import random_model, step_args
+
 # (module, name) of the functions compiled: each called through its module's global, so that
 # replacing the global replaces every call
 TARGETS = (
@@ -59,20 +61,12 @@ class Compiled:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2", help="whose shapes (its config; random weights)")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where torch sees one)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--length", default="128k", help="tokens in memory before the timed steps")
-    ap.add_argument("--chunks", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=8)
+    step_args(ap, "timed")
     ap.add_argument("--warm", type=int, default=2, help="untimed steps of each kind first (compilation)")
     ap.add_argument("--mode", default=None, help="torch.compile's mode (default: its default)")
     a = ap.parse_args()
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     from benchmarks.speed_grid import fill_memory
-    from emllm import models
     from emllm.engine import window
     from emllm.evals.passkey import parse_length
     from emllm.evals.scratch import ScratchStores
@@ -80,12 +74,7 @@ def main() -> None:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     window.DEVICE_STEP = True  # (the step a GPU takes, also where the probe runs on a CPU)
-    src = models.resolve(a.model)
-    prof, cfg = src.profile, AutoConfig.from_pretrained(src.path)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, a.dtype)).eval()
-    tok = AutoTokenizer.from_pretrained(src.path)
+    model, tok, prof, cfg = random_model(a.model, a.dtype, device)
     cs = prof.chunk_size
     n_ids = prof.n_init + prof.n_local + (3 + 2 * (a.warm + a.chunks)) * cs + 2 * (a.warm + a.tokens)
     ids = torch.randint(0, cfg.vocab_size, (n_ids,), generator=torch.Generator().manual_seed(1))

@@ -22,34 +22,46 @@ from pathlib import Path
 import torch
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def step_args(ap: argparse.ArgumentParser, what: str) -> None:
+    """The arguments of a benchmark of a few steps of a random model at a length read."""
     ap.add_argument("--model", default="smollm2", help="whose shapes (its config; random weights)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where torch sees one)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--length", default="128k", help="tokens in memory before the profiled steps")
+    ap.add_argument("--length", default="128k", help=f"tokens in memory before the {what} steps")
     ap.add_argument("--chunks", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=8)
+
+
+def random_model(name: str, dtype: str, device: str):
+    """(model, tokenizer, profile, config): random weights of model `name`'s shapes, made on `device`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from emllm import models
+
+    src = models.resolve(name)
+    prof, cfg = src.profile, AutoConfig.from_pretrained(src.path)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).eval()
+    return model, AutoTokenizer.from_pretrained(src.path), prof, cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    step_args(ap, "profiled")
     ap.add_argument("--out", required=True, help="folder for the tables")
     a = ap.parse_args()
 
     from torch.profiler import ProfilerActivity, profile
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from benchmarks.speed_grid import fill_memory
-    from emllm import models
     from emllm.evals.passkey import parse_length
     from emllm.evals.scratch import ScratchStores
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    src = models.resolve(a.model)
-    prof, cfg = src.profile, AutoConfig.from_pretrained(src.path)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, a.dtype)).eval()
-    tok = AutoTokenizer.from_pretrained(src.path)
+    model, tok, prof, cfg = random_model(a.model, a.dtype, device)
     cs = prof.chunk_size
     ids = torch.randint(0, cfg.vocab_size, (prof.n_init + prof.n_local + (a.chunks * 3 + 6) * cs + 4 * a.tokens,),
                         generator=torch.Generator().manual_seed(1))
