@@ -190,7 +190,7 @@ class StoredEvents:
         is there (`on_device`) and the format keeps them as they are, or the store keeps every
         token's rows (version 5 on), which the device then encodes and decodes itself (the same
         operations as the host's, `memory.quant`: the same bits)."""
-        return self.on_dev is not None and ((self.lossless and self.fmt.reprs.bits is None) or self.all_tokens)
+        return self.on_dev is not None and (self.lossless or self.all_tokens)  # (lossless: a float format)
 
     def _defer_tokens(self, keys: Tensor, values: Tensor) -> None:
         """keys/values [H_kv, c, D] on the device, to `_put` at the step's end."""
