@@ -319,3 +319,22 @@ def test_code_and_prose_haystacks_are_the_snapshot_not_the_interpreter(tok, monk
     (tmp_path / "code.txt.xz").write_bytes((corpus.SNAPSHOT / "code.txt.xz").read_bytes()[:1000])
     with pytest.raises(RuntimeError, match="cannot be read"):
         corpus._snapshot("code", tmp_path)
+
+
+def test_one_read_answers_both_ways_as_their_own_runs(smollm2):
+    """quality.py's emllm-S and emllm-S-reread from one read: each answer and the needle recall
+    equal those of the method's own run (the memory in use: the prompt is twice emllm's span)."""
+    from emllm.engine.stream import Engine
+
+    model, tok, profile = smollm2
+    pr = profile.replace(chunk_size=128, n_init=32, n_local=256, n_mem=128)
+    p = build_prompt("niah_multikey", tok, 1200, 0.3, random.Random(3))
+    make = lambda: Engine(model, pr)  # noqa: E731
+    own_found, again_found, both_found = [], [], []
+    own = ruler.run_task(make, tok, p, recall=own_found)
+    again = ruler.run_task(make, tok, p, recall=again_found, reread=True)
+    both = ruler.run_task_both(make, tok, p, recall=both_found)
+    assert (both.own, both.reread) == (own, again)
+    assert both_found == own_found == again_found
+    assert any(r.where == "memory" for r in both_found)
+    assert min(both.read_s, both.own_s, both.reread_s) > 0

@@ -460,4 +460,53 @@ def run_task(engine_factory: Callable[[], object], tok, prompt: Prompt, max_new_
     return tok.decode(out, skip_special_tokens=True)
 
 
-__all__ = ["TASKS", "HAYSTACKS", "needle_only", "paraphrased", "Prompt", "build_prompt", "read_prompt", "run_task", "score", "score_part", "essay_sentence"]
+@dataclass
+class BothAnswers:
+    """emllm's own answer and the re-read's, from one read of a prompt; the seconds of the read
+    (document and question), of the own answer and of the re-read (its context chosen, read, answered)."""
+
+    own: str
+    reread: str
+    read_s: float
+    own_s: float
+    reread_s: float
+
+
+def run_task_both(engine_factory: Callable[[], object], tok, prompt: Prompt, max_new_tokens: int | None = None,
+                  progress: Callable | None = None, recall: list | None = None) -> BothAnswers:
+    """`run_task`'s answer and `run_task(reread=True)`'s from one read of the prompt: the re-read
+    chooses its passages from the selections the question's own read made (the same selections
+    `reread` records: a read of the question after `begin_question`), so each answer equals its
+    own run's, at the cost of one read."""
+    import time
+
+    from emllm.app.reread import SelectionRecorder, read_again, reread_context, reread_room
+
+    n_new = max_new_tokens or prompt.max_new_tokens
+    t0 = time.perf_counter()
+    eng = engine_factory()
+    eng.feed(prompt.document, progress=progress)
+    probe = RecallProbe(eng)
+    rec = SelectionRecorder(eng)
+    try:
+        eng.begin_question()
+        eng.feed(prompt.question)
+    finally:
+        rec.detach()
+        probe.detach()
+    if recall is not None:
+        recall.extend(needle_recall(eng, probe, prompt.needles))
+    t1 = time.perf_counter()
+    stops = set(_stop_ids(tok, eng.model))
+    own = tok.decode(eng.generate(n_new, stop_ids=stops), skip_special_tokens=True)
+    t2 = time.perf_counter()
+    n = len(prompt.document)
+    rr = reread_context(eng, rec.votes(), tok, n, reread_room(eng.profile, n, len(prompt.question)), prompt.question)
+    reader = read_again(eng.model, eng.profile, rr.ids, prompt.question, n_new)
+    again = tok.decode(reader.generate(n_new, stop_ids=stops), skip_special_tokens=True)
+    t3 = time.perf_counter()
+    return BothAnswers(own, again, t1 - t0, t2 - t1, t3 - t2)
+
+
+__all__ = ["TASKS", "HAYSTACKS", "BothAnswers", "needle_only", "paraphrased", "Prompt", "build_prompt", "read_prompt", "run_task",
+           "run_task_both", "score", "score_part", "essay_sentence"]
