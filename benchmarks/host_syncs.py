@@ -127,13 +127,16 @@ def plain_launches(layers: int, chunk: int = 8) -> tuple[Launches, Launches]:
 
 
 def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False, store: bool = False,
-               device: str = "cpu", count: type = HostReads, kv_format: str | None = None) -> tuple[HostReads, HostReads]:
+               device: str = "cpu", count: type = HostReads, kv_format: str | None = None,
+               ring: bool = False) -> tuple[HostReads, HostReads]:
     """(a chunk's reads, a generated token's) of an engine over a tiny random Llama that has read
     `tokens` tokens (events closed, retrieval at every step). device_step: the step a GPU takes
     (`engine.window.DEVICE_STEP`: selection and gather on the device); else the CPU's. store: the
     events in a store (a temporary one, written as `emllm ingest` writes), else in RAM. device:
     where the model runs (device_step None: the step that device takes by default). count: what
-    to count (`Launches`: the ops that compute). kv_format: the store's format (None: the compute dtype)."""
+    to count (`Launches`: the ops that compute). kv_format: the store's format (None: the compute dtype).
+    ring: the device's budget too small for the store's rows, large enough for its keys and a ring
+    of rows (`resident.CachedEvents`)."""
     import contextlib
     import tempfile
     from pathlib import Path
@@ -155,6 +158,17 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
     saved, window.DEVICE_STEP = window.DEVICE_STEP, device_step
     with contextlib.ExitStack() as stack:
         stack.callback(setattr, window, "DEVICE_STEP", saved)
+        if ring:  # a layer's share: under every token's rows, over ~80 events' keys (twice) and 5 budgets' rows
+            from emllm.memory import quant, resident
+
+            token = 2 * (quant.kv_format(kv_format, 16).row_bytes(2, 16) if kv_format else 2 * 16 * 4)
+            share = 2 * 80 * (32 * 4 + 8) + 5 * prof.n_mem * token
+            assert share < tokens * token + 70 * (32 * 4 + 8), "every row would fit: no ring"
+            dev = torch.device(device)
+            if dev.type == "cuda" and dev.index is None:  # (as a step's tensors name it)
+                dev = torch.device("cuda", torch.cuda.current_device())
+            stack.callback(resident._BUDGETS.pop, dev, None)
+            resident._BUDGETS[dev] = float(share * layers)
         if store:
             from emllm.app import stream
 
@@ -194,17 +208,19 @@ def main() -> None:
                               "top_per_layer": {k: v / (hi - lo) for k, v in (c_hi.counts - c_lo.counts).most_common(12)}}))
         return
     rows = []
-    for step, store in (("cpu", False), ("device", False), ("cpu", True), ("device", True)):
+    for step, store, ring in (("cpu", False, False), ("device", False, False), ("cpu", True, False), ("device", True, False),
+                              ("device", True, True)):
         rows = []
+        events = "store, past the budget: a ring" if ring else "store" if store else "RAM"
         for n in (int(x) for x in args.layers.split(",")):
-            chunk, token = step_reads(n, device_step=step == "device", store=store)
-            rows.append({"step": step, "events": "store" if store else "RAM", "layers": n, "chunk": chunk.total, "token": token.total,
+            chunk, token = step_reads(n, device_step=step == "device", store=store, ring=ring)
+            rows.append({"step": step, "events": events, "layers": n, "chunk": chunk.total, "token": token.total,
                          "chunk_by_kind": dict(chunk.counts), "token_by_kind": dict(token.counts)})
             print(json.dumps(rows[-1]))
         if len(rows) > 1:
             a, b = rows[0], rows[-1]
             span = b["layers"] - a["layers"]
-            print(json.dumps({"step": step, "events": "store" if store else "RAM", "per_layer_chunk": (b["chunk"] - a["chunk"]) / span,
+            print(json.dumps({"step": step, "events": events, "per_layer_chunk": (b["chunk"] - a["chunk"]) / span,
                               "per_layer_token": (b["token"] - a["token"]) / span}))
 
 

@@ -138,6 +138,9 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=4, help="timed greedy tokens per method and length")
     ap.add_argument("--full-max", default=None,
                     help="longest length for full attention (default: as far as its cache fits in half the free RAM)")
+    ap.add_argument("--device-budget", type=float, default=None, metavar="GB",
+                    help="GB of the device's memory emllm's events may take, all layers (default: half its free "
+                         "memory); below the store's rows, its keys stay there and its rows pass through a ring")
     ap.add_argument("--out", required=True, help="JSON lines, appended (with --replot: the file to read)")
     ap.add_argument("--replot", action="store_true", help="measure nothing: table and plot of the last run in --out")
     ap.add_argument("--plot", default=None, help="PNG of time per chunk against length (needs matplotlib)")
@@ -149,6 +152,13 @@ def main() -> None:
             plot(rows, meta, a.plot)
         return
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.device_budget is not None:
+        from emllm.memory import resident
+
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        resident._BUDGETS[dev] = a.device_budget * 2**30
     if a.config or a.random_weights:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
@@ -201,7 +211,7 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": where, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "store_format": a.format or "compute dtype",
             "model": name, "profile": prof.name, "window": w_size, "chunk": cs, "kv_bytes_per_token": kv_bytes,
-            "full_max": full_max}
+            "full_max": full_max, **({"device_budget_gb": a.device_budget} if a.device_budget is not None else {})}
     with open(a.out, "a") as f:
         f.write(json.dumps({"run": meta}) + "\n")
     rows = []
@@ -241,7 +251,12 @@ def main() -> None:
                 sync()
                 dec[m].append(time.perf_counter() - t)
         pos += cs
-        row = {"length": n, "tokens_read": read, "events": em.n_events, "memory_tokens": em.windows[0].events.n_tokens, "full_cache": full.n,
+        on_dev = getattr(em.windows[0].events, "on_dev", None)  # (a store's layer on the device: all its rows, or a ring)
+        ring = getattr(on_dev, "ring", None)
+        held = {} if on_dev is None else {"device_rows": "ring" if ring is not None else "all"}
+        if ring is not None:
+            held["ring_hit_share"] = round(ring.hit_tokens / max(1, ring.hit_tokens + ring.miss_tokens), 3)
+        row = {"length": n, "tokens_read": read, "events": em.n_events, "memory_tokens": em.windows[0].events.n_tokens, "full_cache": full.n, **held,
                **{f"{m}_chunk_s": round(sum(t) / len(t), 3) for m, t in times.items()},
                **{f"{m}_token_s": round(sum(t) / len(t), 4) for m, t in dec.items()}}
         rows.append(row)

@@ -12,6 +12,7 @@
 # steps: tests grid cli prof profile compile grid1b grid8b suite keep model gridreal (default: tests grid cli grid1b, in that order);
 # GRID_LENGTHS, GRID_S and GRID_FORMAT set the speed grids' lengths, time limit and store format
 # (GRID_FORMAT=int4 GRID_LENGTHS=1M ... grid8b: the 8B's store at a million tokens fits that disk).
+# GRID_BUDGET=GB: the device memory emllm's events may take (below the store's rows: the ring path).
 # Models there are random weights of real shapes: the timings hold, the answers are noise.
 # SmolLM2's real weights travel in two halves, by two calls in a row after one that carried the
 # wheels (the machine keeps /tmp while warm; the wheels and a half exceed what one call carries):
@@ -50,7 +51,7 @@ tests() {
 
 grid() {
   timeout ${GRID_S:-150} python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --random-weights --lengths ${GRID_LENGTHS:-4k,32k,256k} \
-    --chunks 3 --decode 8 ${GRID_FORMAT:+--format $GRID_FORMAT} --out "$OUT/speed-smollm2-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed.log"
+    --chunks 3 --decode 8 ${GRID_FORMAT:+--format $GRID_FORMAT} ${GRID_BUDGET:+--device-budget $GRID_BUDGET} --out "$OUT/speed-smollm2-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed.log"
 }
 
 cli() {
@@ -90,12 +91,12 @@ profile() {  # where a step's time goes on the GPU: kernels launched, device bus
 
 grid1b() {
   timeout ${GRID_S:-150} python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --config llama-3.2-1b --lengths ${GRID_LENGTHS:-4k,32k,256k} \
-    --chunks 3 --decode 8 ${GRID_FORMAT:+--format $GRID_FORMAT} --out "$OUT/speed-llama1b-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed-llama1b.log"
+    --chunks 3 --decode 8 ${GRID_FORMAT:+--format $GRID_FORMAT} ${GRID_BUDGET:+--device-budget $GRID_BUDGET} --out "$OUT/speed-llama1b-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed-llama1b.log"
 }
 
 grid8b() {
   timeout ${GRID_S:-150} python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --config llama-3.1-8b --lengths ${GRID_LENGTHS:-4k,32k,256k} \
-    --chunks 3 --decode 8 ${GRID_FORMAT:+--format $GRID_FORMAT} --out "$OUT/speed-llama8b-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed-llama8b.log"
+    --chunks 3 --decode 8 ${GRID_FORMAT:+--format $GRID_FORMAT} ${GRID_BUDGET:+--device-budget $GRID_BUDGET} --out "$OUT/speed-llama8b-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed-llama8b.log"
 }
 
 compile() {  # torch.compile of the device step's pure functions against them as they are (issue 70, item 4)
@@ -105,7 +106,7 @@ compile() {  # torch.compile of the device step's pure functions against them as
 
 gridreal() {  # SmolLM2's real weights (after keep and model: its emllm home is /tmp/home)
   EMLLM_HOME=/tmp/home timeout ${GRID_S:-150} python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --model smollm2 \
-    --lengths ${GRID_LENGTHS:-4k,32k,256k} --chunks 3 --decode 8 ${GRID_FORMAT:+--format $GRID_FORMAT} --out "$OUT/speed-smollm2-real-gpu.jsonl" 2>&1 | grep -v Warning \
+    --lengths ${GRID_LENGTHS:-4k,32k,256k} --chunks 3 --decode 8 ${GRID_FORMAT:+--format $GRID_FORMAT} ${GRID_BUDGET:+--device-budget $GRID_BUDGET} --out "$OUT/speed-smollm2-real-gpu.jsonl" 2>&1 | grep -v Warning \
     | tee "$OUT/speed-smollm2-real.log"
 }
 

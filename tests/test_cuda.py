@@ -196,6 +196,47 @@ def test_a_steps_reads_back_on_cuda_do_not_grow_with_the_layers(store):
         assert abs(chunk8.total - chunk2.total) <= 1 and abs(token8.total - token2.total) <= 1
 
 
+def test_a_store_past_the_gpus_budget_reads_its_rows_through_a_ring(tiny, tmp_path, monkeypatch):
+    """A budget too small for every row: the keys on the GPU, the rows of the events selected
+    lately in a ring there, the others copied in from the host (`resident.CachedEvents`). The
+    store written is the one written with room (events and boundaries exactly, rows to float32
+    rounding), and asked on the GPU it answers as with room; a step reads back one selection a
+    layer more than with every row there."""
+    from benchmarks.host_syncs import step_reads
+    from emllm.engine import window
+    from emllm.memory import resident
+
+    folder, prof, _, _ = tiny
+    docs = [("doc", words(7, 1000))]
+    if CUDA.type != "cuda":  # (a dry run: the step a GPU takes by default)
+        monkeypatch.setattr(window, "DEVICE_STEP", True)
+    model, tok = load_tiny(folder)
+    model.to(CUDA)
+    ingest_store(tmp_path / "roomy", folder, prof, docs, model=model)
+    dev = torch.device("cuda", torch.cuda.current_device()) if CUDA.type == "cuda" else CUDA
+    monkeypatch.setitem(resident._BUDGETS, dev, 160_000.0)  # (as tests/test_device_step.py's ring)
+    made, make = [], resident.CachedEvents.__init__
+    monkeypatch.setattr(resident.CachedEvents, "__init__", lambda self, *a, **k: made.append(self) or make(self, *a, **k))
+    ingest_store(tmp_path / "tight", folder, prof, docs, model=model)
+    assert made and sum(r.ring.miss_tokens for r in made) > 0
+    a, b = store_arrays(tmp_path / "roomy"), store_arrays(tmp_path / "tight")
+    assert a.keys() == b.keys()
+    for name in a:
+        if name.endswith((".i32", ".u8")):
+            assert a[name] == b[name], name
+        elif not name.endswith(".safetensors"):
+            x, y = (torch.frombuffer(bytearray(d[name]), dtype=torch.float32) for d in (a, b))
+            torch.testing.assert_close(x, y, atol=TOL, rtol=0, equal_nan=True, msg=name)
+    answers = answers_of(tmp_path / "tight", [model], tok, 8)
+    monkeypatch.setitem(resident._BUDGETS, dev, float("inf"))
+    assert answers == answers_of(tmp_path / "roomy", [model], tok, 8) and answers[0]
+    monkeypatch.delitem(resident._BUDGETS, dev)
+    ring = [step_reads(n, device_step=True, store=True, device=str(CUDA), ring=True) for n in (2, 8)]
+    full = [step_reads(n, device_step=True, store=True, device=str(CUDA)) for n in (2, 8)]
+    for i in range(2):  # (chunk, token)
+        assert abs(ring[1][i].total - full[1][i].total - 8) <= 1 and abs(ring[0][i].total - full[0][i].total - 2) <= 1
+
+
 def test_a_steps_deferred_rows_come_back_from_the_host_and_the_device(tiny, tmp_path):
     """A step's rows wait on the device for one read back at its end; rows appended from host
     tensors (a program filling memory from the CPU) wait beside them: one flush writes both, in order."""

@@ -219,9 +219,92 @@ def test_an_integer_stores_rows_stay_encoded_on_the_device_through_a_readers_res
         same_as_a_fresh_copy(ev)
 
 
+@pytest.mark.parametrize("fmt", ["float32", "int4"])
+def test_a_store_past_the_device_budget_keeps_its_keys_there_and_a_ring_of_rows(tmp_path, tiny, monkeypatch, fmt):
+    """Past the budget for every row, a layer keeps the representative keys on the device and the
+    rows of the events selected lately in a ring (`resident.CachedEvents`), copying in the others:
+    the store written is the one written with room to spare, bit for bit (the same rows in the
+    same order, the padding masked), and so are the answers read from it on that path."""
+    from emllm.app.stream import open_engine
+    from emllm.memory import resident
+    from emllm.store import Store
+
+    from .helpers import answers_of, ingest_store, load_tiny, store_arrays, words
+
+    folder, prof, _, _ = tiny
+    docs = [("a", words(7, 1000))]
+    monkeypatch.setattr(window, "DEVICE_STEP", True)
+    ingest_store(tmp_path / "roomy", folder, prof, docs, kv_format=fmt)
+    roomy_answers = answers_of(tmp_path / "roomy", [load_tiny(folder)[0]], load_tiny(folder)[1], 12)
+    # ~1,000 tokens, ~160 events a layer, 136 bytes an event's key; a token's rows 256 bytes
+    # (float32), 48 (int4): a ring of 4 budgets (128 tokens) beside twice the keys fits a layer's
+    # half of the budget, the rows of every token do not; float32's ring is made smaller as the keys grow
+    budget = 160_000.0 if fmt == "float32" else 120_000.0
+    monkeypatch.setitem(resident._BUDGETS, torch.device("cpu"), budget)
+    resized, resize = [], resident.CachedEvents.resize_ring
+    monkeypatch.setattr(resident.CachedEvents, "resize_ring", lambda self, n: resized.append(n) or resize(self, n))
+    ingest_store(tmp_path / "tight", folder, prof, docs, kv_format=fmt)
+    assert store_arrays(tmp_path / "tight") == store_arrays(tmp_path / "roomy")
+    assert bool(resized) == (fmt == "float32") and all(n >= 4 * 32 for n in resized)
+    model, tok = load_tiny(folder)
+    with Store.open(tmp_path / "tight") as st:
+        eng = open_engine(st, model)
+        g = torch.Generator().manual_seed(3)
+        eng.step(torch.randint(0, 300, (16,), generator=g))
+        for _ in range(4):
+            eng.step(torch.randint(0, 300, (1,), generator=g), with_surprise=False)
+        ev = eng.windows[0].events
+        assert ev.on_device(torch.device("cpu")) and isinstance(ev.on_dev, resident.CachedEvents)
+        assert (ev.on_dev.codec is not None) == (fmt == "int4")
+        ring = ev.on_dev.ring
+        assert ring.miss_tokens > 0 and ring.hit_tokens > 0  # (a generated token selects what the last did)
+        assert 4 * 32 <= ring.cap < int(ev.lengths.view().sum())  # (a ring smaller than the events)
+        snap, events = eng.snapshot(), len(ev)
+        for _ in range(3):  # a reader's own events, then forgotten: the ring holds none of theirs
+            eng.step(torch.randint(0, 300, (16,), generator=g))
+        assert len(ev) > events
+        eng.restore(snap)
+        assert len(ev) == ev.on_dev.lengths.n == ev.on_dev.host_lengths.n == events
+        import numpy as np
+        assert (ring.lookup(np.arange(events, events + 50)) < 0).all()
+    assert answers_of(tmp_path / "tight", [model], tok, 12) == roomy_answers
+
+
+def test_the_ring_holds_whole_events_and_evicts_the_oldest():
+    """`EventRing` against a plain account of what it must hold: every event placed is read back
+    whole where it is still held, and an event loses its place only to rows written after it."""
+    import numpy as np
+
+    from emllm.memory.resident import EventRing
+
+    ring = EventRing(20, (1,), torch.float32, torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 7, 40)
+    held: dict[int, int] = {}
+    for step in range(30):
+        ids = np.unique(rng.integers(0, 40, 4))
+        miss = ids[ring.lookup(ids) < 0]
+        rows = ring.place(miss, lengths[miss])
+        ring.k[torch.from_numpy(rows)] = torch.from_numpy(np.repeat(miss, lengths[miss])[: rows.size]).float()[:, None]
+        placed = int((np.cumsum(lengths[miss]) <= 20).sum())
+        for e in miss[:placed].tolist():
+            held[e] = step
+        at = ring.lookup(np.arange(40))
+        for e in range(40):
+            if at[e] >= 0:  # held whole, its rows its own
+                assert e in held
+                got = ring.k[at[e] : at[e] + lengths[e], 0]
+                assert at[e] + lengths[e] <= 20 and torch.equal(got, torch.full_like(got, e))
+        assert sum(lengths[e] for e in range(40) if at[e] >= 0) <= 20
+        assert all(at[e] >= 0 for e in miss[:placed].tolist())  # what was just placed is held
+    ring.forget_from(10)
+    assert (ring.lookup(np.arange(10, 40)) < 0).all()
+
+
 def test_a_store_that_outgrows_the_device_goes_on_from_its_files(tmp_path, tiny, monkeypatch):
-    """Past the device's budget a layer drops its copy (its deferred rows written first) and takes
-    the host path: the store written is the one written with room to spare, and so are its answers."""
+    """Past the device's budget for even its keys and a ring, a layer drops its copy (its deferred
+    rows written first) and takes the host path: the store written is the one written with room to
+    spare, and so are its answers."""
     from emllm.memory import resident
 
     from .helpers import answers_of, ingest_store, load_tiny, store_arrays, words
@@ -230,7 +313,7 @@ def test_a_store_that_outgrows_the_device_goes_on_from_its_files(tmp_path, tiny,
     docs = [("a", words(7, 500))]
     monkeypatch.setattr(window, "DEVICE_STEP", True)
     ingest_store(tmp_path / "roomy", folder, prof, docs)
-    monkeypatch.setitem(resident._BUDGETS, torch.device("cpu"), 200_000.0)  # a few hundred tokens a layer
+    monkeypatch.setitem(resident._BUDGETS, torch.device("cpu"), 40_000.0)  # under a ring of 4 budgets a layer
     ingest_store(tmp_path / "tight", folder, prof, docs)
     from emllm.app.stream import open_engine
     from emllm.store import Store

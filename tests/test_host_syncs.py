@@ -50,6 +50,33 @@ def test_the_device_steps_reads_do_not_grow_with_the_layers(store):
     assert abs(chunk8.total - chunk2.total) <= 1 and abs(token8.total - token2.total) <= 1
 
 
+@pytest.mark.parametrize("fmt", [None, "int8"])  # (int4's rows here weigh less than the events' keys)
+def test_past_the_device_budget_a_step_reads_one_selection_back_a_layer(fmt):
+    """A store whose rows outgrow the device's budget (`resident.CachedEvents`: keys there, rows in
+    a ring): each layer reads its selection back once (which events to copy), nothing more; the
+    misses' rows are found and read on the host without reading a tensor back."""
+    from emllm.memory import resident
+
+    seen = []
+    make = resident.CachedEvents.__init__
+
+    def spy(self, *a, **k):
+        seen.append(self)
+        make(self, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(resident.CachedEvents, "__init__", spy)
+        ring2 = step_reads(2, device_step=True, store=True, ring=True, kv_format=fmt)
+        ring8 = step_reads(8, device_step=True, store=True, ring=True, kv_format=fmt)
+    full2 = step_reads(2, device_step=True, store=True, kv_format=fmt)
+    full8 = step_reads(8, device_step=True, store=True, kv_format=fmt)
+    assert len(seen) == 2 + 8 and sum(r.ring.miss_tokens for r in seen) > 0  # (the ring path ran, every layer)
+    for i in range(2):  # (chunk, token): one more read a layer than with every row there (a step that
+        # closes an event or not may differ by one)
+        assert abs(ring2[i].total - full2[i].total - 2) <= 1 and abs(ring8[i].total - full8[i].total - 8) <= 1
+        assert ring8[i].counts["cpu"] - full8[i].counts["cpu"] >= 7
+
+
 def test_the_cpus_step_reads_a_layers_selection_on_the_host():
     """On the CPU the selection runs on the host (numpy, faster there): its reads grow with the
     layers, which is why a GPU takes the other step."""

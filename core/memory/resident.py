@@ -6,13 +6,19 @@ while it fits the device's budget (`store.events.StoredEvents.on_device`).
 An integer store's rows stay encoded there (`Codec`: int4 about a third of bfloat16's bytes, int8
 a little over half, so three times or twice the events fit the budget), decoded as a step gathers them; the
 rows of the tokens read but not yet closed into events wait beside them (`push_tail`), already
-encoded, until their events close."""
+encoded, until their events close.
+
+Past the budget, `CachedEvents`: the representative keys and sizes stay on the device (scoring and
+selection there, as before), and the rows of the events selected lately in a ring of fixed size
+(InfLLM keeps such a cache): a step reads its selection back (one wait a layer, to know what to
+copy) and copies from the host only the events the ring does not hold."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -76,6 +82,10 @@ class ResidentEvents:
     def bytes_for(self, tokens: int, events: int) -> int:
         return tokens * self._token_bytes + events * self._event_bytes
 
+    def bytes_after(self, tokens: int, events: int) -> int:
+        """The bytes it would take with `tokens` more token rows and `events` more events."""
+        return self.bytes_for(self.keys.n + tokens, self.lengths.n + events)
+
     @property
     def nbytes(self) -> int:
         return self.bytes_for(self.keys.n, self.lengths.n)
@@ -129,3 +139,184 @@ class ResidentEvents:
         k = self.codec.decode_k(self.keys.view()[rows]).transpose(0, 1)  # [H_kv, size, D]
         v = self.codec.decode_v(self.values.view()[rows]).transpose(0, 1)
         return k, v, valid
+
+
+def runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + l) for each (s, l) (numpy: the host's bookkeeping reads no
+    tensor back)."""
+    total = int(lengths.sum())
+    return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(total)
+
+
+class EventRing:
+    """Rows of recently used events on a device: a ring of `cap` token rows [cap, *row] for keys
+    and for values, indexed by event id; the bookkeeping on the host (numpy). Events are written as
+    one run from the head (from row 0 where the run would pass the end), evicting the events whose
+    rows they overwrite (first in, first out), as `memory.cache.EventCache` does in RAM.
+
+    Invariant: owner[r] == e exactly when event e is held and row r holds one of its tokens;
+    where[e] is the row of its first token (or -1), size[e] its length."""
+
+    def __init__(self, cap: int, row: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.cap = cap
+        self.k = torch.empty((cap, *row), dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.owner = np.full(cap, -1, np.int64)
+        self.where = np.full(256, -1, np.int64)
+        self.size = np.zeros(256, np.int64)
+        self.head = 0
+        self.hit_tokens = self.miss_tokens = 0
+
+    def _room(self, n_events: int) -> None:
+        if n_events > self.where.size:
+            grow = max(n_events, 2 * self.where.size) - self.where.size
+            self.where = np.concatenate((self.where, np.full(grow, -1, np.int64)))
+            self.size = np.concatenate((self.size, np.zeros(grow, np.int64)))
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of the first tokens of events ids [n], -1 where not held."""
+        if ids.size:
+            self._room(int(ids.max()) + 1)
+        return self.where[ids]
+
+    def place(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Rows [sum] for events ids [m] (not held now), their tokens in order, claimed (their
+        former owners evicted); the events past `cap` tokens in all are left out (fewer rows)."""
+        fit = int((np.cumsum(lengths) <= self.cap).sum())
+        ids, lengths = ids[:fit], lengths[:fit]
+        if not fit:
+            return np.zeros(0, np.int64)
+        self._room(int(ids.max()) + 1)
+        total = int(lengths.sum())
+        first = np.cumsum(lengths) - lengths + (self.head if self.head + total <= self.cap else 0)
+        rows = runs(first, lengths)
+        old = np.unique(self.owner[rows])
+        old = old[old >= 0]
+        for e in old.tolist():  # (whole events that lose any row: a few a step)
+            self.owner[self.where[e] : self.where[e] + self.size[e]] = -1
+            self.where[e] = -1
+        self.owner[rows] = np.repeat(ids, lengths)
+        self.where[ids], self.size[ids] = first, lengths
+        self.head = int(first[-1] + lengths[-1]) % self.cap
+        return rows
+
+    def forget_from(self, n_events: int) -> None:
+        """Drop the events numbered n_events and after (a reader's, truncated: their numbers come back)."""
+        held = self.owner >= n_events
+        self.owner[held] = -1
+        self.where[n_events:] = -1
+
+
+class CachedEvents(ResidentEvents):
+    """A layer's events on a device past the budget for all their rows: representative keys [E,
+    dim] and lengths [E] there (`scores`, `token_scores` as `ResidentEvents`), rows in an
+    `EventRing` of `ring_tokens` rows; `read(ids [m] long) -> keys, values [sum, *row]` (host; the
+    encoded rows with a codec) gives the rows of events the ring does not hold.
+
+    `gather_masked` returns what `ResidentEvents.gather_masked` returns for the same events (the
+    same rows in the same order, the padding zeros), at the cost of reading the selection back."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dim: int, kv_dtype: torch.dtype, r_dtype: torch.dtype,
+                 device: torch.device, codec: Codec | None, ring_tokens: int,
+                 read: Callable[[Tensor], tuple[Tensor, Tensor]]) -> None:
+        self.device, self.dim, self.codec, self.read = device, dim, codec, read
+        row, dt = ((kv_heads, head_dim), kv_dtype) if codec is None else (codec.row, torch.uint8)
+        self.ring = EventRing(ring_tokens, row, dt, device)
+        self.lengths = GrowBuffer((0,), 0, torch.long, device)
+        self.host_lengths = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
+        self.reprs = GrowBuffer((0, dim), 0, r_dtype, device)
+        self._event_bytes = dim * r_dtype.itemsize + 8
+        self._ring_bytes = ring_tokens * self.row_bytes
+        self._stage: tuple[Tensor, Tensor] | None = None  # pinned host rows of the misses (CUDA)
+
+    @classmethod
+    def from_resident(cls, dev: ResidentEvents, kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
+                      host_lengths: Tensor, ring_tokens: int, read: Callable[[Tensor], tuple[Tensor, Tensor]]
+                      ) -> "CachedEvents":
+        """A full copy that outgrew its budget, its rows dropped (its representative keys kept)."""
+        out = cls(kv_heads, head_dim, dev.dim, kv_dtype, dev.reprs.buf.dtype, dev.device, dev.codec, ring_tokens, read)
+        out.lengths, out.reprs = dev.lengths, dev.reprs
+        out.host_lengths.append(host_lengths)
+        return out
+
+    @property
+    def row_bytes(self) -> int:
+        """A token's key and value in the ring."""
+        return 2 * self.ring.k[0].nbytes
+
+    def resize_ring(self, ring_tokens: int) -> None:
+        """A new, empty ring of `ring_tokens` rows (the keys grew: the ring gives them room)."""
+        self.ring = EventRing(ring_tokens, tuple(self.ring.k.shape[1:]), self.ring.k.dtype, self.device)
+        self._ring_bytes = ring_tokens * self.row_bytes
+
+    def bytes_for(self, tokens: int, events: int) -> int:
+        return self._ring_bytes + events * self._event_bytes
+
+    def bytes_after(self, tokens: int, events: int) -> int:
+        return self.bytes_for(0, self.lengths.n + events)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_for(0, self.lengths.n)
+
+    def append(self, keys: Tensor, values: Tensor, lengths: Tensor, reprs: Tensor) -> None:
+        """lengths [e] (host), reprs [e, dim]; the rows stay where the store keeps them."""
+        self.host_lengths.append(lengths)
+        self.lengths.append(lengths.to(self.device, non_blocking=True))
+        self.reprs.append(reprs.to(self.device, non_blocking=True))
+
+    def push_tail(self, keys: Tensor, values: Tensor) -> None:
+        """(rows are read from the store as they are needed)"""
+
+    def truncate(self, events: int, tokens: int, tail: int = 0) -> None:
+        self.lengths.n = self.reprs.n = self.host_lengths.n = events
+        self.ring.forget_from(events)
+
+    def gather_masked(self, mask: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
+        # The one read back of a layer's step: which events to copy. It also waits for the
+        # stream, so the staging rows the last copy read from are free to write again.
+        ids = mask.nonzero().flatten().cpu().numpy()
+        lengths = self.host_lengths.view().numpy()[ids]
+        total = int(lengths.sum())
+        if total > size:
+            raise ValueError(f"a selection of {total} tokens does not fit in {size}")
+        ring = self.ring
+        out_k = torch.zeros((size, *ring.k.shape[1:]), dtype=ring.k.dtype, device=self.device)
+        out_v = torch.zeros_like(out_k)
+        at = ring.lookup(ids)
+        hit = at >= 0
+        first = np.cumsum(lengths) - lengths  # each event's first row in the result
+        if hit.any():  # copied out before the misses' rows may overwrite them (the stream's order)
+            idx = torch.from_numpy(np.stack((runs(first[hit], lengths[hit]), runs(at[hit], lengths[hit]))))
+            idx = idx.to(self.device, non_blocking=True)
+            out_k[idx[0]], out_v[idx[0]] = ring.k[idx[1]], ring.v[idx[1]]
+            ring.hit_tokens += idx.shape[1]
+        miss = ~hit
+        if miss.any():
+            k, v = self._to_device(*self.read(torch.from_numpy(ids[miss])))
+            dst = torch.from_numpy(runs(first[miss], lengths[miss])).to(self.device, non_blocking=True)
+            out_k[dst], out_v[dst] = k, v
+            rows = ring.place(ids[miss], lengths[miss])
+            if rows.size:
+                r = torch.from_numpy(rows).to(self.device, non_blocking=True)
+                ring.k[r], ring.v[r] = k[: rows.size], v[: rows.size]
+            ring.miss_tokens += k.shape[0]
+        valid = torch.arange(size, device=self.device) < total
+        if self.codec is not None:
+            return self.codec.decode_k(out_k).transpose(0, 1), self.codec.decode_v(out_v).transpose(0, 1), valid
+        return out_k.transpose(0, 1), out_v.transpose(0, 1), valid
+
+    def _to_device(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Host rows [n, *row] on the device; on CUDA through pinned rows, copied asynchronously."""
+        if self.device.type != "cuda":
+            return k.to(self.device), v.to(self.device)
+        n = k.shape[0]
+        if self._stage is None or self._stage[0].shape[0] < n:
+            cap = max(n, 1024)
+            self._stage = (torch.empty((cap, *k.shape[1:]), dtype=k.dtype, pin_memory=True),
+                           torch.empty((cap, *v.shape[1:]), dtype=v.dtype, pin_memory=True))
+        sk, sv = self._stage[0][:n], self._stage[1][:n]
+        sk.copy_(k)
+        sv.copy_(v)
+        return sk.to(self.device, non_blocking=True), sv.to(self.device, non_blocking=True)
+

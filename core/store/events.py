@@ -11,7 +11,7 @@ from emllm.config import Profile
 from emllm.memory import prune, quant, sketch
 from emllm.memory.cache import EventCache
 from emllm.memory.buffers import GrowBuffer, token_index
-from emllm.memory.resident import Codec, ResidentEvents, device_budget
+from emllm.memory.resident import CachedEvents, Codec, ResidentEvents, device_budget, runs
 from emllm.memory.selection import Selection, scores_in_blocks, select_events, token_scores
 from emllm.store.errors import StoreError
 from emllm.store.rows import finite, mappable, _BY_NAME, RowFile
@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 
 
 RESIDENT_BLOCK = 1 << 14  # events read into the resident keys at a time
+RING_BUDGETS = 4  # a device's ring of rows holds at least this many retrievals' (n_mem tokens each)
+
+
+def _before(idx: Tensor, n: int) -> bool:
+    """Whether every row of idx [m] (increasing, host) is below n."""
+    return idx.numel() == 0 or int(idx.numpy()[-1]) < n
 
 
 def _finite_reprs(ev: "StoredEvents", x: Tensor) -> Tensor:
@@ -130,7 +136,8 @@ class StoredEvents:
         self.resident = GrowBuffer((0, self.dim), 0, rdt, torch.device("cpu"))
         self.resident_norms = GrowBuffer((0,), 0, torch.float32, torch.device("cpu"))
         self.score_dtype = rdt
-        # every event's rows on the device a step runs on, while they fit its budget (`on_device`)
+        # every event's rows on the device a step runs on, while they fit its budget; past it, the
+        # representative keys there and a ring of rows (`on_device`)
         self.on_dev: ResidentEvents | None = None
         self.on_dev_cap = 0  # bytes this layer's copy may take
         self.on_dev_refused = False  # (too large once: the host path from then on)
@@ -280,10 +287,21 @@ class StoredEvents:
         self.lengths.append(lengths)
         dev = self.on_dev
         if dev is not None:
-            if dev.bytes_for(dev.keys.n + keys.shape[1], dev.lengths.n + lengths.numel()) > self.on_dev_cap:
-                self.store.flush_deferred()  # (the host path reads the files: everything written first)
-                self.on_dev, self.on_dev_refused = None, True  # outgrew the device: the host path from here
-            else:
+            if dev.bytes_after(keys.shape[1], lengths.numel()) > self.on_dev_cap:
+                self.store.flush_deferred()  # (the host path and the ring read the files: everything written first)
+                # outgrew the device: its rows read as they are selected (the ring made smaller as
+                # the keys grow), else the host path from here
+                if isinstance(dev, CachedEvents):
+                    ring = self._ring_tokens(len(self), dev.row_bytes)
+                    if ring is not None:
+                        dev.resize_ring(ring)
+                    else:
+                        dev = None
+                else:
+                    dev = self._cached(dev, dev.device, dev.lengths.n)
+                self.on_dev = dev
+                self.on_dev_refused = dev is None
+            if dev is not None:
                 dev.append(keys, values, lengths, self._decoded(rows).reshape(-1, self.dim).to(self.score_dtype))
 
     def _repr_block(self, start: int, stop: int) -> Tensor:
@@ -380,9 +398,12 @@ class StoredEvents:
         return self.lengths.view()
 
     def on_device(self, device: torch.device) -> bool:
-        """Whether every event's rows are on `device` (copied there at the first step that asks,
-        kept there as events close) while they fit its budget (`resident.device_budget`, shared by
-        the layers); past it, the host path: rows read from the files for each selection."""
+        """Whether a step on `device` scores, selects and gathers there: every event's rows there
+        (copied at the first step that asks, kept there as events close) while they fit its budget
+        (`resident.device_budget`, shared by the layers); past it the representative keys there
+        and the rows of the events selected lately (`resident.CachedEvents`), while the keys and
+        a ring of a few budgets' rows fit; past that, the host path: rows read from the files for
+        each selection."""
         if self.on_dev is None and not self.on_dev_refused:
             self.on_dev = self._copy_to(device)
             self.on_dev_refused = self.on_dev is None
@@ -401,7 +422,7 @@ class StoredEvents:
         tokens, events = self.event_end - self.base, len(self)
         self.on_dev_cap = device_budget(device) / len(g.with_memory)
         if dev.bytes_for(tokens, events) > self.on_dev_cap:
-            return None
+            return self._cached(dev, device, events)
         dev.keys.reserve(tokens + 1024)
         dev.values.reserve(tokens + 1024)
         for a in range(self.base, self.event_end, RESIDENT_BLOCK):
@@ -420,6 +441,51 @@ class StoredEvents:
             dev.reprs.append(_finite_reprs(self, self._repr_block(a, min(events, a + RESIDENT_BLOCK))).to(device, self.score_dtype))
         dev.lengths.append(self.lengths.view().to(device))
         return dev
+
+    def _cached(self, dev: ResidentEvents, device: torch.device, events: int) -> CachedEvents | None:
+        """The first `events` events as representative keys on `device` and a ring of rows: those of
+        `dev` where it holds them (a full copy that outgrew), else read from the files. The ring
+        takes what the budget leaves beside twice the keys (room to grow); None where that is
+        less than `RING_BUDGETS` retrievals' rows."""
+        g = self.store.geometry
+        ring = self._ring_tokens(len(self), dev.bytes_for(1, 0))  # (a token's key and value, as the copy keeps them)
+        if ring is None:
+            return None
+        read = self._encoded_rows if dev.codec is not None else self._event_rows
+        kv_dtype = self.dtype
+        if events and dev.lengths.n == events:
+            return CachedEvents.from_resident(dev, g.kv_heads, g.head_dim, kv_dtype, self.lengths.view()[:events], ring, read)
+        out = CachedEvents(g.kv_heads, g.head_dim, self.dim, kv_dtype, self.score_dtype, device, dev.codec, ring, read)
+        for a in range(0, events, RESIDENT_BLOCK):
+            b = min(events, a + RESIDENT_BLOCK)
+            out.append(None, None, self.lengths.view()[a:b],
+                       _finite_reprs(self, self._repr_block(a, b)).to(device, self.score_dtype))
+        return out
+
+    def _ring_tokens(self, events: int, row_bytes: int) -> int | None:
+        """Rows of a device's ring beside the keys of `events` events: what the budget leaves beside
+        twice the keys (room to grow), at most the store's tokens; None where that is less than
+        `RING_BUDGETS` retrievals' rows."""
+        keys_bytes = 2 * events * (self.dim * self.score_dtype.itemsize + 8)
+        ring = int(self.on_dev_cap - keys_bytes) // row_bytes
+        n_mem = self.store.manifest["profile"].get("n_mem", 0)
+        if ring < RING_BUDGETS * max(n_mem, 1):
+            return None
+        return min(ring, max(self.n_tokens, RING_BUDGETS * n_mem))
+
+    def _event_rows(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Rows [sum, H_kv, D] of events ids [m] (increasing, host), as a step attends to them. Not
+        flushed first: an event a step can select closed at an earlier step, whose end wrote it."""
+        return self._read(self._token_rows(ids), flush=False)
+
+    def _encoded_rows(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """(an integer store's) `_event_rows` as the files keep them, [sum, *row] uint8."""
+        return self._read_encoded(self._token_rows(ids), flush=False)
+
+    def _token_rows(self, ids: Tensor) -> Tensor:
+        """The token rows of events ids [m] (host), in order (numpy: no host tensor read as a scalar)."""
+        i = ids.numpy()
+        return torch.from_numpy(runs(self.starts.view().numpy()[i], self.lengths.view().numpy()[i]))
 
     def lengths_on(self, device: torch.device) -> Tensor:
         dev = self.on_dev
@@ -481,25 +547,27 @@ class StoredEvents:
                     self.cache.insert(ids[fresh], lengths[fresh], k[src], v[src])
         return k.transpose(0, 1).to(dev), v.transpose(0, 1).to(dev)
 
-    def _read_encoded(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+    def _read_encoded(self, idx: Tensor, flush: bool = True) -> tuple[Tensor, Tensor]:
         """(an integer store's) token rows idx [n] as the files keep them: [n, *row] uint8 each."""
-        self.store.flush_deferred()
-        disk = idx < self.n_disk
-        if bool(disk.all()):
+        if flush:
+            self.store.flush_deferred()
+        if _before(idx, self.n_disk):
             return RowFile.take(self.k, idx), RowFile.take(self.v, idx)
+        disk = idx < self.n_disk
         ram = idx[~disk] - self.n_disk
         k = torch.cat((RowFile.take(self.k, idx[disk]), self.ram_rk.view()[ram]))  # (files first: idx sorted)
         v = torch.cat((RowFile.take(self.v, idx[disk]), self.ram_rv.view()[ram]))
         return k, v
 
-    def _read(self, idx: Tensor, prefetch: bool = False) -> tuple[Tensor, Tensor]:
+    def _read(self, idx: Tensor, prefetch: bool = False, flush: bool = True) -> tuple[Tensor, Tensor]:
         """Token rows idx [n] of the layer's events (files, then a reader's RAM): [n, H_kv, D] each."""
-        self.store.flush_deferred()
+        if flush:
+            self.store.flush_deferred()
         disk = idx < self.n_disk
         dec_k = lambda rows: self.store.decode_keys(self.slot, rows, self.dtype)  # noqa: E731
         dec_v = lambda rows: self.fmt.decode(rows, self.dtype)  # noqa: E731
         take = (lambda f, i: f.rows_at(i, prefetch)) if self.random_access else RowFile.take
-        if bool(disk.all()):
+        if _before(idx, self.n_disk):
             return dec_k(take(self.k, idx)), dec_v(take(self.v, idx))
         k = torch.empty((idx.numel(), *self.row), dtype=self.dtype)
         v = torch.empty_like(k)

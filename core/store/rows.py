@@ -145,7 +145,7 @@ class RowFile:
         read costs no page faults (figures: docs/benchmark-log.md, the store at scale)."""
         if idx.numel() == 0:
             return torch.zeros((0, *self.row), dtype=self.dtype)
-        rows = idx.cpu().numpy()
+        rows = (idx if idx.device.type == "cpu" else idx.cpu()).numpy()
         inv = None
         if rows.size > 1 and not bool((rows[1:] > rows[:-1]).all()):
             rows, inv = np.unique(rows, return_inverse=True)
