@@ -62,13 +62,13 @@ def test_cache_equals_a_brute_force_ring_and_returns_the_right_rows():
                 rows = torch.cat([torch.arange(int(starts[e]), int(starts[e] + lengths[e])) for e in miss])
                 cache.insert(miss, lengths[miss], data[rows], -data[rows])
                 ref.insert(miss.tolist(), lengths[miss].tolist())
-            cached = {int(e): (int(cache.where[e]), int(cache.size[e])) for e in range(cache.where.numel()) if cache.where[e] >= 0}
+            cached = {int(e): (int(cache.where[e]), int(cache.size[e])) for e in range(cache.where.size) if cache.where[e] >= 0}
             assert cached == ref.at
             # the invariant: owner marks exactly the rows of cached events
             owner = torch.full((cap,), -1, dtype=torch.long)
             for e, (o, n) in cached.items():
                 owner[o : o + n] = e
-            assert torch.equal(cache.owner, owner)
+            assert torch.equal(torch.from_numpy(cache.owner), owner)
             assert sum(n for _, n in cached.values()) <= cap
 
 
@@ -144,3 +144,24 @@ def test_store_gather_with_the_cache_equals_the_rows_written(tmp_path, monkeypat
         ev = StoredEvents(rd, 0)
         assert not ev.random_access and ev.cache is None
         check(ev, 50)
+
+
+def test_forgotten_events_leave_the_cache_and_their_numbers_can_come_back():
+    """A reader's events forgotten (`forget_from`): none of them is found any more, the others
+    still are with their rows, and a new event of a forgotten number is placed anew."""
+    import numpy as np
+
+    cache = EventCache(30, (1,), torch.float32)
+    lengths = np.array([3, 2, 4, 1, 5, 2, 3])
+    ids = np.arange(7)
+    cache.insert(torch.from_numpy(ids), torch.from_numpy(lengths),
+                 *(torch.from_numpy(np.repeat(ids, lengths)).float()[:, None],) * 2)
+    cache.forget_from(4)
+    at = cache.offsets(ids)
+    assert (at[4:] < 0).all() and (at[:4] >= 0).all()
+    for e in range(4):
+        assert torch.equal(cache.k[at[e] : at[e] + lengths[e], 0], torch.full((int(lengths[e]),), float(e)))
+    assert (cache.owner >= 4).sum() == 0
+    rows = cache.place(np.array([4]), np.array([6]))
+    assert rows.size == 6 and cache.offsets(np.array([4]))[0] == rows[0]
+

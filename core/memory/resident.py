@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from emllm.memory.buffers import GrowBuffer, padded_index, padded_rows
+from emllm.memory.cache import EventCache, runs
 from emllm.memory.selection import scores_in_blocks, token_scores
 
 # Share of a GPU's free memory, when a store is first stepped on it, that resident events of all
@@ -141,76 +142,10 @@ class ResidentEvents:
         return k, v, valid
 
 
-def runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + l) for each (s, l) (numpy: the host's bookkeeping reads no
-    tensor back)."""
-    total = int(lengths.sum())
-    return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(total)
-
-
-class EventRing:
-    """Rows of recently used events on a device: a ring of `cap` token rows [cap, *row] for keys
-    and for values, indexed by event id; the bookkeeping on the host (numpy). Events are written as
-    one run from the head (from row 0 where the run would pass the end), evicting the events whose
-    rows they overwrite (first in, first out), as `memory.cache.EventCache` does in RAM.
-
-    Invariant: owner[r] == e exactly when event e is held and row r holds one of its tokens;
-    where[e] is the row of its first token (or -1), size[e] its length."""
-
-    def __init__(self, cap: int, row: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.cap = cap
-        self.k = torch.empty((cap, *row), dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
-        self.owner = np.full(cap, -1, np.int64)
-        self.where = np.full(256, -1, np.int64)
-        self.size = np.zeros(256, np.int64)
-        self.head = 0
-        self.hit_tokens = self.miss_tokens = 0
-
-    def _room(self, n_events: int) -> None:
-        if n_events > self.where.size:
-            grow = max(n_events, 2 * self.where.size) - self.where.size
-            self.where = np.concatenate((self.where, np.full(grow, -1, np.int64)))
-            self.size = np.concatenate((self.size, np.zeros(grow, np.int64)))
-
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """Rows of the first tokens of events ids [n], -1 where not held."""
-        if ids.size:
-            self._room(int(ids.max()) + 1)
-        return self.where[ids]
-
-    def place(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Rows [sum] for events ids [m] (not held now), their tokens in order, claimed (their
-        former owners evicted); the events past `cap` tokens in all are left out (fewer rows)."""
-        fit = int((np.cumsum(lengths) <= self.cap).sum())
-        ids, lengths = ids[:fit], lengths[:fit]
-        if not fit:
-            return np.zeros(0, np.int64)
-        self._room(int(ids.max()) + 1)
-        total = int(lengths.sum())
-        first = np.cumsum(lengths) - lengths + (self.head if self.head + total <= self.cap else 0)
-        rows = runs(first, lengths)
-        old = np.unique(self.owner[rows])
-        old = old[old >= 0]
-        for e in old.tolist():  # (whole events that lose any row: a few a step)
-            self.owner[self.where[e] : self.where[e] + self.size[e]] = -1
-            self.where[e] = -1
-        self.owner[rows] = np.repeat(ids, lengths)
-        self.where[ids], self.size[ids] = first, lengths
-        self.head = int(first[-1] + lengths[-1]) % self.cap
-        return rows
-
-    def forget_from(self, n_events: int) -> None:
-        """Drop the events numbered n_events and after (a reader's, truncated: their numbers come back)."""
-        held = self.owner >= n_events
-        self.owner[held] = -1
-        self.where[n_events:] = -1
-
-
 class CachedEvents(ResidentEvents):
     """A layer's events on a device past the budget for all their rows: representative keys [E,
     dim] and lengths [E] there (`scores`, `token_scores` as `ResidentEvents`), rows in an
-    `EventRing` of `ring_tokens` rows; `read(ids [m] long) -> keys, values [sum, *row]` (host; the
+    `memory.cache.EventCache` of `ring_tokens` rows on the device; `read(ids [m] long) -> keys, values [sum, *row]` (host; the
     encoded rows with a codec) gives the rows of events the ring does not hold.
 
     `gather_masked` returns what `ResidentEvents.gather_masked` returns for the same events (the
@@ -221,7 +156,7 @@ class CachedEvents(ResidentEvents):
                  read: Callable[[Tensor], tuple[Tensor, Tensor]]) -> None:
         self.device, self.dim, self.codec, self.read = device, dim, codec, read
         row, dt = ((kv_heads, head_dim), kv_dtype) if codec is None else (codec.row, torch.uint8)
-        self.ring = EventRing(ring_tokens, row, dt, device)
+        self.ring = EventCache(ring_tokens, row, dt, device)
         self.lengths = GrowBuffer((0,), 0, torch.long, device)
         self.host_lengths = GrowBuffer((0,), 0, torch.long, torch.device("cpu"))
         self.reprs = GrowBuffer((0, dim), 0, r_dtype, device)
@@ -246,7 +181,7 @@ class CachedEvents(ResidentEvents):
 
     def resize_ring(self, ring_tokens: int) -> None:
         """A new, empty ring of `ring_tokens` rows (the keys grew: the ring gives them room)."""
-        self.ring = EventRing(ring_tokens, tuple(self.ring.k.shape[1:]), self.ring.k.dtype, self.device)
+        self.ring = EventCache(ring_tokens, tuple(self.ring.k.shape[1:]), self.ring.k.dtype, self.device)
         self._ring_bytes = ring_tokens * self.row_bytes
 
     def bytes_for(self, tokens: int, events: int) -> int:
@@ -283,7 +218,7 @@ class CachedEvents(ResidentEvents):
         ring = self.ring
         out_k = torch.zeros((size, *ring.k.shape[1:]), dtype=ring.k.dtype, device=self.device)
         out_v = torch.zeros_like(out_k)
-        at = ring.lookup(ids)
+        at = ring.offsets(ids)
         hit = at >= 0
         first = np.cumsum(lengths) - lengths  # each event's first row in the result
         if hit.any():  # copied out before the misses' rows may overwrite them (the stream's order)

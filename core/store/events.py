@@ -9,9 +9,9 @@ from torch import Tensor
 
 from emllm.config import Profile
 from emllm.memory import prune, quant, sketch
-from emllm.memory.cache import EventCache
+from emllm.memory.cache import EventCache, runs
 from emllm.memory.buffers import GrowBuffer, token_index
-from emllm.memory.resident import CachedEvents, Codec, ResidentEvents, device_budget, runs
+from emllm.memory.resident import CachedEvents, Codec, ResidentEvents, device_budget
 from emllm.memory.selection import Selection, scores_in_blocks, select_events, token_scores
 from emllm.store.errors import StoreError
 from emllm.store.rows import finite, mappable, _BY_NAME, RowFile
