@@ -139,8 +139,8 @@ def main() -> None:
     ap.add_argument("--full-max", default=None,
                     help="longest length for full attention (default: as far as its cache fits in half the free RAM)")
     ap.add_argument("--device-budget", type=float, default=None, metavar="GB",
-                    help="GB of the device's memory emllm's events may take, all layers (default: half its free "
-                         "memory); below the store's rows, its keys stay there and its rows pass through a ring")
+                    help="GB of the device's memory emllm's events may take, all layers ($EMLLM_DEVICE_MEMORY; default: "
+                         "half its free memory); below the store's rows, its keys stay there and its rows pass through a ring")
     ap.add_argument("--out", required=True, help="JSON lines, appended (with --replot: the file to read)")
     ap.add_argument("--replot", action="store_true", help="measure nothing: table and plot of the last run in --out")
     ap.add_argument("--plot", default=None, help="PNG of time per chunk against length (needs matplotlib)")
@@ -152,13 +152,8 @@ def main() -> None:
             plot(rows, meta, a.plot)
         return
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if a.device_budget is not None:
-        from emllm.memory import resident
-
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        resident._BUDGETS[dev] = a.device_budget * 2**30
+    if a.device_budget is not None:  # (as a user sets it)
+        os.environ["EMLLM_DEVICE_MEMORY"] = str(a.device_budget)
     if a.config or a.random_weights:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 

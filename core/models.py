@@ -158,6 +158,9 @@ def load(source: ModelSource, dtype: str | None = None, device: str | None = Non
     if dtype is None and env and env not in DTYPES:
         raise ProfileError(f"EMLLM_DTYPE={env!r}: use one of {', '.join(DTYPES)}")
     dt = compute_dtype(dtype or env or source.profile.dtype, dev)
+    from emllm.memory.resident import device_memory_setting
+
+    device_memory_setting()  # (a bad $EMLLM_DEVICE_MEMORY refused before the weights load)
     if device_map is not None:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dt, local_files_only=True,
                                                      device_map=device_map, offload_folder=offload_folder)

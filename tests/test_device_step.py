@@ -301,3 +301,28 @@ def test_a_store_that_outgrows_the_device_goes_on_from_its_files(tmp_path, tiny,
             np.testing.assert_allclose(np.frombuffer(b[name], np.float32), np.frombuffer(a[name], np.float32),
                                        atol=2e-5, rtol=0, err_msg=name)
     assert answers_of(tmp_path / "tight", [model], tok, 12) == answers_of(tmp_path / "roomy", [model], tok, 12)
+
+
+def test_the_device_memory_setting_sets_the_budget_and_a_bad_one_is_refused_before_loading(monkeypatch):
+    """$EMLLM_DEVICE_MEMORY (GB): the budget of an accelerator's events; anything but a positive
+    number ends in one clear error, raised by `models.load` before any weight is read."""
+    from emllm import models
+    from emllm.errors import UsageError
+    from emllm.memory import resident
+
+    meta = torch.device("meta")  # (an accelerator that is not the host)
+    monkeypatch.delitem(resident._BUDGETS, meta, raising=False)
+    monkeypatch.setenv("EMLLM_DEVICE_MEMORY", "1.5")
+    assert resident.device_budget(meta) == 1.5 * 2**30
+    assert resident.device_budget(torch.device("cpu")) == float("inf")  # (the host: no limit)
+    monkeypatch.delitem(resident._BUDGETS, meta)
+    for bad in ("lots", "0", "-2", "inf", "nan"):
+        monkeypatch.setenv("EMLLM_DEVICE_MEMORY", bad)
+        with pytest.raises(UsageError, match="EMLLM_DEVICE_MEMORY"):
+            resident.device_budget(meta)
+        loaded = []
+        monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loaded.append(1))
+        with pytest.raises(UsageError, match="EMLLM_DEVICE_MEMORY"):
+            models.load(models.resolve("smollm2"))
+        assert not loaded
+

@@ -15,6 +15,7 @@ copy) and copies from the host only the events the ring does not hold."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from emllm.errors import UsageError
 from emllm.memory.buffers import GrowBuffer, padded_index, padded_rows
 from emllm.memory.cache import EventCache, runs
 from emllm.memory.selection import scores_in_blocks, token_scores
@@ -33,11 +35,31 @@ DEVICE_SHARE = 0.5
 _BUDGETS: dict[torch.device, float] = {}
 
 
+def device_memory_setting() -> float | None:
+    """$EMLLM_DEVICE_MEMORY: the GB of an accelerator's memory a store's events may take, all
+    layers together (a GPU shared with other work), or None where it is not set."""
+    value = os.environ.get("EMLLM_DEVICE_MEMORY")
+    if not value:
+        return None
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = -1.0
+    if not 0 < gb < float("inf"):
+        raise UsageError(f"EMLLM_DEVICE_MEMORY={value!r}: the GB of GPU memory emllm's events may take, a number above 0 (e.g. 8)")
+    return gb
+
+
 def device_budget(device: torch.device) -> float:
-    """Bytes resident events may take on `device`, all layers of all stores together: a share of
-    its free memory when first asked (CUDA); elsewhere no limit (the host's RAM holds them anyway)."""
+    """Bytes resident events may take on `device`, all layers together: $EMLLM_DEVICE_MEMORY's GB
+    where set, else a share of its free memory when first asked (CUDA); on the host no limit
+    (its RAM holds them anyway)."""
     if device not in _BUDGETS:
-        _BUDGETS[device] = torch.cuda.mem_get_info(device)[0] * DEVICE_SHARE if device.type == "cuda" else float("inf")
+        gb = device_memory_setting() if device.type != "cpu" else None
+        if gb is not None:
+            _BUDGETS[device] = gb * 2**30
+        else:
+            _BUDGETS[device] = torch.cuda.mem_get_info(device)[0] * DEVICE_SHARE if device.type == "cuda" else float("inf")
     return _BUDGETS[device]
 
 
