@@ -7,12 +7,13 @@ errors (`ProfileError`) with a message that names the file, the key and what is 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from emllm.errors import EmllmError
+from emllm.errors import EmllmError, UsageError
 
 import yaml
 
@@ -246,3 +247,20 @@ def load_profile(name_or_path: str) -> Profile:
         )
     with resources.as_file(f) as path:
         return load_profile_file(path)
+
+
+# A setting of the machine, not of a model family: read where the engine needs it, and checked by
+# `models.load` before the weights load.
+def device_memory_setting() -> float | None:
+    """$EMLLM_DEVICE_MEMORY: the GB of an accelerator's memory a store's events may take, all
+    layers together (a GPU shared with other work), or None where it is not set."""
+    value = os.environ.get("EMLLM_DEVICE_MEMORY")
+    if not value:
+        return None
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = -1.0
+    if not 0 < gb < float("inf"):
+        raise UsageError(f"EMLLM_DEVICE_MEMORY={value!r}: the GB of GPU memory emllm's events may take, a number above 0 (e.g. 8)")
+    return gb

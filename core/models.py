@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from emllm.config import Profile, ProfileError, builtin_profile_names, load_profile
+from emllm.config import Profile, ProfileError, builtin_profile_names, device_memory_setting, load_profile
 from emllm.embedded import ModelNotFoundError, embedded_folder
 
 # The smallest embedded model that answers questions about a document (docs/benchmarks.md,
@@ -158,8 +158,6 @@ def load(source: ModelSource, dtype: str | None = None, device: str | None = Non
     if dtype is None and env and env not in DTYPES:
         raise ProfileError(f"EMLLM_DTYPE={env!r}: use one of {', '.join(DTYPES)}")
     dt = compute_dtype(dtype or env or source.profile.dtype, dev)
-    from emllm.memory.resident import device_memory_setting
-
     device_memory_setting()  # (a bad $EMLLM_DEVICE_MEMORY refused before the weights load)
     if device_map is not None:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dt, local_files_only=True,

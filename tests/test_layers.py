@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "embedded": {"home"},
     "models": {"config", "home", "embedded"},
     "math": set(),
-    "memory": {"math"},
+    "memory": {"math", "config"},
     "engine": {"math", "memory", "config", "embedded", "models"},
     "store": {"memory", "math", "config"},
     "app": {"engine", "store", "memory", "math", "config", "embedded", "models", "home"},

@@ -15,7 +15,6 @@ copy) and copies from the host only the events the ring does not hold."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from emllm.errors import UsageError
+from emllm.config import device_memory_setting
 from emllm.memory.buffers import GrowBuffer, padded_index, padded_rows
 from emllm.memory.cache import EventCache, runs
 from emllm.memory.selection import scores_in_blocks, token_scores
@@ -33,21 +32,6 @@ from emllm.memory.selection import scores_in_blocks, token_scores
 DEVICE_SHARE = 0.5
 
 _BUDGETS: dict[torch.device, float] = {}
-
-
-def device_memory_setting() -> float | None:
-    """$EMLLM_DEVICE_MEMORY: the GB of an accelerator's memory a store's events may take, all
-    layers together (a GPU shared with other work), or None where it is not set."""
-    value = os.environ.get("EMLLM_DEVICE_MEMORY")
-    if not value:
-        return None
-    try:
-        gb = float(value)
-    except ValueError:
-        gb = -1.0
-    if not 0 < gb < float("inf"):
-        raise UsageError(f"EMLLM_DEVICE_MEMORY={value!r}: the GB of GPU memory emllm's events may take, a number above 0 (e.g. 8)")
-    return gb
 
 
 def device_budget(device: torch.device) -> float:
