@@ -203,10 +203,13 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true",
                     help="skip the answers --out has from runs of the same grid (model, profile, seed, RAG settings)")
     ap.add_argument("--table", metavar="FILE", nargs="+",
-                    help="only print the tables of every answer in these results files (e.g. emllm's and the baseline's runs of the same prompts)")
+                    help="only print the tables of every answer in these results files (e.g. emllm's and the baseline's runs of the same prompts); a prompt a method answered more than once counts its last answer")
     a = ap.parse_args()
     if a.table:
         rows = [r for f in a.table for r in results_log.records(f) if "task" in r]  # skips a line a kill cut short
+        # a prompt answered twice by one method (a grid run again) counts once: its last answer
+        rows = list({(r["task"], r["length"], r["sample"], r["depth"], r["method"], r.get("prompt")): r
+                     for r in rows}.values())
         names = list(METHODS) + sorted({r["method"] for r in rows} - set(METHODS))
         shown = [m for m in names if any(r["method"] == m for r in rows)]
         print(table(rows, shown))
@@ -254,11 +257,15 @@ def main() -> None:
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "rag": {"chunk": a.rag_chunk, "k": a.rag_k, "budget": a.rag_budget},
             **({"haystack": a.haystack} if a.haystack else {})}
+    # A row's task names its haystack ("vt (prose)"), so the rows of this grid on any haystack can be
+    # pooled: older rows, written without their run's id beside a run of another haystack, are found too.
+    pooled = [{**grid, **({"haystack": h} if h else {})} for h in (None, *HAYSTACKS)]
+    pooled = [grid] + [g for g in pooled if g != grid]
     done = {(r["task"], r["length"], r["sample"], r["depth"], r["method"]): r
-            for r in results_log.results_of(a.out, grid)} if a.resume else {}
+            for g in pooled[::-1] for r in results_log.results_of(a.out, g)} if a.resume else {}
     if done:
         print(f"resuming: {len(done)} answers of this grid in {a.out} already", file=sys.stderr, flush=True)
-    results_log.start_run(a.out, grid, machine=platform.processor() or platform.machine(),
+    run_id = results_log.start_run(a.out, grid, machine=platform.processor() or platform.machine(),
                           device=str(next(model.parameters()).device), threads=torch.get_num_threads(),
                           git=git_commit(), argv=sys.argv)
     rows = []
@@ -307,7 +314,7 @@ def main() -> None:
                          "seconds": round(seconds, 2),
                          "tokens": len(prompt.document) + len(prompt.question), "prompt": prompt.digest, **extra}
                     rows.append(r)
-                    results_log.append(a.out, r)
+                    results_log.append(a.out, r, run=run_id)
                     print(f"{task:20} {length:>7} #{i} d{depth:.2f} {m:9} {100 * r['score']:3.0f}% {r['answer'][:60]!r} "
                           f"(want {','.join(prompt.answers)[:40]}, {r['seconds']:.0f} s)", file=sys.stderr, flush=True)
     for f in factories.values():

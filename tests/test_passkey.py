@@ -71,6 +71,27 @@ def test_results_log_reads_back_its_grid_only(tmp_path):
     assert lines[-3] == '{"length": 8, "dep' and '"grid": {"model": "m", "seed": 0, "sizes": [1, 2]}' in lines[-2]
 
 
+def test_runs_of_two_grids_appending_at_once_each_read_back_their_own(tmp_path):
+    """Two runs writing one file at the same time interleave their lines: each result is its own
+    run's (by the id it carries), not the last header's; results of older runs, without an id,
+    still go by the header above them."""
+    from emllm.evals import results_log
+    log, ga, gb = tmp_path / "r.jsonl", {"model": "m", "haystack": "prose"}, {"model": "m"}
+    results_log.start_run(log, gb)
+    results_log.append(log, {"n": 0})  # an older run's result: no id
+    a = results_log.start_run(log, ga)
+    b = results_log.start_run(log, gb)
+    assert a != b
+    results_log.append(log, {"n": 1}, run=a)
+    results_log.append(log, {"n": 2}, run=b)
+    results_log.start_run(log, ga)  # a third run, of ga again: b's later results are still b's
+    results_log.append(log, {"n": 3}, run=b)
+    results_log.append(log, {"n": 4}, run=a)
+    assert results_log.results_of(log, ga) == [{"n": 1}, {"n": 4}]
+    assert results_log.results_of(log, gb) == [{"n": 0}, {"n": 2}, {"n": 3}]
+    assert '"run_id": "%s"' % b in log.read_text().splitlines()[5]
+
+
 def test_a_log_written_before_a_profile_key_existed_is_the_same_grid(tmp_path):
     """A run kept by code whose profiles had fewer keys is carried on by today's: a missing key
     meant what that code did (the default, or the store's BEFORE_THE_KEY value); another value
