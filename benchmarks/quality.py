@@ -259,10 +259,10 @@ def main() -> None:
             **({"haystack": a.haystack} if a.haystack else {})}
     # A row's task names its haystack ("vt (prose)"), so the rows of this grid on any haystack can be
     # pooled: older rows, written without their run's id beside a run of another haystack, are found too.
-    pooled = [{**grid, **({"haystack": h} if h else {})} for h in (None, *HAYSTACKS)]
-    pooled = [grid] + [g for g in pooled if g != grid]
+    base = {k: v for k, v in grid.items() if k != "haystack"}
+    pooled = [{**base, **({"haystack": h} if h else {})} for h in (None, *HAYSTACKS)]
     done = {(r["task"], r["length"], r["sample"], r["depth"], r["method"]): r
-            for g in pooled[::-1] for r in results_log.results_of(a.out, g)} if a.resume else {}
+            for g in pooled for r in results_log.results_of(a.out, g)} if a.resume else {}
     if done:
         print(f"resuming: {len(done)} answers of this grid in {a.out} already", file=sys.stderr, flush=True)
     run_id = results_log.start_run(a.out, grid, machine=platform.processor() or platform.machine(),
