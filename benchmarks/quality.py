@@ -14,7 +14,7 @@ spread evenly over the samples: (i + 0.5) / samples) is answered by every method
 answer is appended to --out as it finishes, then a markdown table of the mean score (RULER
 string_match_all, in %) per task × length × method is printed (`--table FILE`: the table of every
 answer in a results file, all runs together). emllm-S and emllm-S-reread asked together share one
-read (their rows say read_shared; each one's seconds: the read and its own answer). A 128k prompt costs an hour per method: --resume
+read (their rows say read_shared; each one's seconds: the read and its own answer). A long prompt is slow to read on a CPU: --resume
 skips the answers --out has already from runs of the same grid (model, profile, seed, RAG settings)
 and asks the rest, so a killed run loses at most the answer under way.
 """
