@@ -33,6 +33,7 @@ class ProfileMismatchError(ProfileError):
 _INT_MAX = 1 << 24
 REPRESENTATIVES = ("attention", "mean")
 QUESTION_SCORINGS = ("mean", "max", "lse")
+ANSWER_RETRIEVALS = ("token", "question")
 DTYPES = ("auto", "float32", "bfloat16")
 SURPRISE_HEADS = ("full", "shortlist")
 
@@ -145,6 +146,11 @@ class Profile:
     # Whether the answer's tokens score with question_centering too; false: only the question's
     # chunks do (centring the answer made digits drift while a retrieved needle was copied).
     question_centering_answer: bool = _bool(False)
+    # What a generated answer's tokens attend to in memory: "token" (the paper's), the events each
+    # token's own query retrieves; "question", the events the question's last chunk retrieved, kept
+    # for the whole answer (no retrieval per token): a token copying one value of a list no longer
+    # takes the memory away from the others. Only after a question (`Engine.begin_question`).
+    answer_retrieval: str = _choice("token", ANSWER_RETRIEVALS)
     # How a question's chunk scores events: "mean" (the paper's), its tokens' mean query; "max",
     # every token scores every event, each token's scores standardised over the events (z-scores),
     # an event taking its best token's, so that the one token that singles a needle out is not

@@ -13,7 +13,7 @@ from emllm.engine import window
 from emllm.engine.stream import Engine
 
 
-def _run(device_step: bool, monkeypatch, question: bool) -> tuple[list[torch.Tensor], list[tuple]]:
+def _run(device_step: bool, monkeypatch, question: bool, kept: bool = False) -> tuple[list[torch.Tensor], list[tuple]]:
     monkeypatch.setattr(window, "DEVICE_STEP", device_step)
     prof = load_profile("smollm2").replace(chunk_size=16, n_init=4, n_local=32, n_mem=24, min_block=2, max_block=8,
                                            repr_topk=2)
@@ -31,14 +31,15 @@ def _run(device_step: bool, monkeypatch, question: bool) -> tuple[list[torch.Ten
         engine.begin_question()  # every token scores the events; identical events take one place
         logits.append(engine.step(torch.randint(0, 300, (12,), generator=g))[-1])
     for _ in range(6):
-        logits.append(engine.step(logits[-1].argmax()[None], with_surprise=False)[-1])
+        logits.append(engine.step(logits[-1].argmax()[None], with_surprise=False, kept_memory=kept)[-1])
     return logits, picked
 
 
-@pytest.mark.parametrize("question", [False, True])
-def test_the_device_step_selects_as_the_cpus_and_computes_the_same(monkeypatch, question):
-    cpu_logits, cpu_picked = _run(False, monkeypatch, question)
-    dev_logits, dev_picked = _run(True, monkeypatch, question)
+@pytest.mark.parametrize("question,kept", [(False, False), (True, False), (True, True)],
+                         ids=["document", "question", "answer-from-the-questions-memory"])
+def test_the_device_step_selects_as_the_cpus_and_computes_the_same(monkeypatch, question, kept):
+    cpu_logits, cpu_picked = _run(False, monkeypatch, question, kept)
+    dev_logits, dev_picked = _run(True, monkeypatch, question, kept)
     assert len(cpu_picked) > 20 and cpu_picked == dev_picked
     for a, b in zip(cpu_logits, dev_logits):
         torch.testing.assert_close(b, a, atol=2e-5, rtol=0)

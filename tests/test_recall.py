@@ -205,7 +205,8 @@ def test_question_centering_answer_false_centres_the_question_alone():
     model = tiny_model("llama3.1")
     ids = torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(5))
     for centre_answer in (True, False):
-        eng = Engine(model, tiny_profile(question_centering=1.0, question_centering_answer=centre_answer))
+        eng = Engine(model, tiny_profile(question_centering=1.0, question_centering_answer=centre_answer,
+                                         answer_retrieval="token"))  # (the answer's tokens retrieve)
         got: list = []
         eng.on_retrieval = lambda layer, sel, q: layer == 0 and got.append(q.float().clone())
         eng.feed(ids)
@@ -305,7 +306,8 @@ def test_question_scoring_selects_by_each_tokens_z_score(scoring):
     model = tiny_model("llama3.1")
     ids = torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(3))
     question = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(4))
-    eng = Engine(model, tiny_profile(question_centering=1.0, question_scoring=scoring))
+    # (the answer's tokens retrieve, each with its own query: answer_retrieval "token")
+    eng = Engine(model, tiny_profile(question_centering=1.0, question_scoring=scoring, answer_retrieval="token"))
     seen: list = []
     w = eng.windows[0]
     # (the events there are at the retrieval: the step closes more after it)
@@ -357,7 +359,7 @@ def test_a_trace_says_what_its_scores_are():
     from emllm_cli.render import retrieval_view
 
     model = tiny_model("llama3.1")
-    eng = Engine(model, tiny_profile(question_centering=1.0, question_scoring="max"))
+    eng = Engine(model, tiny_profile(question_centering=1.0, question_scoring="max", answer_retrieval="token"))
     eng.feed(torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(3)))
     trace = Trace.attach(eng)
     eng.begin_question()

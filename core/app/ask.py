@@ -80,7 +80,7 @@ class Session:
             self.tail = []
 
     def answer(self, question: str, max_new_tokens: int = 256, sampling: Sampling | None = None) -> Iterator[int]:
-        """The answer, token by token, each token retrieving from the memory: greedy, or as
+        """The answer, token by token, from the memory (profile answer_retrieval): greedy, or as
         `sampling` says (its repetition penalty counts the question's tokens and the answer's)."""
         yield from self.answer_ids(self.question_ids(question), max_new_tokens, sampling)
 

@@ -1,9 +1,11 @@
 """The streaming engine: feeds a token stream of any length through the patched model chunk by
-chunk, forms events from surprise, and generates with retrieval at every token.
+chunk, forms events from surprise, and generates an answer from the memory.
 
     engine = Engine(model, profile)
     engine.feed(ids)                    # prefill, chunk by chunk; memory grows
-    answer = engine.generate(64)        # greedy, one token at a time, each token retrieving
+    engine.begin_question()
+    engine.feed(question_ids)           # each layer retrieves the events the question calls for
+    answer = engine.generate(64)        # greedy, one token at a time (profile answer_retrieval)
 
 The model itself is untouched apart from its attention implementation, which is set to the
 registered "emllm" function; the per-layer windows reach it through a forward keyword argument.
@@ -255,10 +257,12 @@ class Engine:
         return self.last_logits
 
     @torch.no_grad()
-    def step(self, chunk: Tensor, with_surprise: bool = True) -> Tensor:
+    def step(self, chunk: Tensor, with_surprise: bool = True, kept_memory: bool = False) -> Tensor:
         """One forward over `chunk` [c] (at most chunk_size tokens); returns its logits [c, V]
         (with_surprise=False, or surprise from a shortlist head: the last token's only, [1, V];
-        nothing needs the others, and the model's head then computes one row instead of c)."""
+        nothing needs the others, and the model's head then computes one row instead of c).
+        kept_memory: each layer attends to the events the question's last chunk retrieved
+        instead of retrieving (a generated answer's token; profile answer_retrieval "question")."""
         pr = self.profile
         c = chunk.numel()
         window = min(self.n_tokens, pr.n_local) + c
@@ -273,7 +277,8 @@ class Engine:
                         bool(pr.query_centering or pr.question_centering), self.on_retrieval,
                         pr.representative == "attention", slack, scoring,
                         self.event_groups() if scoring and pr.distinct_events else None,
-                        self._sliding_rope(c))
+                        self._sliding_rope(c), keep_memory=self.answering and not kept_memory,
+                        reuse_memory=kept_memory)
         if with_surprise and self._head is None:
             self._head = self._check_head()
         if self.model.config._attn_implementation != attention.NAME:  # someone ran the plain model meanwhile
@@ -454,6 +459,7 @@ class Engine:
         if self.last_logits is None:
             raise ValueError("feed a prompt before generating")
         stop_ids = stop_ids or set()
+        kept = self.answering and self.profile.answer_retrieval == "question"  # (after a question only)
         if not self.profile.question_centering_answer:
             self.answering = False  # the answer's tokens score as the document's did
         answer: list[int] = []
@@ -463,7 +469,7 @@ class Engine:
                 return
             answer.append(tok)
             yield tok
-            self.step(torch.tensor([tok]), with_surprise=False)
+            self.step(torch.tensor([tok]), with_surprise=False, kept_memory=kept)
 
     def generate(self, max_new_tokens: int, stop_ids: set[int] | None = None) -> list[int]:
         return list(self.generate_iter(max_new_tokens, stop_ids))

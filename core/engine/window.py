@@ -58,6 +58,11 @@ class StepInfo:
     # cos/sin [>= window, rotary_dim] of the sliding-window layers of a model that mixes them with
     # global ones (their own rope base: Gemma 3); None: the model has none
     sliding_rope: tuple[Tensor, Tensor] | None = None
+    # keep this step's memory (the events retrieved, gathered) for the answer to come: a question's chunk
+    keep_memory: bool = False
+    # attend to the memory the last keeping step retrieved instead of retrieving (a generated answer's
+    # token, profile answer_retrieval "question"); a layer that kept none retrieves
+    reuse_memory: bool = False
     # (start, queries, device) -> the query tables of `query_rope`, made once for all layers
     _query_rope: dict = field(default_factory=dict, repr=False)
 
@@ -100,6 +105,9 @@ class LayerWindow:
         # the last retrieval's events (sorted ids) and their keys and values [H_kv, n, D]: the
         # next step reads only the events it did not have (an event's rows never change)
         self._held: tuple[Tensor, Tensor, Tensor] | None = None
+        # the memory a question's last chunk retrieved (keys, values, valid as `attend` takes them;
+        # the events there were), which a generated answer's tokens attend to (StepInfo.reuse_memory)
+        self._kept: tuple[Tensor, Tensor, Tensor | None, int] | None = None
 
     # the local window's keys and values live in sliding buffers (a step appends its rows and drops
     # the evicted ones without copying the window); these are views of them
@@ -159,7 +167,7 @@ class LayerWindow:
         self.query_n = int(state.get("query_n", 0))  # a store from before the key: no mean yet
         if "query_sum" not in state:
             self.query_sum = torch.zeros_like(self.query_sum)
-        self._held = None  # events may have been forgotten (a reader's truncate): ids name others
+        self._held = self._kept = None  # events may have been forgotten (a reader's truncate): ids name others
 
     # -- the attention call ------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float, st: StepInfo,
@@ -199,7 +207,21 @@ class LayerWindow:
             q_loc, q_mem = apply_rotary(q, *st.query_rope(at, c, q.device))
             parts_k, parts_v = [self.init_k], [self.init_v]
             query = q_mem.mean(1) if c > 1 else q_mem[:, 0]  # [H_q, D] (one query: itself, the same bits)
-            if len(self.events):
+            kept = self._kept if st.reuse_memory else None
+            self._kept = None  # (held past this step only where it keeps it)
+            if kept is not None:  # (nothing retrieved: the running mean query is left as it is)
+                mk, mv, mem_valid, n_events = kept
+                if len(self.events) > n_events:
+                    # events closed since (they left the window while answering) join it, as they
+                    # would have stayed in the window
+                    new_k, new_v = self.events.gather(torch.arange(n_events, len(self.events), device=mk.device))
+                    mk, mv = torch.cat((mk, new_k.to(mk.dtype)), 1), torch.cat((mv, new_v.to(mv.dtype)), 1)
+                    if mem_valid is not None:
+                        mem_valid = torch.cat((mem_valid, mem_valid.new_ones(new_k.shape[1])))
+                self._kept = mk, mv, mem_valid, len(self.events)
+                parts_k += [self.rem_k, mk] if mem_valid is not None else [mk, self.rem_k]
+                parts_v += [self.rem_v, mv] if mem_valid is not None else [mv, self.rem_v]
+            elif len(self.events):
                 # (summed over each group of query heads where the memory keeps a key per KV head)
                 if st.token_scoring:  # [c, H_r, D]: every token's query, centred as the mean would be
                     scored = fold_query(self._centred(q_mem.transpose(0, 1), st.centering), self.events.repr_heads)
@@ -215,11 +237,13 @@ class LayerWindow:
                     mk, mv = self._gather(self._with_contiguity(ids.to(self.contiguity.device), st), prefetch=c > 1)
                     parts_k += [mk, self.rem_k]
                     parts_v += [mv, self.rem_v]
+                if st.keep_memory:
+                    self._kept = mk, mv, mem_valid, len(self.events)
             else:
                 parts_k.append(self.rem_k)
                 parts_v.append(self.rem_v)
             k_mem, v_mem = torch.cat(parts_k, 1), torch.cat(parts_v, 1)
-            if st.keep_mean:  # (kept only when used: a store that does not centre writes zeros, as before)
+            if st.keep_mean and kept is None:  # (kept only when used: a store that does not centre writes zeros, as before)
                 self.query_sum += query.float()
                 self.query_n += 1
 

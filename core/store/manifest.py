@@ -93,7 +93,8 @@ class _Invalid(Exception):
 # What a store's profile meant by keys it was written without (before they existed): the values
 # the code that wrote it used, whatever today's defaults are.
 BEFORE_THE_KEY = {"question_centering": 0.0, "question_centering_answer": True, "representative": "attention",
-                  "repr_normalise": False, "question_scoring": "mean", "distinct_events": False}
+                  "repr_normalise": False, "question_scoring": "mean", "distinct_events": False,
+                  "answer_retrieval": "token"}
 
 
 def profile_of(manifest: dict) -> Profile:
