@@ -219,8 +219,6 @@ class LayerWindow:
                     if mem_valid is not None:
                         mem_valid = torch.cat((mem_valid, mem_valid.new_ones(new_k.shape[1])))
                 self._kept = mk, mv, mem_valid, len(self.events)
-                parts_k += [self.rem_k, mk] if mem_valid is not None else [mk, self.rem_k]
-                parts_v += [self.rem_v, mv] if mem_valid is not None else [mv, self.rem_v]
             elif len(self.events):
                 # (summed over each group of query heads where the memory keeps a key per KV head)
                 if st.token_scoring:  # [c, H_r, D]: every token's query, centred as the mean would be
@@ -228,20 +226,21 @@ class LayerWindow:
                 else:
                     scored = fold_query(self._centred(query, st.centering), self.events.repr_heads)
                 if self._device_step(q, st):
-                    # the selection padded to the budget goes last: its validity masks the memory's tail
                     mk, mv, mem_valid = self._retrieve_on_device(scored, st)
-                    parts_k += [self.rem_k, mk]
-                    parts_v += [self.rem_v, mv]
                 else:
                     ids = self.retrieve(scored, st.budget, st.on_retrieval, st.token_scoring, st.groups).ids
                     mk, mv = self._gather(self._with_contiguity(ids.to(self.contiguity.device), st), prefetch=c > 1)
-                    parts_k += [mk, self.rem_k]
-                    parts_v += [mv, self.rem_v]
                 if st.keep_memory:
                     self._kept = mk, mv, mem_valid, len(self.events)
-            else:
+            if kept is None and not len(self.events):
                 parts_k.append(self.rem_k)
                 parts_v.append(self.rem_v)
+            elif mem_valid is not None:  # a selection padded to the budget goes last: its validity masks the memory's tail
+                parts_k += [self.rem_k, mk]
+                parts_v += [self.rem_v, mv]
+            else:
+                parts_k += [mk, self.rem_k]
+                parts_v += [mv, self.rem_v]
             k_mem, v_mem = torch.cat(parts_k, 1), torch.cat(parts_v, 1)
             if st.keep_mean and kept is None:  # (kept only when used: a store that does not centre writes zeros, as before)
                 self.query_sum += query.float()
