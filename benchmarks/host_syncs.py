@@ -128,7 +128,7 @@ def plain_launches(layers: int, chunk: int = 8) -> tuple[Launches, Launches]:
 
 def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False, store: bool = False,
                device: str = "cpu", count: type = HostReads, kv_format: str | None = None,
-               ring: bool = False) -> tuple[HostReads, HostReads]:
+               ring: bool = False, question: bool = False, answer_tokens: int = 1) -> tuple[HostReads, HostReads]:
     """(a chunk's reads, a generated token's) of an engine over a tiny random Llama that has read
     `tokens` tokens (events closed, retrieval at every step). device_step: the step a GPU takes
     (`engine.window.DEVICE_STEP`: selection and gather on the device); else the CPU's. store: the
@@ -136,7 +136,9 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
     where the model runs (device_step None: the step that device takes by default). count: what
     to count (`Launches`: the ops that compute). kv_format: the store's format (None: the compute dtype).
     ring: the device's budget too small for the store's rows, large enough for its keys and a ring
-    of rows (`resident.CachedEvents`)."""
+    of rows (`resident.CachedEvents`). question: the chunk counted is a question's and the tokens
+    an answer's that attend to its memory (profile answer_retrieval "question"); answer_tokens:
+    how many generated tokens the second count holds (events close while answering)."""
     import contextlib
     import tempfile
     from pathlib import Path
@@ -150,7 +152,7 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
 
     tok = AutoTokenizer.from_pretrained(models.resolve("smollm2").path)  # (a store records its tokenizer)
     prof = load_profile("smollm2").replace(chunk_size=8, n_init=4, n_local=32, n_mem=24, min_block=2, max_block=8,
-                                           repr_topk=2)
+                                           repr_topk=2, answer_retrieval="question" if question else "token")
     torch.manual_seed(0)
     cfg = _tiny_config(layers, vocab=len(tok))
     model = AutoModelForCausalLM.from_config(cfg).eval().to(device)
@@ -178,10 +180,13 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
         else:
             engine = Engine(model, prof)
         engine.feed(torch.randint(0, 300, (tokens,), generator=g))
+        if question:
+            engine.begin_question()
         with torch.no_grad(), count() as chunk:
             engine.step(torch.randint(0, 300, (prof.chunk_size,), generator=g))
         with torch.no_grad(), count() as token:
-            engine.step(torch.randint(0, 300, (1,), generator=g), with_surprise=False)
+            for t in torch.randint(0, 300, (answer_tokens,), generator=g):
+                engine.step(t.view(1), with_surprise=False, kept_memory=question)
     return chunk, token
 
 
@@ -198,12 +203,18 @@ def main() -> None:
         lo, hi = min(depths), max(depths)
         if lo == hi:
             ap.error("--launches needs two depths in --layers, e.g. 2,8")
-        for name, f in (("emllm (device step, store)", lambda n: step_reads(n, device_step=True, store=True, count=Launches)),
+        n_tok = 16  # generated tokens a count (some close events, some do not): their mean
+        for name, f in (("emllm (device step, store)",
+                         lambda n: step_reads(n, device_step=True, store=True, count=Launches, answer_tokens=n_tok)),
+                        ("emllm, an answer on its question's memory (answer_retrieval question)",
+                         lambda n: step_reads(n, device_step=True, store=True, count=Launches, question=True,
+                                              answer_tokens=n_tok)),
                         ("plain model (sdpa, KV cache)", plain_launches)):
             (c_lo, t_lo), (c_hi, t_hi) = f(lo), f(hi)
             per_layer = (c_hi.total - c_lo.total) / (hi - lo)
+            tokens = 1 if f is plain_launches else n_tok
             print(json.dumps({"what": name, "chunk_per_layer": per_layer,
-                              "token_per_layer": (t_hi.total - t_lo.total) / (hi - lo),
+                              "token_per_layer": (t_hi.total - t_lo.total) / (hi - lo) / tokens,
                               "chunk_fixed": c_lo.total - lo * per_layer,
                               "top_per_layer": {k: v / (hi - lo) for k, v in (c_hi.counts - c_lo.counts).most_common(12)}}))
         return

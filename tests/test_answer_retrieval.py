@@ -16,7 +16,9 @@ def _read(prof, seed: int = 3) -> tuple[Engine, list]:
     record of every retrieval (layer, ids)."""
     eng = Engine(tiny_model("llama3.1"), prof)
     heard: list = []
-    eng.on_retrieval = lambda layer, sel, q: heard.append((layer, sel.ids.tolist()))
+    windows = {w.layer_idx: w for w in eng.windows}
+    # (layer, ids, the events there were)
+    eng.on_retrieval = lambda layer, sel, q: heard.append((layer, sel.ids.tolist(), len(windows[layer].events)))
     g = torch.Generator().manual_seed(seed)
     eng.feed(torch.randint(0, 300, (240,), generator=g))
     eng.begin_question()
@@ -26,17 +28,18 @@ def _read(prof, seed: int = 3) -> tuple[Engine, list]:
 
 def test_the_answer_attends_to_the_questions_selection_without_retrieving():
     eng, heard = _read(tiny_profile(answer_retrieval="question"))
-    asked = {layer: ids for layer, ids in heard[-len(eng.windows):]}  # the question's chunk
+    asked = {layer: ids for layer, ids, _ in heard[-len(eng.windows):]}  # the question's chunk
+    n_question = {layer: n for layer, _, n in heard[-len(eng.windows):]}
     assert all(len(ids) < len(w.events) for w, ids in zip(eng.windows, asked.values()))  # a real choice
     n = len(heard)
-    n_question = {w.layer_idx: w._kept[3] for w in eng.windows}
     answer = eng.generate(8)
     assert len(answer) == 8 and len(heard) == n  # no token retrieved
-    assert any(w._kept[3] > n_question[w.layer_idx] for w in eng.windows)  # events closed while answering
+    assert all(len(w.events) > n_question[w.layer_idx] for w in eng.windows)  # events closed since
     for w in eng.windows:  # what each layer attends to: the question's events, as gathered
-        k, v, valid, n_kept = w._kept
-        # (with the events closed while answering, up to the last step: they left the window)
-        ids = torch.tensor(asked[w.layer_idx] + list(range(n_question[w.layer_idx], n_kept)))
+        k, v, valid, closed = w._kept
+        # with the events closed while answering (the last step's join at the next one): they left the window
+        k, v = torch.cat((k, *(a for a, _ in closed)), 1), torch.cat((v, *(b for _, b in closed)), 1)
+        ids = torch.tensor(asked[w.layer_idx] + list(range(n_question[w.layer_idx], len(w.events))))
         want_k, want_v = w.events.gather(ids)
         assert valid is None and torch.equal(k, want_k) and torch.equal(v, want_v)
     # the next chunk of document retrieves again and keeps nothing
@@ -49,7 +52,7 @@ def test_the_paper_retrieves_at_every_token():
     n = len(heard)
     eng.generate(8)
     assert len(heard) == n + 8 * len(eng.windows)
-    assert any(ids != heard[n - len(eng.windows) + i % len(eng.windows)][1] for i, (_, ids) in enumerate(heard[n:]))
+    assert any(ids != heard[n - len(eng.windows) + i % len(eng.windows)][1] for i, (_, ids, _) in enumerate(heard[n:]))
 
 
 def test_where_every_event_fits_both_give_the_same_bits():

@@ -113,3 +113,15 @@ def test_the_device_steps_attention_dispatches_a_bounded_number_of_ops_a_layer(m
         # (the first layer also makes the step's query tables, `StepInfo.query_rope`)
         assert max(chunk) <= 47 and max(token) <= 43, (chunk, token)
         assert len(set(chunk[1:])) <= 1 and len(set(token[1:])) <= 1, (chunk, token)  # the others alike
+
+
+def test_an_answer_on_its_questions_memory_reads_nothing_a_layer():
+    """Profile answer_retrieval "question": a question's chunk and the answer's tokens after it
+    (events closing as they leave the window, which join the kept memory from the rows the window
+    held) read no more at 8 layers than at 2."""
+    chunk2, answer2 = step_reads(2, device_step=True, store=True, question=True, answer_tokens=24)
+    chunk8, answer8 = step_reads(8, device_step=True, store=True, question=True, answer_tokens=24)
+    assert chunk2.total <= 12 and chunk8.total == chunk2.total
+    # a few a token, the step's own (its ids, its logits, whether events close): a step that
+    # closes an event or not may differ by one
+    assert answer2.total <= 24 * 4 and abs(answer8.total - answer2.total) <= 2

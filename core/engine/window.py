@@ -106,8 +106,9 @@ class LayerWindow:
         # next step reads only the events it did not have (an event's rows never change)
         self._held: tuple[Tensor, Tensor, Tensor] | None = None
         # the memory a question's last chunk retrieved (keys, values, valid as `attend` takes them;
-        # the events there were), which a generated answer's tokens attend to (StepInfo.reuse_memory)
-        self._kept: tuple[Tensor, Tensor, Tensor | None, int] | None = None
+        # the rows [H_kv, n, D] of the events closed since, as they left the window), which a
+        # generated answer's tokens attend to (StepInfo.reuse_memory)
+        self._kept: tuple[Tensor, Tensor, Tensor | None, list[tuple[Tensor, Tensor]]] | None = None
 
     # the local window's keys and values live in sliding buffers (a step appends its rows and drops
     # the evicted ones without copying the window); these are views of them
@@ -210,15 +211,15 @@ class LayerWindow:
             kept = self._kept if st.reuse_memory else None
             self._kept = None  # (held past this step only where it keeps it)
             if kept is not None:  # (nothing retrieved: the running mean query is left as it is)
-                mk, mv, mem_valid, n_events = kept
-                if len(self.events) > n_events:
-                    # events closed since (they left the window while answering) join it, as they
-                    # would have stayed in the window
-                    new_k, new_v = self.events.gather(torch.arange(n_events, len(self.events), device=mk.device))
-                    mk, mv = torch.cat((mk, new_k.to(mk.dtype)), 1), torch.cat((mv, new_v.to(mv.dtype)), 1)
+                mk, mv, mem_valid, closed = kept
+                if closed:
+                    # events closed since (they left the window while answering) join it with the
+                    # rows the window held, as if they had stayed there (nothing read from the store)
+                    mk = torch.cat((mk, *(k.to(mk.dtype) for k, _ in closed)), 1)
+                    mv = torch.cat((mv, *(v.to(mv.dtype) for _, v in closed)), 1)
                     if mem_valid is not None:
-                        mem_valid = torch.cat((mem_valid, mem_valid.new_ones(new_k.shape[1])))
-                self._kept = mk, mv, mem_valid, len(self.events)
+                        mem_valid = torch.cat((mem_valid, mem_valid.new_ones(sum(k.shape[1] for k, _ in closed))))
+                self._kept = mk, mv, mem_valid, []
             elif len(self.events):
                 # (summed over each group of query heads where the memory keeps a key per KV head)
                 if st.token_scoring:  # [c, H_r, D]: every token's query, centred as the mean would be
@@ -231,7 +232,7 @@ class LayerWindow:
                     ids = self.retrieve(scored, st.budget, st.on_retrieval, st.token_scoring, st.groups).ids
                     mk, mv = self._gather(self._with_contiguity(ids.to(self.contiguity.device), st), prefetch=c > 1)
                 if st.keep_memory:
-                    self._kept = mk, mv, mem_valid, len(self.events)
+                    self._kept = mk, mv, mem_valid, []
             if kept is None and not len(self.events):
                 parts_k.append(self.rem_k)
                 parts_v.append(self.rem_v)
@@ -404,6 +405,8 @@ class LayerWindow:
         if normalise:
             reprs = unit_keys(reprs)
         self.events.append(keys, values, lengths, reprs)
+        if self._kept is not None:  # (views: the remainder below is a new buffer)
+            self._kept[3].append((keys, values))
         self.rem_k, self.rem_v = self.rem_k[:, n:].contiguous(), self.rem_v[:, n:].contiguous()
         # (mean representatives: the mass stays zeros, a view of `_zeros`)
         self.rem_mass = self._zeros(self.rem_k.shape[1]) if mean else self.rem_mass[:, n:].contiguous()
