@@ -146,11 +146,12 @@ class Profile:
     # Whether the answer's tokens score with question_centering too; false: only the question's
     # chunks do (centring the answer made digits drift while a retrieved needle was copied).
     question_centering_answer: bool = _bool(False)
-    # What a generated answer's tokens attend to in memory: "token" (the paper's), the events each
-    # token's own query retrieves; "question", the events the question's last chunk retrieved, kept
-    # for the whole answer (no retrieval per token): a token copying one value of a list no longer
-    # takes the memory away from the others. Only after a question (`Engine.begin_question`).
-    answer_retrieval: str = _choice("token", ANSWER_RETRIEVALS)
+    # What a generated answer's tokens attend to in memory: "question", the events the question's
+    # last chunk retrieved, kept for the whole answer (no retrieval per token: a token copying one
+    # value of a list does not take the memory away from the others, and a GPU's decode step runs
+    # no selection); "token" (the paper's), the events each token's own query retrieves. Only after
+    # a question (`Engine.begin_question`); a document's continuation retrieves at every token.
+    answer_retrieval: str = _choice("question", ANSWER_RETRIEVALS)
     # How a question's chunk scores events: "mean" (the paper's), its tokens' mean query; "max",
     # every token scores every event, each token's scores standardised over the events (z-scores),
     # an event taking its best token's, so that the one token that singles a needle out is not

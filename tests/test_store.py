@@ -425,7 +425,9 @@ def test_trace_is_deterministic(tiny, tmp_path):
             list(session.engine.generate_iter(3))
             runs.append([(r.step, r.layer, r.ids.tolist(), r.scores.tolist()) for r in trace.records])
             tail = 1 if stream.pending_tokens(st) else 0
-            steps = tail + -(-len(session.question_ids(QUESTION)) // 16) + 3  # tail, question chunks, 3 tokens
+            # tail, question chunks (the answer's tokens attend to the question's memory: no retrieval)
+            steps = tail + -(-len(session.question_ids(QUESTION)) // 16)
+            assert session.engine.profile.answer_retrieval == "question"
     assert runs[0] == runs[1] and len(runs[0]) == 2 * steps  # one record per layer per step
     assert [r[0] for r in runs[0]] == [s for s in range(steps) for _ in range(2)]
 
