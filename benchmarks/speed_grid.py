@@ -14,7 +14,9 @@ real stream's at L); full attention's cache gets L random positions; the sliding
 from the prefix on. Then, in lockstep (one chunk of each method in turn, so load on the machine
 hits all alike), one real chunk is run untimed (the fill has just written GBs: the first chunk
 after it would time the disk's write-back and a cold event cache, not the steady cost), then
-`--chunks` real chunks are timed, then `--decode` greedy tokens. Lengths are
+`--chunks` real chunks are timed, then `--decode` tokens continuing the document (each retrieving),
+then, after a question's chunk, `--decode` tokens of emllm's answer (`emllm_answer_token_s`: the
+profile's answer_retrieval, as `ask` generates them) beside the window's. Lengths are
 visited in increasing order with the same engine, so the whole grid costs one fill to the
 largest L (and full attention's cache only up to --full-max).
 
@@ -187,7 +189,7 @@ def main() -> None:
     else:
         full_max = parse_length(a.full_max)
     prefix = prof.n_init + prof.n_local + 2 * cs
-    need = prefix + len(lengths) * (a.chunks + 2) * cs
+    need = prefix + len(lengths) * (a.chunks + 4) * cs
     ids = ids_all(need)
     gen = torch.Generator().manual_seed(0)
     tmp = tempfile.TemporaryDirectory(dir=Path.cwd())
@@ -246,6 +248,29 @@ def main() -> None:
                 sync()
                 dec[m].append(time.perf_counter() - t)
         pos += cs
+        # an answer's tokens (a question read as its chunk, then the answer generated as `ask`
+        # does, the profile's answer_retrieval), in lockstep with the window's tokens again
+        em.begin_question()
+        kept_profile = em.profile  # (the filled events have no token ids to tell copies apart by)
+        em.profile = em.profile.replace(distinct_events=False)
+        with torch.no_grad():
+            em.step(ids[pos : pos + cs])
+            em.profile = kept_profile
+            pos += cs
+            answer = em.generate_iter(a.decode + 1)
+            next(answer)  # (the first token comes from the question's logits: no step)
+            for i in range(a.decode):
+                for m in ("emllm_answer", "window"):
+                    sync()
+                    t = time.perf_counter()
+                    if m == "window":
+                        win.step(ids[pos + i : pos + i + 1])
+                    else:
+                        next(answer)  # the last token's step, and the next token chosen
+                    sync()
+                    dec.setdefault(m, []).append(time.perf_counter() - t)
+            answer.close()
+        pos += cs
         on_dev = getattr(em.windows[0].events, "on_dev", None)  # (a store's layer on the device: all its rows, or a ring)
         ring = getattr(on_dev, "ring", None)
         held = {} if on_dev is None else {"device_rows": "ring" if ring is not None else "all"}
@@ -282,7 +307,7 @@ def last_run(path: str) -> tuple[dict, list[dict]]:
 def table(rows: list[dict], meta: dict) -> str:
     out = [f"{meta['model']} ({meta['profile']} profile, window {meta['window']}, {meta.get('dtype', 'float32')}), {meta['machine']}, {meta['date']}",
            "", "| tokens read | events/layer | emllm s/chunk | window s/chunk | full s/chunk | emllm/window | emllm/full "
-           "| emllm s/token | window s/token | full s/token |", "|" + "---:|" * 10]
+           "| emllm s/token | emllm s/answer token | window s/token | full s/token |", "|" + "---:|" * 11]
     base = rows[0]["emllm_chunk_s"]
     for r in rows:
         full = r.get("full_chunk_s")
@@ -290,6 +315,7 @@ def table(rows: list[dict], meta: dict) -> str:
         out.append(
             f"| {r.get('tokens_read', r['length']):,} | {r['events']:,} | {r['emllm_chunk_s']} ({r['emllm_chunk_s'] / base:.2f}x) | {r['window_chunk_s']} "
             f"| {full or '–'} | {r['emllm_chunk_s'] / r['window_chunk_s']:.2f} | {vs_full} | {r['emllm_token_s']} "
+            f"| {r.get('emllm_answer_token_s', '–')} "
             f"| {r['window_token_s']} | {r.get('full_token_s', '–')} |"
         )
     return "\n".join(out)
