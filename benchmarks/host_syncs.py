@@ -19,7 +19,10 @@ chunk's step and one generated token's, for the step the CPU takes and the one a
 out): on a GPU each is about one kernel launch, and where a layer's kernels are small (a chunk of
 512 tokens, a generated token) the host's time to launch them, not the GPU's to run them, sets
 the step's pace. `--launches` prints them a layer, the device step's against the plain model's
-layer (sdpa, a KV cache) on the same chunk and token.
+layer (sdpa, a KV cache) on the same chunk and token, in bfloat16 as a GPU runs them (`--dtype`:
+in float32 the casts between the model's dtype and attention's float32 are not there to count).
+Ops on the host's tensors (a store's offsets, its write buffers) are counted too, though on a GPU
+they launch nothing: the count is an upper bound.
 """
 
 from __future__ import annotations
@@ -103,16 +106,16 @@ def _tiny_config(layers: int, vocab: int):
                        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=1024)
 
 
-def plain_launches(layers: int, chunk: int = 8) -> tuple[Launches, Launches]:
+def plain_launches(layers: int, chunk: int = 8, dtype: torch.dtype = torch.float32) -> tuple[Launches, Launches]:
     """(a chunk's launches, a generated token's) of the plain model (sdpa, a KV cache) of
-    `step_reads`'s shapes, having read 400 tokens."""
+    `step_reads`'s shapes, in `dtype`, having read 400 tokens."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from benchmarks import cache_kwargs
 
     torch.manual_seed(0)
     cfg = _tiny_config(layers, vocab=300)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model = AutoModelForCausalLM.from_config(cfg).eval().to(dtype)
     model.set_attn_implementation("sdpa")
     cache = DynamicCache(config=cfg)
     run = lambda n: model(input_ids=torch.randint(0, 300, (1, n)), **cache_kwargs(model, cache), use_cache=True,  # noqa: E731
@@ -128,7 +131,8 @@ def plain_launches(layers: int, chunk: int = 8) -> tuple[Launches, Launches]:
 
 def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False, store: bool = False,
                device: str = "cpu", count: type = HostReads, kv_format: str | None = None,
-               ring: bool = False, question: bool = False, answer_tokens: int = 1) -> tuple[HostReads, HostReads]:
+               ring: bool = False, question: bool = False, answer_tokens: int = 1,
+               dtype: torch.dtype = torch.float32) -> tuple[HostReads, HostReads]:
     """(a chunk's reads, a generated token's) of an engine over a tiny random Llama that has read
     `tokens` tokens (events closed, retrieval at every step). device_step: the step a GPU takes
     (`engine.window.DEVICE_STEP`: selection and gather on the device); else the CPU's. store: the
@@ -138,7 +142,8 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
     ring: the device's budget too small for the store's rows, large enough for its keys and a ring
     of rows (`resident.CachedEvents`). question: the chunk counted is a question's and the tokens
     an answer's that attend to its memory (profile answer_retrieval "question"); answer_tokens:
-    how many generated tokens the second count holds (events close while answering)."""
+    how many generated tokens the second count holds (events close while answering); dtype: the
+    model's."""
     import contextlib
     import tempfile
     from pathlib import Path
@@ -155,7 +160,7 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
                                            repr_topk=2, answer_retrieval="question" if question else "token")
     torch.manual_seed(0)
     cfg = _tiny_config(layers, vocab=len(tok))
-    model = AutoModelForCausalLM.from_config(cfg).eval().to(device)
+    model = AutoModelForCausalLM.from_config(cfg).eval().to(device, dtype)
     g = torch.Generator().manual_seed(1)
     saved, window.DEVICE_STEP = window.DEVICE_STEP, device_step
     with contextlib.ExitStack() as stack:
@@ -197,6 +202,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", default="2,4,8,30")
     ap.add_argument("--launches", action="store_true", help="count the ops that compute (kernel launches on a GPU), a layer")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                    help="the model's dtype for --launches (a GPU's runs in bfloat16: float32 counts no casts)")
     args = ap.parse_args()
     if args.launches:  # a layer's count: the difference between the fewest and the most layers
         depths = [int(x) for x in args.layers.split(",")]
@@ -204,16 +211,18 @@ def main() -> None:
         if lo == hi:
             ap.error("--launches needs two depths in --layers, e.g. 2,8")
         n_tok = 16  # generated tokens a count (some close events, some do not): their mean
+        dtype = getattr(torch, args.dtype)
         for name, f in (("emllm (device step, store)",
-                         lambda n: step_reads(n, device_step=True, store=True, count=Launches, answer_tokens=n_tok)),
+                         lambda n: step_reads(n, device_step=True, store=True, count=Launches, answer_tokens=n_tok,
+                                              dtype=dtype)),
                         ("emllm, an answer on its question's memory (answer_retrieval question)",
                          lambda n: step_reads(n, device_step=True, store=True, count=Launches, question=True,
-                                              answer_tokens=n_tok)),
-                        ("plain model (sdpa, KV cache)", plain_launches)):
+                                              answer_tokens=n_tok, dtype=dtype)),
+                        ("plain model (sdpa, KV cache)", lambda n: plain_launches(n, dtype=dtype))):
             (c_lo, t_lo), (c_hi, t_hi) = f(lo), f(hi)
             per_layer = (c_hi.total - c_lo.total) / (hi - lo)
-            tokens = 1 if f is plain_launches else n_tok
-            print(json.dumps({"what": name, "chunk_per_layer": per_layer,
+            tokens = 1 if name.startswith("plain") else n_tok
+            print(json.dumps({"what": name, "dtype": args.dtype, "chunk_per_layer": per_layer,
                               "token_per_layer": (t_hi.total - t_lo.total) / (hi - lo) / tokens,
                               "chunk_fixed": c_lo.total - lo * per_layer,
                               "top_per_layer": {k: v / (hi - lo) for k, v in (c_hi.counts - c_lo.counts).most_common(12)}}))

@@ -375,8 +375,9 @@ class Engine:
         if len(pr.segmentation) == 2:  # SM, SC, FM, FC: refine inside the closed stretch
             starts = self._refine(starts)
         lengths = torch.diff(starts)
+        shared: dict = {}  # (what the layers share, made once a device)
         for w in self.windows:
-            w.close_events(lengths, pr.repr_topk, pr.repr_normalise, pr.representative == "mean")
+            w.close_events(lengths, pr.repr_topk, pr.repr_normalise, pr.representative == "mean", shared)
         self.rem_start += int(lengths.sum())
 
     def _refine(self, starts: Tensor) -> Tensor:

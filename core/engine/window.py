@@ -20,7 +20,7 @@ from emllm.engine.rotated import RotatedWindow
 from emllm.memory.buffers import SlidingRows, token_index
 from emllm.memory.events import EventStorage
 from emllm.memory.selection import (
-    TOKEN_SCORINGS, Selection, fold_query, mean_keys, representative_keys, select_events,
+    TOKEN_SCORINGS, Selection, event_rows, fold_query, mean_keys, representative_keys, select_events,
     select_events_mask, unit_keys, update_contiguity,
 )
 
@@ -198,16 +198,24 @@ class LayerWindow:
             cos, sin = st.cos[:length].to(q.device), st.sin[:length].to(q.device)
             k_rot, v_att = apply_rotary(k_loc, cos, sin), v_loc
 
-        q_mem = k_mem = v_mem = mem_valid = None
+        q_mem = k_mem = v_mem = mem_valid = out_dtype = None
         has_memory = self.init_k.shape[1] or self.rem_k.shape[1] or len(self.events)
         if not has_memory:
             q_loc = apply_rotary(q, st.cos[at : at + c].to(q.device), st.sin[at : at + c].to(q.device))
         else:
             # the queries at their window positions, and at the memory's, which sits at one fixed
             # distance from every query (n_local - 1)
-            q_loc, q_mem = apply_rotary(q, *st.query_rope(at, c, q.device))
+            both = apply_rotary(q, *st.query_rope(at, c, q.device))  # [2, H_q, c, D]
+            if q.device.type != "cpu" or self._device_step(q, st):
+                # attention's joint path ahead (`attends_jointly`), which widens its queries to
+                # float32: widened here, both at once, laid out for its products, one copy
+                q_loc, q_mem = both.to(torch.float32, memory_format=torch.contiguous_format)
+                out_dtype = q.dtype
+            else:
+                q_loc, q_mem = both
             parts_k, parts_v = [self.init_k], [self.init_v]
-            query = q_mem.mean(1) if c > 1 else q_mem[:, 0]  # [H_q, D] (one query: itself, the same bits)
+            # [H_q, D]: the mean of the model's dtype's queries; one query: itself (widened or not, the same bits scored)
+            query = both[1].mean(1) if c > 1 else q_mem[:, 0]
             kept = self._kept if st.reuse_memory else None
             self._kept = None  # (held past this step only where it keeps it)
             if kept is not None:  # (nothing retrieved: the running mean query is left as it is)
@@ -244,10 +252,10 @@ class LayerWindow:
                 parts_v += [mv, self.rem_v]
             k_mem, v_mem = torch.cat(parts_k, 1), torch.cat(parts_v, 1)
             if st.keep_mean and kept is None:  # (kept only when used: a store that does not centre writes zeros, as before)
-                self.query_sum += query.float()
+                self.query_sum.add_(query)  # (widened in the add: exact, no copy made first)
                 self.query_n += 1
 
-        out, mass = attend(q_loc, k_rot, v_att, q_mem, k_mem, v_mem, scaling, st.mass, mem_valid, softcap)
+        out, mass = attend(q_loc, k_rot, v_att, q_mem, k_mem, v_mem, scaling, st.mass, mem_valid, softcap, out_dtype)
         self._slide(k_loc, v_loc, mass, st)
         return out
 
@@ -385,23 +393,32 @@ class LayerWindow:
                                               dtype=torch.float32, device=self.device)
         return z[:, :n]
 
-    def close_events(self, lengths: Tensor, repr_topk: int, normalise: bool = False, mean: bool = False) -> None:
+    def close_events(self, lengths: Tensor, repr_topk: int, normalise: bool = False, mean: bool = False,
+                     shared: dict[torch.device, tuple[Tensor, Tensor, Tensor, Tensor]] | None = None) -> None:
         """Turn the first sum(lengths) remainder tokens into events of these sizes (their
         representative keys: the mean key of all their tokens when `mean`, else of the repr_topk
         that drew the most attention; scaled to unit length per head when `normalise`).
         lengths [e] long, on the host (the stream's segmentation): sizes are read there, not from
-        the device."""
+        the device. shared: what every layer closing these events uses, by device (lengths there,
+        as float32, their token rows), filled by the first layer on a device: the others launch
+        none of it."""
         host = lengths.numpy() if lengths.device.type == "cpu" else lengths.cpu().numpy()
         n = int(host.sum())
         if n == 0:
             return
-        width = int(host.max())
-        on_device = lengths.to(self.rem_k.device)
+        dev = self.rem_k.device
+        made = None if shared is None else shared.get(dev)
+        if made is None:
+            on_device = lengths.to(dev)
+            made = (on_device, on_device.float(), *event_rows(on_device, n, int(host.max())))
+            if shared is not None:
+                shared[dev] = made
+        on_device, as_float, idx, valid = made
         keys, values, mass = self.rem_k[:, :n], self.rem_v[:, :n], self.rem_mass[:, :n]
         if mean:
-            reprs = mean_keys(keys, on_device, self.events.repr_heads, width)  # [e, H_r, D]
+            reprs = mean_keys(keys, as_float, self.events.repr_heads, rows=(idx, valid))  # [e, H_r, D]
         else:
-            reprs = representative_keys(keys, mass, on_device, repr_topk, width)
+            reprs = representative_keys(keys, mass, on_device, repr_topk, rows=(idx, valid))
         if normalise:
             reprs = unit_keys(reprs)
         self.events.append(keys, values, lengths, reprs)

@@ -43,6 +43,7 @@ def attend(
     with_mass: bool = True,
     mem_valid: Tensor | None = None,  # [V <= M] bool: which of the memory's last V rows count (a selection padded to its budget); None: all
     softcap: float | None = None,  # scores s become softcap * tanh(s / softcap) (Gemma 2); None: as they are
+    out_dtype: torch.dtype | None = None,  # the output's; None: the queries' (widened queries: the model's given)
 ) -> tuple[Tensor, Tensor | None]:
     """Returns (output [H_q, c, D], attention mass each window key received [H_q, L], float32;
     None unless `with_mass`).
@@ -60,8 +61,10 @@ def attend(
     """
     c = q_local.shape[1]
     cpu = q_local.device.type == "cpu"
-    if mem_valid is not None or not cpu:  # (a device's step: its padding masked)
-        return _attend_joint(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass, mem_valid, softcap)
+    if attends_jointly(q_local.device, mem_valid):  # (a device's step: its padding masked)
+        return _attend_joint(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass, mem_valid, softcap,
+                             out_dtype)
+    q_local, q_mem = (q_local, q_mem) if out_dtype is None else (q_local.to(out_dtype), _to(q_mem, out_dtype))
     if softcap is not None:  # (capped scores: no kernel caps them)
         memory = lambda q, k, v, scale: _memory_materialised(q, k, v, scale, softcap)  # noqa: E731
         return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, with_mass, softcap)
@@ -78,7 +81,19 @@ def attend(
     return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, _memory_materialised, with_mass)
 
 
-def _attend_joint(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass=True, valid=None, softcap=None):
+def attends_jointly(device: torch.device, mem_valid: Tensor | None) -> bool:
+    """Whether `attend` takes `_attend_joint` here: on a device (not the CPU), or for a selection
+    padded to its budget. It widens the queries to float32 (a caller may hand them so, with the
+    output's dtype)."""
+    return mem_valid is not None or device.type != "cpu"
+
+
+def _to(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
+def _attend_joint(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass=True, valid=None, softcap=None,
+                  out_dtype=None):
     """`attend` as one softmax over the memory's scores and the window's side by side, written out
     in float32 (queries, keys and values widened first): where a layer's step is paced by the
     kernels it launches (a GPU), about half of `_attend`'s, which merges two softmaxes by their
@@ -93,13 +108,14 @@ def _attend_joint(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_
         torch.bmm(q_mem.reshape(h_kv, g * c, d).float(), k_mem.float().transpose(1, 2), out=s[..., :m])
     torch.bmm(q_local.reshape(h_kv, g * c, d).float(), k_local.float().transpose(1, 2), out=s[..., m:])
     _capped(s.mul_(scaling), softcap)
-    if valid is not None and valid.numel():
-        s[..., m - valid.numel() : m].masked_fill_(~valid, float("-inf"))
+    if valid is not None and valid.numel():  # (in place, without a negated mask made first)
+        padded = s[..., m - valid.numel() : m]
+        torch.where(valid, padded, _minus_inf(s.device), out=padded)
     if c > 1:  # causal: query i sees the chunk's keys 0..i (and every memory key; each query sees itself)
         s.view(h_kv, g, c, m + length)[..., m + length - c :].masked_fill_(_upper(c, s.device), float("-inf"))
     p = torch.softmax(s, -1)
     values = torch.cat((v_mem, v_local), 1) if m else v_local  # [H_kv, M + L, D]
-    out = torch.bmm(p, values.float()).to(q_local.dtype).view(h_q, c, d)
+    out = torch.bmm(p, values.float()).to(out_dtype or q_local.dtype).view(h_q, c, d)
     if not with_mass:
         return out, None
     # attention each window key received, summed over the chunk's queries
@@ -107,6 +123,14 @@ def _attend_joint(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_
 
 
 _UPPER: dict[tuple[int, torch.device], Tensor] = {}
+_MINUS_INF: dict[torch.device, Tensor] = {}
+
+
+def _minus_inf(device: torch.device) -> Tensor:
+    """A float32 -inf scalar tensor on `device`, made once (`torch.where` with `out` takes no number)."""
+    if device not in _MINUS_INF:
+        _MINUS_INF[device] = torch.tensor(float("-inf"), device=device)
+    return _MINUS_INF[device]
 
 
 def _upper(c: int, device: torch.device) -> Tensor:
@@ -393,4 +417,4 @@ def register() -> None:
     AttentionInterface.register(NAME, emllm_attention)
 
 
-__all__ = ["attend", "attend_band", "emllm_attention", "register", "NAME", "apply_rotary"]
+__all__ = ["attend", "attends_jointly", "attend_band", "emllm_attention", "register", "NAME", "apply_rotary"]

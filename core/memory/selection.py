@@ -287,10 +287,11 @@ def select_positions(scores: np.ndarray, lengths: np.ndarray, budget: int) -> np
     return np.sort(order[:k])
 
 
-def _event_rows(lengths: Tensor, n: int, width: int | None = None) -> tuple[Tensor, Tensor]:
+def event_rows(lengths: Tensor, n: int, width: int | None = None) -> tuple[Tensor, Tensor]:
     """Consecutive events of `lengths` ([e], sum n) as a padded grid of token rows: (idx [e, width]
     each event's rows, padding clamped into range; valid [e, width] which are its own). width: the
-    longest event's tokens where the caller knows it on the host (else read from `lengths`)."""
+    longest event's tokens where the caller knows it on the host (else read from `lengths`). The
+    same for every layer closing these events: `rows` of the functions below takes it made once."""
     width = int(lengths.max()) if width is None else width
     starts = torch.cumsum(lengths, 0) - lengths
     col = torch.arange(width, device=lengths.device)
@@ -303,17 +304,18 @@ def unit_keys(reprs: Tensor) -> Tensor:
     return reprs / reprs.float().norm(dim=-1, keepdim=True).clamp_min(1e-12).to(reprs.dtype)
 
 
-def representative_keys(keys: Tensor, mass: Tensor, lengths: Tensor, topk: int, width: int | None = None) -> Tensor:
+def representative_keys(keys: Tensor, mass: Tensor, lengths: Tensor, topk: int, width: int | None = None,
+                        rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Per event and query head, the mean pre-RoPE key of the `topk` tokens that drew most attention.
 
     keys: [H_kv, n, D] tokens of consecutive events; mass: [H_q, n] accumulated attention;
-    lengths: [e] with sum == n (width: their largest, if known). Returns [e, H_q, D]. GQA keys are
-    expanded to query heads.
+    lengths: [e] with sum == n (width: their largest, if known; rows: their `event_rows`, if made).
+    Returns [e, H_q, D]. GQA keys are expanded to query heads.
     """
     h_kv, n, d = keys.shape
     h_q = mass.shape[0]
     e = lengths.numel()
-    idx, valid = _event_rows(lengths, n, width)
+    idx, valid = event_rows(lengths, n, width) if rows is None else rows
     width = idx.shape[1]
     m = mass[:, idx].masked_fill(~valid, float("-inf"))  # [H_q, e, width]
     k = min(topk, width)
@@ -326,7 +328,8 @@ def representative_keys(keys: Tensor, mass: Tensor, lengths: Tensor, topk: int, 
     return (summed / ok.sum(2, keepdim=True)).transpose(0, 1).contiguous()
 
 
-def mean_keys(keys: Tensor, lengths: Tensor, heads: int, width: int | None = None) -> Tensor:
+def mean_keys(keys: Tensor, lengths: Tensor, heads: int, width: int | None = None,
+              rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Per event, the mean pre-RoPE key of all its tokens, per KV head.
 
     keys: [H_kv, n, D] tokens of consecutive events; lengths: [e] with sum == n. Returns
@@ -335,10 +338,13 @@ def mean_keys(keys: Tensor, lengths: Tensor, heads: int, width: int | None = Non
     heads, as stores before version 7 keep them).
     """
     h_kv, n, d = keys.shape
-    idx, valid = _event_rows(lengths, n, width)  # (width: the largest of lengths, where known)
+    # (width: the largest of lengths, where known; rows: their `event_rows`, where made)
+    idx, valid = event_rows(lengths, n, width) if rows is None else rows
     sums = (keys[:, idx].float() * valid[None, :, :, None]).sum(2)  # [H_kv, e, D]
-    means = (sums / lengths.to(sums.dtype)[None, :, None]).to(keys.dtype)
-    return means.repeat_interleave(heads // h_kv, dim=0).transpose(0, 1).contiguous()
+    means = (sums / lengths.to(sums.dtype)[None, :, None]).to(keys.dtype)  # (float32 lengths: no cast)
+    if heads != h_kv:  # (a repeat of 1 would still copy)
+        means = means.repeat_interleave(heads // h_kv, dim=0)
+    return means.transpose(0, 1).contiguous()
 
 
 def update_contiguity(queue: Tensor, selected: Tensor, lengths: Tensor, neighbours: int, budget: int) -> Tensor:
