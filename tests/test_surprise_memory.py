@@ -134,6 +134,24 @@ def test_representative_keys_match_loop():
         off += ln
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mean_keys_of_several_layers_at_once_are_each_layers_own_bits(dtype):
+    """`window.close_events` computes the layers' mean keys (and their unit scaling) in one batch:
+    each layer's must be the bits it gets alone, or a store's events would depend on how many
+    layers shared a step."""
+    from emllm.memory.selection import event_rows, unit_keys
+
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(5, 2, 40, 16, generator=g).to(dtype)  # [layers, H_kv, n, D]
+    lengths = torch.tensor([7, 1, 12, 20])
+    for heads in (2, 6):
+        # (as close_events calls it: the rows made once, the lengths as float32)
+        together = unit_keys(mean_keys(keys, lengths.float(), heads, rows=event_rows(lengths, 40)))  # [layers, e, heads, D]
+        for layer in range(5):
+            alone = unit_keys(mean_keys(keys[layer], lengths, heads))
+            assert torch.equal(together[layer], alone), (heads, layer)
+
+
 def test_mean_keys_match_loop():
     g = torch.Generator().manual_seed(1)
     lengths = torch.tensor([3, 1, 8, 5])

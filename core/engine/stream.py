@@ -35,7 +35,7 @@ from emllm.math import surprise as surprise_math
 from emllm.math.surprise import Head, boundary_flags, probe_positions, shortlist_surprise, token_surprise
 from emllm.engine.sampling import Chooser, greedy
 from emllm.engine.sliding import SlidingLayer
-from emllm.engine.window import LayerWindow, StepInfo
+from emllm.engine.window import LayerWindow, StepInfo, close_events
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 TOKEN_SLACK = 256  # generated tokens between two rotations of a layer's whole window
@@ -375,9 +375,7 @@ class Engine:
         if len(pr.segmentation) == 2:  # SM, SC, FM, FC: refine inside the closed stretch
             starts = self._refine(starts)
         lengths = torch.diff(starts)
-        shared: dict = {}  # (what the layers share, made once a device)
-        for w in self.windows:
-            w.close_events(lengths, pr.repr_topk, pr.repr_normalise, pr.representative == "mean", shared)
+        close_events(self.windows, lengths, pr.repr_topk, pr.repr_normalise, pr.representative == "mean")
         self.rem_start += int(lengths.sum())
 
     def _refine(self, starts: Tensor) -> Tensor:

@@ -393,37 +393,46 @@ class LayerWindow:
                                               dtype=torch.float32, device=self.device)
         return z[:, :n]
 
-    def close_events(self, lengths: Tensor, repr_topk: int, normalise: bool = False, mean: bool = False,
-                     shared: dict[torch.device, tuple[Tensor, Tensor, Tensor, Tensor]] | None = None) -> None:
-        """Turn the first sum(lengths) remainder tokens into events of these sizes (their
-        representative keys: the mean key of all their tokens when `mean`, else of the repr_topk
-        that drew the most attention; scaled to unit length per head when `normalise`).
-        lengths [e] long, on the host (the stream's segmentation): sizes are read there, not from
-        the device. shared: what every layer closing these events uses, by device (lengths there,
-        as float32, their token rows), filled by the first layer on a device: the others launch
-        none of it."""
-        host = lengths.numpy() if lengths.device.type == "cpu" else lengths.cpu().numpy()
-        n = int(host.sum())
-        if n == 0:
-            return
-        dev = self.rem_k.device
-        made = None if shared is None else shared.get(dev)
-        if made is None:
-            on_device = lengths.to(dev)
-            made = (on_device, on_device.float(), *event_rows(on_device, n, int(host.max())))
-            if shared is not None:
-                shared[dev] = made
-        on_device, as_float, idx, valid = made
-        keys, values, mass = self.rem_k[:, :n], self.rem_v[:, :n], self.rem_mass[:, :n]
-        if mean:
-            reprs = mean_keys(keys, as_float, self.events.repr_heads, rows=(idx, valid))  # [e, H_r, D]
-        else:
-            reprs = representative_keys(keys, mass, on_device, repr_topk, rows=(idx, valid))
-        if normalise:
-            reprs = unit_keys(reprs)
+    def close(self, lengths: Tensor, n: int, reprs: Tensor, mean: bool) -> None:
+        """Turn the first n remainder tokens into events of these sizes (lengths [e] long, on the
+        host, summing to n), their representative keys `reprs` [e, H_r, D] (`close_events` makes
+        them; `mean`: mean keys, which read no attention mass)."""
+        keys, values = self.rem_k[:, :n], self.rem_v[:, :n]
         self.events.append(keys, values, lengths, reprs)
         if self._kept is not None:  # (views: the remainder below is a new buffer)
             self._kept[3].append((keys, values))
         self.rem_k, self.rem_v = self.rem_k[:, n:].contiguous(), self.rem_v[:, n:].contiguous()
         # (mean representatives: the mass stays zeros, a view of `_zeros`)
         self.rem_mass = self._zeros(self.rem_k.shape[1]) if mean else self.rem_mass[:, n:].contiguous()
+
+
+def close_events(windows: list[LayerWindow], lengths: Tensor, repr_topk: int, normalise: bool = False,
+                 mean: bool = False) -> None:
+    """Every layer's first sum(lengths) remainder tokens become events of these sizes (lengths [e]
+    long, on the host: the stream's segmentation, read there, not from a device). Their
+    representative keys: the mean key of all their tokens when `mean`, else of the repr_topk
+    that drew the most attention; scaled to unit length per head when `normalise`. What the
+    layers share (the sizes on the device, their token rows) is made once a device, and mean keys
+    are computed for the layers of a device and shape together: a few kernels a step, not a few a
+    layer (each layer's the bits it gets alone)."""
+    host = lengths.numpy() if lengths.device.type == "cpu" else lengths.cpu().numpy()
+    n = int(host.sum())
+    if n == 0:
+        return
+    groups: dict[tuple, list[LayerWindow]] = {}
+    for w in windows:
+        key = (w.rem_k.device, w.rem_k.dtype, w.rem_k.shape[0], w.rem_k.shape[2], w.events.repr_heads)
+        groups.setdefault(key, []).append(w)
+    for (dev, *_, heads), ws in groups.items():
+        on_device = lengths.to(dev)
+        rows = event_rows(on_device, n, int(host.max()))
+        if mean:
+            keys = torch.stack([w.rem_k[:, :n] for w in ws])  # [layers, H_kv, n, D]
+            reprs = mean_keys(keys, on_device.float(), heads, rows=rows)  # [layers, e, H_r, D]
+        else:
+            reprs = torch.stack([representative_keys(w.rem_k[:, :n], w.rem_mass[:, :n], on_device, repr_topk, rows=rows)
+                                 for w in ws])
+        if normalise:
+            reprs = unit_keys(reprs)
+        for w, r in zip(ws, reprs):
+            w.close(lengths, n, r, mean)

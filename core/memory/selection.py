@@ -332,19 +332,20 @@ def mean_keys(keys: Tensor, lengths: Tensor, heads: int, width: int | None = Non
               rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Per event, the mean pre-RoPE key of all its tokens, per KV head.
 
-    keys: [H_kv, n, D] tokens of consecutive events; lengths: [e] with sum == n. Returns
-    [e, heads, D] in the keys' dtype (summed in float32 along each event's own tokens, in order: the
-    same bits on every device); heads: H_kv, or H_q (each KV head's mean repeated for its query
-    heads, as stores before version 7 keep them).
+    keys: [..., H_kv, n, D] tokens of consecutive events (leading dims: several layers' at once,
+    each the bits it gets alone); lengths: [e] with sum == n. Returns [..., e, heads, D] in the
+    keys' dtype (summed in float32 along each event's own tokens, in order: the same bits on every
+    device); heads: H_kv, or H_q (each KV head's mean repeated for its query heads, as stores
+    before version 7 keep them).
     """
-    h_kv, n, d = keys.shape
+    *_, h_kv, n, d = keys.shape
     # (width: the largest of lengths, where known; rows: their `event_rows`, where made)
     idx, valid = event_rows(lengths, n, width) if rows is None else rows
-    sums = (keys[:, idx].float() * valid[None, :, :, None]).sum(2)  # [H_kv, e, D]
-    means = (sums / lengths.to(sums.dtype)[None, :, None]).to(keys.dtype)  # (float32 lengths: no cast)
+    sums = (keys[..., idx, :].float() * valid[:, :, None]).sum(-2)  # [..., H_kv, e, D]
+    means = (sums / lengths.to(sums.dtype)[:, None]).to(keys.dtype)  # (float32 lengths: no cast)
     if heads != h_kv:  # (a repeat of 1 would still copy)
-        means = means.repeat_interleave(heads // h_kv, dim=0)
-    return means.transpose(0, 1).contiguous()
+        means = means.repeat_interleave(heads // h_kv, dim=-3)
+    return means.transpose(-3, -2).contiguous()
 
 
 def update_contiguity(queue: Tensor, selected: Tensor, lengths: Tensor, neighbours: int, budget: int) -> Tensor:
