@@ -2,7 +2,7 @@
 
 A chunk's step rotates its whole window at positions 0..L-1 (spec §1): once per chunk, cheap. A
 generated token would do the same to a thousand keys in every layer to attend with one query
-(and widen them and the values to float32, in which one query attends: math/attention.py):
+(and, where attention widens them to float32, the values too: math/attention.py):
 the rotation alone was a good share of the attention function's time (docs/benchmark-log.md). Here each key is rotated once (and widened, if asked), at its row's index in
 this buffer, and each query at its own row's index: every query-key pair is as far apart as in
 the window's rotation, so the scores are the same in exact arithmetic (rotated at other angles,
@@ -24,13 +24,14 @@ from emllm.math.rope import apply_rotary
 
 
 class RotatedWindow:
-    """keys/values [H_kv, n, D] (keys before RoPE, the model's dtype) -> rows of `dtype` (float32
-    by default), key i rotated at position i; room for `slack` more tokens (cos/sin must cover
+    """keys/values [H_kv, n, D] (keys before RoPE, the model's dtype) -> rows of `dtype` (the keys'
+    if None), key i rotated at position i; room for `slack` more tokens (cos/sin must cover
     n + slack positions)."""
 
     def __init__(self, keys: Tensor, values: Tensor, cos: Tensor, sin: Tensor, slack: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype | None = None) -> None:
         h, n, d = keys.shape
+        dtype = keys.dtype if dtype is None else dtype
         self.k = torch.empty(h, n + slack, d, dtype=dtype, device=keys.device)
         self.v = torch.empty_like(self.k)
         # rotated in the keys' dtype, then widened: rounded as the chunk's rotation is

@@ -28,7 +28,7 @@ from emllm.memory.distinct import span_groups
 from emllm.memory.events import EventMemory, EventStorage
 from emllm.memory.passages import event_spans
 from emllm.memory.selection import Selection
-from emllm.models import device_of, input_device, native_bf16
+from emllm.models import device_of, input_device
 from emllm.math.rope import Rotary
 from emllm.math.segmentation import enforce_block_sizes, key_adjacency, refine, surprise_starts
 from emllm.math import surprise as surprise_math
@@ -144,8 +144,6 @@ class Engine:
         self.model = model
         self.profile = profile
         attention.register()
-        if attention.PRODUCTS_ON_CPU is None:  # emulated bfloat16 products are slower than the kernel
-            attention.PRODUCTS_ON_CPU = native_bf16("cpu")
         model.set_attn_implementation(attention.NAME)
         rope = model.model.rotary_emb
         typed = getattr(rope, "layer_types", None) is not None  # one table per kind of layer (Gemma 3)

@@ -188,8 +188,11 @@ class LayerWindow:
         if c == 1 and st.token_slack and not self.events.writer:
             rw = self._rw
             if rw is None or rw.full() or rw.rows != length - 1:
-                # (float32: one query attends in float32 on the CPU, math/attention.py)
-                rw = self._rw = RotatedWindow(k_loc[:, :-1], v_loc[:, :-1], st.cos, st.sin, st.token_slack)
+                # in the model's dtype, as the CPU's kernel takes it; in float32 where the joint
+                # path widens it anyway (`attends_jointly`): widened once, not at every token
+                wide = q.device.type != "cpu" or self._device_step(q, st)
+                rw = self._rw = RotatedWindow(k_loc[:, :-1], v_loc[:, :-1], st.cos, st.sin, st.token_slack,
+                                              torch.float32 if wide else k_loc.dtype)
             at = rw.push(k, v, st.cos, st.sin)
             k_rot, v_att = rw.view()
         else:

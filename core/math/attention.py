@@ -49,11 +49,9 @@ def attend(
     None unless `with_mass`).
 
     Query i of the chunk sees window keys 0..L-c+i (causal) and all memory keys: one exact
-    softmax. On a CPU that computes bfloat16 natively a bfloat16 chunk of two queries or more,
-    when no mass is kept, runs on bfloat16 matrix products (`_attend_products`). Otherwise a chunk of many queries runs torch's
-    fused flash kernel only (`_attend_fused`: nothing of size [H_q, c, L] written out), and so
-    does a generated token when no mass is kept, in float32 whatever the model's dtype (one query
-    sees the whole window: no causal part); other few-query steps write the window's
+    softmax. On the CPU, a step without the mass, and a chunk of many queries with it, runs
+    torch's fused flash kernel only, in the inputs' dtype (`_attend_fused`: nothing of size
+    [H_q, c, L] written out); other few-query steps with the mass write the window's
     probabilities out in float32 and take the memory's part from the kernel with its
     log-sum-exp (`_attend`); elsewhere (CUDA), and for a selection padded to its budget, one
     softmax over memory and window written out in float32 (`_attend_joint`). The output is in the
@@ -68,15 +66,16 @@ def attend(
     if softcap is not None:  # (capped scores: no kernel caps them)
         memory = lambda q, k, v, scale: _memory_materialised(q, k, v, scale, softcap)  # noqa: E731
         return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, with_mass, softcap)
-    if cpu and PRODUCTS_ON_CPU is not False and not with_mass and c >= PRODUCTS_FROM and _all_bf16(q_local, k_local, v_local, q_mem, k_mem, v_mem):
-        return _attend_products(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling), None
     if cpu and _FLASH_CPU is not None:
-        if c >= FUSED_FROM[k_local.dtype == torch.float32]:
-            return _attend_fused(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass)
-        if c == 1 and not with_mass:  # (see "One query in float32" below)
-            w = lambda t: None if t is None else t.float()  # noqa: E731 (a float32 tensor as it is)
-            out, _ = _attend_fused(w(q_local), w(k_local), w(v_local), w(q_mem), w(k_mem), w(v_mem), scaling, False)
-            return out.to(q_local.dtype), None
+        f32 = k_local.dtype == torch.float32
+        if c >= FUSED_FROM[f32] or (not with_mass and (c == 1 or not f32)):
+            dt = q_local.dtype
+            if any(t is not None and t.dtype != dt for t in (k_local, v_local, q_mem, k_mem, v_mem)):
+                dt = torch.float32  # (the kernel takes one dtype: mixed inputs meet in float32)
+            w = lambda t: None if t is None else t.to(dt)  # noqa: E731 (a tensor of that dtype as it is)
+            out, mass = _attend_fused(w(q_local), w(k_local), w(v_local), w(q_mem), w(k_mem), w(v_mem), scaling,
+                                      with_mass)
+            return out.to(q_local.dtype), mass
         return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, _memory_flash, with_mass)
     return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, _memory_materialised, with_mass)
 
@@ -144,101 +143,19 @@ def _upper(c: int, device: torch.device) -> Tensor:
     return _UPPER[key]
 
 
-# Chunks of at least this many queries take `_attend_fused` (fewer: `_attend`), [bf16/f16, f32]
-# (a bfloat16 chunk without the mass takes the products, below): the crossovers measured on the
-# project's CPU (docs/benchmark-log.md, ingest speed). A generated token (one query) would pay the
-# fused path's second pass, keys as queries, for the mass; it takes two kernel calls (window,
-# memory), in float32 (below).
+# Steps with the mass take `_attend_fused` from this many queries (fewer: `_attend`), [bf16/f16,
+# f32]; steps without it take the kernel at any size in bfloat16 (in float32: one query, or from
+# these sizes). The crossovers measured on the project's CPU: docs/benchmark-log.md ("torch's
+# kernel gains from bfloat16"). The kernel's bfloat16 accumulates in float32, as the plain
+# model's sdpa does; each part's output is rounded to bfloat16 before the parts are merged.
 FUSED_FROM = (64, 256)
-
-# One query in float32. A generated token (one query per head) attends on the CPU in float32,
-# whatever the model's dtype: torch's flash kernel in bfloat16 is several times slower for one
-# query on a CPU without AMX; from a few queries on the two cost about the same, not worth a
-# chunk's changed bits. The output is more precise than the plain model's bfloat16 sdpa, so its
-# last bits differ from it. The window is kept rotated in float32 for it (`RotatedWindow`).
-# Measured: docs/benchmark-log.md, decoding.
-
-# A chunk in bfloat16 on the CPU, without the mass: bfloat16 matrix products (`_attend_products`),
-# which gain from the processor's bfloat16 (torch's flash kernel does not: the same time as in
-# float32; measured for SmolLM2's and Llama-3.1-8B's heads in docs/benchmark-log.md). Its scores (shifted by
-# their row's estimated largest) and probabilities are rounded to bfloat16; end to end on SmolLM2
-# its logits are as close to float32's as the plain model's own bfloat16 (eager or sdpa) and the
-# kernel's path: docs/benchmark-log.md, ingest speed.
-PRODUCTS_FROM = 2  # (faster from 2 queries on; one query: float32, below)
-# Whether the CPU takes the products at all: only where it computes bfloat16 natively (AVX-512
-# BF16, AMX). Elsewhere bfloat16 products are emulated, an order of magnitude slower than the
-# kernel (an AVX2 EPYC: docs/benchmark-log.md). None: not decided (the engine
-# decides from the CPU's flags, emllm.models.native_bf16); a direct caller gets the products.
-PRODUCTS_ON_CPU: bool | None = None
-# Bytes of bfloat16 scores one block of `_attend_products` writes (a block of query positions,
-# all heads; at most 128 positions): scores and probabilities stay in the processor's caches.
-PRODUCT_BLOCK_BYTES = 32 << 20
-SHIFT_KEYS = 32
-
-
-def _all_bf16(*ts: Tensor | None) -> bool:
-    return all(t is None or t.dtype == torch.bfloat16 for t in ts)
-
-
-def _attend_products(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling):
-    """`attend`'s output (no mass) from bfloat16 matrix products: per KV head, the scores of a
-    block of query positions (its g query heads side by side) against the memory's keys and then
-    the window's, in one [rows, M + L] buffer, each row shifted by an estimate of its largest
-    score; one softmax over it (bfloat16 in and out, float32 inside); one product with the values.
-    The scaling goes into the queries first (exact when it is a power of two, as 1/sqrt(64) is)."""
-    h_q, c, d = q_local.shape
-    h_kv, length, _ = k_local.shape
-    g = h_q // h_kv
-    m = 0 if k_mem is None else k_mem.shape[1]
-    n = m + length
-    old = length - c  # window keys every query of the chunk sees
-
-    def position_major(q: Tensor) -> Tensor:  # [H_q, c, D] -> [H_kv, c*g, D]: row p*g + h
-        out = torch.empty(h_kv, c, g, d, dtype=q.dtype, device=q.device)
-        return torch.mul(q.view(h_kv, g, c, d).transpose(1, 2), scaling, out=out).view(h_kv, c * g, d)
-
-    ql = position_major(q_local)
-    kl_t = k_local.transpose(1, 2)
-    if m:
-        qm, km_t = position_major(q_mem), k_mem.transpose(1, 2)
-        values = torch.cat((v_mem, v_local), 1)  # [H_kv, M + L, D]
-    else:
-        values = v_local
-    block = max(16, min(128, PRODUCT_BLOCK_BYTES // (2 * h_kv * g * n)))
-    block = min(block, c)
-    s = torch.empty(h_kv, block * g, n, dtype=q_local.dtype, device=q_local.device)
-    p = torch.empty_like(s)
-    out = torch.empty(h_kv, c * g, d, dtype=q_local.dtype, device=q_local.device)
-    for i in range(0, c, block):
-        j = min(c, i + block)
-        rows = slice(i * g, j * g)
-        # contiguous views of the buffers' first rows (`_softmax.out` writes a strided `out` wrongly)
-        sv, pv = (t.view(-1)[: h_kv * (j - i) * g * n].view(h_kv, (j - i) * g, n) for t in (s, p))
-        # Each row's scores less an estimate of its largest (that over the first 32 keys of the
-        # memory and of the window: the initial tokens, where attention sinks, are the memory's
-        # first): softmax does not change, and the scores that carry the probability are rounded
-        # to bfloat16 near 0, where it keeps the most absolute bits.
-        parts = ([(qm, km_t, sv[..., :m])] if m else []) + [(ql, kl_t, sv[..., m:])]  # (queries, keys^T, scores)
-        shift = None  # [H_kv, rows, 1]
-        for q, k_t, _ in parts:
-            top = torch.bmm(q[:, rows], k_t[..., :SHIFT_KEYS]).amax(-1, keepdim=True)
-            shift = top if shift is None else torch.maximum(shift, top, out=shift)
-        shift.neg_()
-        for q, k_t, scores in parts:
-            torch.baddbmm(shift, q[:, rows], k_t, out=scores)
-        # causal: position i + r sees the chunk's keys 0..i + r
-        later = torch.ones(j - i, c, dtype=torch.bool, device=s.device).triu_(i + 1)
-        sv.view(h_kv, j - i, g, n)[..., m + old :].masked_fill_(later[:, None], float("-inf"))
-        torch.ops.aten._softmax.out(sv, -1, False, out=pv)  # (bfloat16 in and out, float32 inside)
-        torch.bmm(pv, values, out=out[:, rows])
-    return out.view(h_kv, c, g, d).transpose(1, 2).reshape(h_q, c, d)
 
 
 # torch's CPU flash-attention kernel; unlike the public sdpa it also returns the log-sum-exp,
 # which is what lets separately rotated parts share one softmax. Absent: the materialised path.
-# Only the memory goes through it: the window's probabilities are needed for the mass anyway,
-# and exponentiating them once for both beats the kernel plus a second pass for the mass
-# (docs/benchmark-log.md, ingest speed).
+# With the mass and few queries (`_attend`) only the memory goes through it: the window's
+# probabilities are needed for the mass anyway, and exponentiating them once for both beats the
+# kernel plus a second pass for the mass (docs/benchmark-log.md, ingest speed).
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -246,8 +163,6 @@ def _memory_flash(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> tuple[Tens
     """The memory's own softmax attention: q [H_kv, g, c, D], k/v [H_kv, M, D] ->
     (output [H_kv, g*c, D] float32, log-sum-exp [H_kv, g*c])."""
     h_kv, g, c, d = q.shape
-    if c == 1:  # ("One query in float32", above)
-        q, k, v = q.float(), k.float(), v.float()
     o, lse = _FLASH_CPU(q, k[:, None].expand(-1, g, -1, -1), v[:, None].expand(-1, g, -1, -1), is_causal=False, scale=scaling)
     return o.float().reshape(h_kv, g * c, d), lse.reshape(h_kv, g * c)
 
