@@ -45,7 +45,8 @@ def llama_like(cfg) -> LlamaConfig:
     """A Llama of the hybrid model's shapes (layers, heads, head size, vocabulary), every layer global."""
     return LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-                       num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
+                       num_key_value_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
+                       head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
                        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True)
 
 
