@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import DynamicCache
 
 from emllm.evals.corpus import tokens as corpus_tokens
 from emllm.app import ingest as ing
@@ -38,19 +38,6 @@ from benchmarks import cache_kwargs
 from benchmarks.quality import parse_variant
 
 
-def _sdpa_float32(module, query, key, value, attention_mask, **kwargs):
-    """transformers' sdpa attention computed in float32 (queries, keys and values widened), the
-    output in the model's dtype: the plain model with emllm's arithmetic for one query."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    out, w = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-    return out.to(query.dtype), w
-
-
-SDPA_FLOAT32 = "sdpa_float32"
-AttentionInterface.register(SDPA_FLOAT32, _sdpa_float32)
-
-
 def plain_cache(model) -> DynamicCache:
     """The plain model's KV cache: of a model that mixes sliding-window and global layers, its
     sliding layers keep their window only (as transformers' generate does)."""
@@ -61,14 +48,14 @@ def plain_cache(model) -> DynamicCache:
 
 class Vanilla:
     """The plain model over a sliding window of `window` tokens (a KV cache cut after each step),
-    attention by `attn` (transformers' sdpa, or `SDPA_FLOAT32`)."""
+    attention by transformers' sdpa."""
 
-    def __init__(self, model, window: int, attn: str = "sdpa") -> None:
-        self.model, self.window, self.cache, self.attn = model, window, plain_cache(model), attn
+    def __init__(self, model, window: int) -> None:
+        self.model, self.window, self.cache = model, window, plain_cache(model)
 
     @torch.no_grad()
     def step(self, x: torch.Tensor) -> None:
-        self.model.set_attn_implementation(self.attn)
+        self.model.set_attn_implementation("sdpa")
         past = self.cache.get_seq_length()
         dev = models.input_device(self.model)
         pos = torch.arange(past, past + x.numel(), device=dev)[None]
