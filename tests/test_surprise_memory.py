@@ -139,17 +139,36 @@ def test_mean_keys_of_several_layers_at_once_are_each_layers_own_bits(dtype):
     """`window.close_events` computes the layers' mean keys (and their unit scaling) in one batch:
     each layer's must be the bits it gets alone, or a store's events would depend on how many
     layers shared a step."""
-    from emllm.memory.selection import event_rows, unit_keys
+    from emllm.memory.selection import event_groups, unit_keys
 
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(5, 2, 40, 16, generator=g).to(dtype)  # [layers, H_kv, n, D]
     lengths = torch.tensor([7, 1, 12, 20])
     for heads in (2, 6):
         # (as close_events calls it: the rows made once, the lengths as float32)
-        together = unit_keys(mean_keys(keys, lengths.float(), heads, rows=event_rows(lengths, 40)))  # [layers, e, heads, D]
+        together = unit_keys(mean_keys(keys, lengths.float(), heads, event_groups(lengths.numpy())))  # [layers, e, heads, D]
         for layer in range(5):
             alone = unit_keys(mean_keys(keys[layer], lengths, heads))
             assert torch.equal(together[layer], alone), (heads, layer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_events_mean_key_is_its_own_bits_whatever_closes_beside_it(dtype):
+    """Events are summed in groups padded to powers of two (`event_groups`), the groups' sums put
+    back in event order: an event's mean key is the same bits alone as beside events of other
+    sizes, whichever group each lands in."""
+    from emllm.memory.selection import event_groups
+
+    g = torch.Generator().manual_seed(4)
+    sizes = [137, 3, 8, 9, 128, 1, 70, 16, 17]
+    keys = (torch.randn(2, sum(sizes), 64, generator=g) * 5).to(dtype)  # [H_kv, n, D]
+    together = mean_keys(keys, torch.tensor(sizes).float(), 2, event_groups(sizes))  # [e, H_kv, D]
+    assert event_groups(sizes).order is not None  # (the groups' concatenation is out of event order)
+    start = 0
+    for i, size in enumerate(sizes):
+        alone = mean_keys(keys[:, start : start + size], torch.tensor([size]), 2)[0]
+        assert torch.equal(together[i], alone), (i, size)
+        start += size
 
 
 def test_mean_keys_match_loop():

@@ -20,7 +20,7 @@ from emllm.engine.rotated import RotatedWindow
 from emllm.memory.buffers import SlidingRows, token_index
 from emllm.memory.events import EventStorage
 from emllm.memory.selection import (
-    TOKEN_SCORINGS, Selection, event_rows, fold_query, mean_keys, representative_keys, select_events,
+    TOKEN_SCORINGS, Selection, event_groups, event_rows, fold_query, mean_keys, representative_keys, select_events,
     select_events_mask, unit_keys, update_contiguity,
 )
 
@@ -428,11 +428,11 @@ def close_events(windows: list[LayerWindow], lengths: Tensor, repr_topk: int, no
         groups.setdefault(key, []).append(w)
     for (dev, *_, heads), ws in groups.items():
         on_device = lengths.to(dev)
-        rows = event_rows(on_device, n, int(host.max()))
         if mean:
             keys = torch.stack([w.rem_k[:, :n] for w in ws])  # [layers, H_kv, n, D]
-            reprs = mean_keys(keys, on_device.float(), heads, rows=rows)  # [layers, e, H_r, D]
+            reprs = mean_keys(keys, on_device.float(), heads, event_groups(host, dev))  # [layers, e, H_r, D]
         else:
+            rows = event_rows(on_device, n, int(host.max()))
             reprs = torch.stack([representative_keys(w.rem_k[:, :n], w.rem_mass[:, :n], on_device, repr_topk, rows=rows)
                                  for w in ws])
         if normalise:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -328,20 +328,55 @@ def representative_keys(keys: Tensor, mass: Tensor, lengths: Tensor, topk: int, 
     return (summed / ok.sum(2, keepdim=True)).transpose(0, 1).contiguous()
 
 
-def mean_keys(keys: Tensor, lengths: Tensor, heads: int, width: int | None = None,
-              rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
+@dataclass(frozen=True)
+class EventGroups:
+    """Consecutive events' token rows grouped by size, for `mean_keys`: events of up to 8 tokens
+    padded to 8, up to 16 to 16, and so on (powers of two), so the grid is at most about twice the
+    tokens, where one width for all (the longest event's) made it many times them. Made once a
+    step from the sizes on the host, shared by every layer closing these events."""
+
+    n: int  # the events' tokens
+    parts: list[Tensor]  # per group [e_g, width_g] token rows, padding pointing at row n (a zero row)
+    order: Tensor | None  # [e] where each event's sum lies in the groups' concatenation; None: in order
+
+
+def event_groups(lengths: Sequence[int] | np.ndarray, device: torch.device | str = "cpu") -> EventGroups:
+    """`EventGroups` of consecutive events of these sizes (on the host: no device read)."""
+    sizes = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(sizes) - sizes
+    n = int(sizes.sum())
+    width = np.maximum(8, 1 << np.ceil(np.log2(np.maximum(sizes, 1))).astype(np.int64))  # [e]
+    parts, at = [], []
+    for w in np.unique(width):
+        ev = np.flatnonzero(width == w)
+        col = np.arange(w)
+        rows = np.where(col[None, :] < sizes[ev, None], starts[ev, None] + col[None, :], n)  # [e_g, w]
+        parts.append(torch.from_numpy(rows).to(device))
+        at.append(ev)
+    order = np.argsort(np.concatenate(at), kind="stable")  # event i's sum is at order[i]
+    in_order = bool((order == np.arange(order.size)).all())
+    return EventGroups(n, parts, None if in_order else torch.from_numpy(order).to(device))
+
+
+def mean_keys(keys: Tensor, lengths: Tensor, heads: int, groups: EventGroups | None = None) -> Tensor:
     """Per event, the mean pre-RoPE key of all its tokens, per KV head.
 
     keys: [..., H_kv, n, D] tokens of consecutive events (leading dims: several layers' at once,
-    each the bits it gets alone); lengths: [e] with sum == n. Returns [..., e, heads, D] in the
-    keys' dtype (summed in float32 along each event's own tokens, in order: the same bits on every
-    device); heads: H_kv, or H_q (each KV head's mean repeated for its query heads, as stores
-    before version 7 keep them).
+    each the bits it gets alone); lengths: [e] with sum == n (groups: their `event_groups`, where
+    made). Returns [..., e, heads, D] in the keys' dtype (summed in float32 along each event's own
+    tokens, in order, then zeros up to its group's width, a power of two: an event's mean is the
+    same bits whatever events close beside it);
+    heads: H_kv, or H_q (each KV head's mean repeated for its query heads, as stores before
+    version 7 keep them).
     """
-    *_, h_kv, n, d = keys.shape
-    # (width: the largest of lengths, where known; rows: their `event_rows`, where made)
-    idx, valid = event_rows(lengths, n, width) if rows is None else rows
-    sums = (keys[..., idx, :].float() * valid[:, :, None]).sum(-2)  # [..., H_kv, e, D]
+    *lead, h_kv, n, d = keys.shape
+    if groups is None:
+        groups = event_groups(lengths.tolist(), keys.device)
+    wide = torch.cat((keys.float(), keys.new_zeros(*lead, h_kv, 1, d, dtype=torch.float32)), -2)  # row n: zeros
+    sums = [wide[..., rows, :].sum(-2) for rows in groups.parts]  # [..., H_kv, e_g, D]
+    sums = sums[0] if len(sums) == 1 else torch.cat(sums, -2)
+    if groups.order is not None:
+        sums = sums.index_select(-2, groups.order)  # [..., H_kv, e, D]
     means = (sums / lengths.to(sums.dtype)[:, None]).to(keys.dtype)  # (float32 lengths: no cast)
     if heads != h_kv:  # (a repeat of 1 would still copy)
         means = means.repeat_interleave(heads // h_kv, dim=-3)
