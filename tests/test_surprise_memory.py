@@ -153,22 +153,29 @@ def test_mean_keys_of_several_layers_at_once_are_each_layers_own_bits(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_events_mean_key_is_its_own_bits_whatever_closes_beside_it(dtype):
+@pytest.mark.parametrize("d", [16, 64])
+def test_mean_keys_from_groups_are_the_bits_of_one_grid(dtype, d):
     """Events are summed in groups padded to powers of two (`event_groups`), the groups' sums put
-    back in event order: an event's mean key is the same bits alone as beside events of other
-    sizes, whichever group each lands in."""
-    from emllm.memory.selection import event_groups
+    back in event order: the same bits as one grid as wide as the longest event, as stores were
+    written before the groups (a store continued by today's writer grows as the old code grew it);
+    longest events whose length is not a multiple of 4 included."""
+    from emllm.memory.selection import event_groups, event_rows
 
-    g = torch.Generator().manual_seed(4)
-    sizes = [137, 3, 8, 9, 128, 1, 70, 16, 17]
-    keys = (torch.randn(2, sum(sizes), 64, generator=g) * 5).to(dtype)  # [H_kv, n, D]
-    together = mean_keys(keys, torch.tensor(sizes).float(), 2, event_groups(sizes))  # [e, H_kv, D]
-    assert event_groups(sizes).order is not None  # (the groups' concatenation is out of event order)
-    start = 0
-    for i, size in enumerate(sizes):
-        alone = mean_keys(keys[:, start : start + size], torch.tensor([size]), 2)[0]
-        assert torch.equal(together[i], alone), (i, size)
-        start += size
+    g = torch.Generator().manual_seed(d)
+    several = 0  # cases of more than one group
+    for longest in (8, 13, 37, 126, 128, 137):
+        for _ in range(8):
+            sizes = torch.randint(1, longest + 1, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g)
+            sizes[int(torch.randint(0, sizes.numel(), (1,), generator=g))] = longest
+            n = int(sizes.sum())
+            keys = (torch.randn(3, 2, n, d, generator=g) * 5).to(dtype)  # [layers, H_kv, n, D]
+            idx, valid = event_rows(sizes, n)
+            sums = (keys[..., idx, :].float() * valid[:, :, None]).sum(-2)  # one grid: [layers, H_kv, e, D]
+            want = (sums / sizes.float()[:, None]).to(dtype).transpose(-3, -2)
+            groups = event_groups(sizes.numpy())
+            several += len(groups.parts) > 1
+            assert torch.equal(mean_keys(keys, sizes.float(), 2, groups), want), (longest, sizes.tolist())
+    assert several >= 30
 
 
 def test_mean_keys_match_loop():

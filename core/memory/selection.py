@@ -332,8 +332,9 @@ def representative_keys(keys: Tensor, mass: Tensor, lengths: Tensor, topk: int, 
 class EventGroups:
     """Consecutive events' token rows grouped by size, for `mean_keys`: events of up to 8 tokens
     padded to 8, up to 16 to 16, and so on (powers of two), so the grid is at most about twice the
-    tokens, where one width for all (the longest event's) made it many times them. Made once a
-    step from the sizes on the host, shared by every layer closing these events."""
+    tokens, where one width for all (the longest event's) made it many times them; the longest
+    events may keep that width (`event_groups`). Made once a step from the sizes on the host,
+    shared by every layer closing these events."""
 
     n: int  # the events' tokens
     parts: list[Tensor]  # per group [e_g, width_g] token rows, padding pointing at row n (a zero row)
@@ -346,6 +347,12 @@ def event_groups(lengths: Sequence[int] | np.ndarray, device: torch.device | str
     starts = np.cumsum(sizes) - sizes
     n = int(sizes.sum())
     width = np.maximum(8, 1 << np.ceil(np.log2(np.maximum(sizes, 1))).astype(np.int64))  # [e]
+    # The bits of one grid as wide as the longest event (w), as stores were written before the
+    # groups: torch's CPU sum takes the rows past the last multiple of 4 apart, so an event
+    # reaching past 4 * (w // 4) is summed at width w; the others come out the same bits at any
+    # width that is a multiple of 4 (tests/test_surprise_memory.py, tests/test_old_stores.py).
+    longest = int(sizes.max()) if sizes.size else 0
+    width[sizes > 4 * (longest // 4)] = longest
     parts, at = [], []
     for w in np.unique(width):
         ev = np.flatnonzero(width == w)
@@ -364,8 +371,8 @@ def mean_keys(keys: Tensor, lengths: Tensor, heads: int, groups: EventGroups | N
     keys: [..., H_kv, n, D] tokens of consecutive events (leading dims: several layers' at once,
     each the bits it gets alone); lengths: [e] with sum == n (groups: their `event_groups`, where
     made). Returns [..., e, heads, D] in the keys' dtype (summed in float32 along each event's own
-    tokens, in order, then zeros up to its group's width, a power of two: an event's mean is the
-    same bits whatever events close beside it);
+    tokens, in order, then zeros up to its group's width: the bits of one grid as wide as the
+    longest event, as stores were written before the groups);
     heads: H_kv, or H_q (each KV head's mean repeated for its query heads, as stores before
     version 7 keep them).
     """
