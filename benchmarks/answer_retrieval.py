@@ -49,7 +49,7 @@ def _prompt(item: str, tok, profile):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("items", nargs="+", help="passkey:LENGTH:DEPTH or TASK[@HAYSTACK]:LENGTH:SAMPLE:SAMPLES")
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--model", "-m", default="qwen2.5-coder-0.5b")
     ap.add_argument("--out", help="JSON lines, appended (default: stdout only)")
     a = ap.parse_args()
 

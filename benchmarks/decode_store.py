@@ -34,7 +34,7 @@ QUESTION = "\n\nQuestion: What does the text say about exceptions and how are th
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stores", nargs="+", help="store folders (of the same model and dtype)")
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", "-m", default="smollm2")
     ap.add_argument("--tokens", type=int, default=20, help="generated tokens per turn")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

@@ -85,7 +85,7 @@ def run_model(key: str, work: Path, n: int, profile: str | None = None) -> dict:
         shutil.rmtree(path, ignore_errors=True)
         with create(path, model=key, profile=profile) as mem:
             t0 = time.perf_counter()
-            tokens = mem.ingest((name, text))
+            tokens = mem.ingest((name, text)).summary["tokens"]
             out[f"{tag}_tokens"], out[f"{tag}_ingest_tok_s"] = tokens, tokens / (time.perf_counter() - t0)
             for reread in (True, False):
                 way = "reread" if reread else "own"

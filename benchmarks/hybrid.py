@@ -67,7 +67,7 @@ def store_bytes_per_token(model, tok, prof, text: str, root: Path, name: str) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--model", "-m", default="gemma3-270m")
     ap.add_argument("--dtype", default=None, choices=models.DTYPES)
     ap.add_argument("--chunks", type=int, default=6, help="timed chunks of each kind")
     ap.add_argument("--store-tokens", type=int, default=8192, help="tokens each store reads for its bytes per token")

@@ -68,7 +68,7 @@ class Vanilla:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", "-m", default="smollm2")
     ap.add_argument("--tokens", default="32k")
     ap.add_argument("--text", default="prose", choices=["prose", "code", "haystack"])
     ap.add_argument("--store", action="store_true", help="also time the store-backed ingest")

@@ -55,7 +55,7 @@ def reread_answer(path: Path, model, tok, question: list[int], key: str) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", "-m", default="smollm2")
     ap.add_argument("--tokens", default="1m")
     ap.add_argument("--depth", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)

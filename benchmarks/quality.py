@@ -22,7 +22,6 @@ and asks the rest, so a killed run loses at most the answer under way.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import sys
@@ -180,7 +179,7 @@ def recall_pooled(rows: list[dict], methods: list[str]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", "-m", default="smollm2")
     ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of: {', '.join(TASKS)}")
     ap.add_argument("--lengths", default="8k,32k,128k")
     ap.add_argument("--samples", type=int, default=2)

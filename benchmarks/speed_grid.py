@@ -128,7 +128,7 @@ def fill_memory(engine, m: int, gen: torch.Generator) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", "-m", default="smollm2")
     ap.add_argument("--config", choices=sorted(CONFIGS), default=None, help="random weights of these shapes instead")
     ap.add_argument("--random-weights", action="store_true", help="--model's shapes with random weights")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where torch sees one)")
@@ -143,10 +143,12 @@ def main() -> None:
     ap.add_argument("--device-budget", type=float, default=None, metavar="GB",
                     help="GB of the device's memory emllm's events may take, all layers ($EMLLM_DEVICE_MEMORY; default: "
                          "half its free memory); below the store's rows, its keys stay there and its rows pass through a ring")
-    ap.add_argument("--out", required=True, help="JSON lines, appended (with --replot: the file to read)")
+    ap.add_argument("--out", default=None, help="JSON lines, appended (with --replot: the file to read); none: printed only")
     ap.add_argument("--replot", action="store_true", help="measure nothing: table and plot of the last run in --out")
     ap.add_argument("--plot", default=None, help="PNG of time per chunk against length (needs matplotlib)")
     a = ap.parse_args()
+    if a.replot and not a.out:
+        ap.error("--replot reads the file --out names")
     if a.replot:
         meta, rows = last_run(a.out)
         print(table(rows, meta))
@@ -209,8 +211,9 @@ def main() -> None:
             "store_format": a.format or "compute dtype",
             "model": name, "profile": prof.name, "window": w_size, "chunk": cs, "kv_bytes_per_token": kv_bytes,
             "full_max": full_max, **({"device_budget_gb": a.device_budget} if a.device_budget is not None else {})}
-    with open(a.out, "a") as f:
-        f.write(json.dumps({"run": meta}) + "\n")
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(json.dumps({"run": meta}) + "\n")
     rows = []
     synthetic = 0  # random tokens in emllm's memory; tokens read = em.n_tokens + synthetic
     for n in lengths:
@@ -280,8 +283,9 @@ def main() -> None:
                **{f"{m}_chunk_s": round(sum(t) / len(t), 3) for m, t in times.items()},
                **{f"{m}_token_s": round(sum(t) / len(t), 4) for m, t in dec.items()}}
         rows.append(row)
-        with open(a.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
     stores.close()
     tmp.cleanup()

@@ -24,7 +24,7 @@ import torch
 
 def step_args(ap: argparse.ArgumentParser, what: str) -> None:
     """The arguments of a benchmark of a few steps of a random model at a length read."""
-    ap.add_argument("--model", default="smollm2", help="whose shapes (its config; random weights)")
+    ap.add_argument("--model", "-m", default="smollm2", help="whose shapes (its config; random weights)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where torch sees one)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--length", default="128k", help=f"tokens in memory before the {what} steps")

@@ -38,7 +38,7 @@ def io_counters() -> dict[str, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", "-m", default="smollm2")
     ap.add_argument("--tokens", default="32k")
     ap.add_argument("--runs", default="float32:float32,bfloat16:bfloat16,bfloat16:int8,bfloat16:int4")
     ap.add_argument("--dir", default=None, help="where the stores are made (default: a temporary folder here)")

@@ -9,7 +9,7 @@ import typer
 import emllm
 
 from . import render
-from .errors import UserError, guarded
+from .errors import guarded
 from .options import DtypeOpt, FormatOpt, ModelOpt, ProfileOpt
 from .stores import complete_store_names, store_path
 

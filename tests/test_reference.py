@@ -253,7 +253,7 @@ def test_bf16_chunk_without_mass_is_one_softmax_from_the_kernel_in_bf16(h_q, h_k
     for h in range(h_q):
         for i in range(c):
             seen = length - c + i + 1
-            keys, values = torch.cat((km[h // g], k[h // g, :seen])), torch.cat((vm[h // g], v[h // g, :seen]))
+            values = torch.cat((vm[h // g], v[h // g, :seen]))
             logits = torch.cat((km[h // g].double() @ qm[h, i].double(), k[h // g, :seen].double() @ q[h, i].double())) * scaling
             want[h, i] = torch.softmax(logits, 0) @ values.double()
             rounded = torch.cat((km[h // g] @ qm[h, i], k[h // g, :seen] @ q[h, i])) * scaling  # bf16 scores

@@ -628,7 +628,7 @@ def test_kept_trunk_stores_resume_where_a_killed_process_stopped(tiny, tmp_path,
     at any step (here by an exception from a step, inside `with`), are carried on by a new
     TrunkStores on the same folder, and the answers are bit for bit those of an engine that read
     the prompt without stopping; a store of another text starts again; close removes them all."""
-    from emllm.evals.passkey import build_prompt, run_grid
+    from emllm.evals.passkey import build_prompt
     from emllm.evals.scratch import TrunkStores
 
     folder, prof, _, _ = tiny

@@ -20,14 +20,13 @@ Errors are OpenAI-style JSON bodies ({"error": {"message", "type", "code"}}) wit
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
