@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import frozen_code, git_commit
+from benchmarks import frozen_code, git_commit, machine
 
 EMLLM = str(Path(sys.executable).parent / "emllm")
 
@@ -102,7 +101,7 @@ def main() -> None:
         rows.append({"store": s, "rev": r, "reading": g, "kind": k, "tokens": m["rows"]["tokens"], "events": m["rows"]["events"],
                      "sketch": bool(m.get("sketch")), "first_token_s": ts, "median_s": med,
                      "ratio": round(med / base[k], 3)})
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": git_commit(), "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": git_commit(), "machine": f"{machine()}, {os.cpu_count()} cpus",
               "cold": a.cold, "question": a.question, "revs": revs, "rows": rows}
     print(json.dumps(result, indent=1))
     for row in rows:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from benchmarks import machine
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from emllm import models
@@ -125,7 +126,7 @@ def main() -> None:
     diff = (eng.surprise.view() - full.surprise.view()).abs()[1:]
     fa, fb = full.flags.view(), eng.flags.view()
     row = {"model": a.model, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-           "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "chunk": cs,
+           "machine": machine(torch.get_num_threads()), "chunk": cs,
            "vocab": model.config.vocab_size, "surprise_head": prof.surprise_head,
            **{f"{k}_s": round(v, 3) for k, v in mean.items()},
            "full_head_and_surprise_share_of_full_step": round((head_s + mean["surprise"]) / mean["emllm_full"], 3),

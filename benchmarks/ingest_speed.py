@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from emllm import models
 from emllm.engine.stream import Engine
 from emllm.evals.passkey import parse_length
 
-from benchmarks import cache_kwargs
+from benchmarks import cache_kwargs, machine
 from benchmarks.quality import parse_variant
 
 
@@ -87,6 +86,10 @@ def main() -> None:
     cs = prof.chunk_size
     n = ids.numel() - ids.numel() % cs  # whole chunks only, as a store processes them
     ids = ids[:n]
+    skip = -(-w // cs) + 1  # steady state: the window is full, all runs attend to about W tokens
+    if n // cs <= skip:
+        ap.error(f"--tokens {a.tokens}: the steady state begins after {skip * cs:,} tokens (the window, "
+                 f"{w:,}, and a chunk); ask for more")
 
     runs: dict = {}
     engines: dict = {}
@@ -120,9 +123,8 @@ def main() -> None:
             t = time.perf_counter()
             f(x)
             times[m].append(time.perf_counter() - t)
-    skip = -(-w // cs) + 1  # steady state: the window is full, all runs attend to about W tokens
     res = {
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "date": time.strftime("%Y-%m-%d"), "machine": machine(torch.get_num_threads()),
         "model": a.model, "tokens": n, "text": a.text, "window": w, "chunk": cs,
         "events": engines[dtypes[0]].n_events,
     }

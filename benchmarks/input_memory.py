@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import machine
 from emllm.evals.corpus import prose
 
 CHILD = r"""
@@ -68,7 +69,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="256m,2g", help="document sizes read streamed")
     ap.add_argument("--whole", default="256m", help="sizes also read whole, for comparison ('' for none)")
     a = ap.parse_args()
-    print(f"# {platform.processor() or platform.machine()}, python {platform.python_version()}", flush=True)
+    print(f"# {machine()}, python {platform.python_version()}", flush=True)
     print("| size | read | tokens | seconds | peak RSS (MiB) | RSS before reading (MiB) |")
     print("|---|---|---:|---:|---:|---:|")
     runs = [(s, False) for s in a.sizes.split(",") if s] + [(s, True) for s in a.whole.split(",") if s]

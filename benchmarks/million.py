@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks import git_commit
+from benchmarks import git_commit, machine
 from emllm import models
 from emllm.app.ask import Session
 from emllm.app.ingest import run_job
@@ -122,7 +121,7 @@ def main() -> None:
     doc_tokens = len(prompt.document)
     k = max(1, len(times) // 20)
     row = {
-        "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(torch.get_num_threads()),
         "model": src.name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "format": a.format or "auto", "tokens": len(prompt.document) + len(prompt.question), "depth": a.depth,
         "key": prompt.key, "answer": answer.strip(), "correct": score(answer, prompt.key),

@@ -22,7 +22,6 @@ and asks the rest, so a killed run loses at most the answer under way.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, benchmarks/ is not a package on the path
-from benchmarks import git_commit  # noqa: E402
+from benchmarks import git_commit, machine  # noqa: E402
 from emllm import models
 from emllm.evals import results_log
 from emllm.engine.stream import Engine
@@ -264,7 +263,7 @@ def main() -> None:
             for g in pooled for r in results_log.results_of(a.out, g)} if a.resume else {}
     if done:
         print(f"resuming: {len(done)} answers of this grid in {a.out} already", file=sys.stderr, flush=True)
-    run_id = results_log.start_run(a.out, grid, machine=platform.processor() or platform.machine(),
+    run_id = results_log.start_run(a.out, grid, machine=machine(),
                           device=str(next(model.parameters()).device), threads=torch.get_num_threads(),
                           git=git_commit(), argv=sys.argv)
     rows = []

@@ -59,13 +59,18 @@ def warm(url: str, store: str, n: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--store", required=True)
+    ap.add_argument("--store", required=True, help="a store's name under the emllm home (a server serves names, not paths)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=16, help="answer length of the concurrency test")
     a = ap.parse_args()
+    # the server loads one model: the store's own (`emllm serve` alone loads the default)
+    shown = subprocess.run([EMLLM, "show", a.store, "--json"], capture_output=True, text=True)
+    if shown.returncode:
+        ap.error(f"--store {a.store}: {shown.stderr.strip()}")
     port = _port()
-    server = subprocess.Popen([EMLLM, "serve", "--port", str(port)], stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", json.loads(shown.stdout)["model"]],
+                              stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(1200):

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import sys
 import tempfile
@@ -42,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import cache_kwargs
+from benchmarks import cache_kwargs, machine
 from benchmarks.ingest_speed import Vanilla, plain_cache
 from emllm import models
 from emllm.config import load_profile
@@ -205,7 +204,7 @@ def main() -> None:
             with torch.no_grad():
                 f(ids[off : off + cs])
     pos = prefix
-    where = torch.cuda.get_device_name() if device.startswith("cuda") else f"{platform.machine()}, {torch.get_num_threads()} threads"
+    where = torch.cuda.get_device_name() if device.startswith("cuda") else machine(torch.get_num_threads())
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": where, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "store_format": a.format or "compute dtype",

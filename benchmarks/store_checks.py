@@ -31,9 +31,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default="smollm2")
     ap.add_argument("--doc", default="docs/store-format.md")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=7, help="answers timed, the first untimed (at least 2)")
     ap.add_argument("--tokens", type=int, default=24, help="answer tokens per round")
     args = ap.parse_args()
+    if args.rounds < 2:
+        ap.error("--rounds: at least 2 (the first answer warms up and is not counted)")
 
     spent = {"seal": 0.0, "commits": 0}
     seal = digests.Digests.seal

@@ -71,7 +71,7 @@ def tiny_profile(**kw):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """(model, tokenizer, profile) of the embedded default, converted once per machine."""
+    """(model, tokenizer, profile) of SmolLM2, the fast tests' model, converted once per machine."""
     from emllm import models
     src = models.resolve("smollm2")
     model, tok = models.load(src)

@@ -1,0 +1,127 @@
+"""The benchmarks still run as the docs say: docs/benchmarks.md's figures come from their
+commands, and a script whose arguments or library calls moved would be found broken only at the
+next measurement (it happened: a report type, a helper deleted with its neighbour, a server
+started with the default model)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pkgutil
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import benchmarks
+
+from .helpers import cli_env
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "reference.md"]
+MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__))
+_COMMAND = re.compile(r"python3? (?:-m benchmarks\.(\w+)|benchmarks/(\w+)\.py)([^`|\n]*)")
+
+
+def documented() -> list[tuple[str, list[str]]]:
+    """(benchmark, its arguments) of every benchmark command the docs give, optional parts in
+    [brackets] and "..." left out."""
+    found = set()
+    for doc in DOCS:
+        text = doc.read_text().replace("\\\n", " ")
+        for m in _COMMAND.finditer(text):
+            args = re.sub(r"\[[^\]]*\]", "", m.group(3)).replace("...", "")
+            found.add((m.group(1) or m.group(2), tuple(shlex.split(args))))
+    return sorted((name, list(args)) for name, args in found)
+
+
+class _Parsed(Exception):
+    pass
+
+
+def test_the_docs_name_benchmarks_that_exist():
+    commands = documented()
+    assert len(commands) > 20  # (the pattern still finds them)
+    assert {name for name, _ in commands} <= set(MODULES)
+
+
+@pytest.mark.parametrize("name,args", documented(), ids=lambda x: x if isinstance(x, str) else " ".join(x))
+def test_a_documented_command_parses(name, args, monkeypatch):
+    """Each command the docs give is accepted by its script's parser as written (nothing run)."""
+    parse = argparse.ArgumentParser.parse_args
+
+    def parsed(self, a=None, namespace=None):
+        parse(self, a, namespace)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parsed)
+    monkeypatch.setattr(sys, "argv", [name, *args])
+    with pytest.raises(_Parsed):
+        importlib.import_module(f"benchmarks.{name}").main()
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_every_benchmark_has_help(name, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"benchmarks.{name}").main()
+    assert e.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def _run(tmp_path: Path, *args: str, timeout: int = 600) -> str:
+    env = {**os.environ, **cli_env(tmp_path / "home"), "OMP_NUM_THREADS": "2"}
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def _json_lines(out: str) -> list[dict]:
+    """The one-line JSON objects a benchmark printed (a summary printed over several lines is not one)."""
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{") and line.endswith("}")]
+
+
+@pytest.mark.slow
+def test_speed_grid_runs(tmp_path):
+    rows = _json_lines(_run(tmp_path, "-m", "benchmarks.speed_grid", "-m", "smollm2", "--lengths", "2k",
+                            "--chunks", "1", "--decode", "1", "--out", str(tmp_path / "grid.jsonl")))
+    assert [r["length"] for r in rows] == [2048]
+    assert all(rows[0][k] > 0 for k in ("emllm_chunk_s", "window_chunk_s", "full_chunk_s", "emllm_answer_token_s"))
+    run = json.loads((tmp_path / "grid.jsonl").read_text().splitlines()[0])["run"]
+    assert run["model"] == "smollm2" and "threads" in run["machine"]
+
+
+@pytest.mark.slow
+def test_default_model_runs(tmp_path):
+    out = tmp_path / "models.jsonl"
+    _run(tmp_path, "-m", "benchmarks.default_model", "--models", "smollm2", "-n", "2", "--out", str(out))
+    (r,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert r["model"] == "smollm2" and r["readme_tokens"] > 4000 and r["licence_ingest_tok_s"] > 0
+    assert len(r["licence_own"]) == len(r["licence_reread"]) == 6
+
+
+@pytest.mark.slow
+def test_answer_retrieval_runs(tmp_path):
+    (row,) = _json_lines(_run(tmp_path, "-m", "benchmarks.answer_retrieval", "-m", "smollm2", "passkey:4k:0.5"))
+    assert row["item"] == "passkey:4k:0.5" and set(row["score"]) == set(row["answer"]) == {"question", "token"}
+
+
+@pytest.mark.slow
+def test_first_token_and_server_latency_run_on_a_store(tmp_path):
+    """first_token alternating two frozen copies of the code; server_latency serving the store's
+    own model (not the default)."""
+    home = tmp_path / "home"
+    r = subprocess.run([str(Path(sys.executable).parent / "emllm"), "ingest", "docs/store-format.md", "-m", "smollm2",
+                        "--store", "format"], cwd=ROOT, env={**os.environ, **cli_env(home)}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    store = home / "stores" / "format"
+    out = _run(tmp_path, "-m", "benchmarks.first_token", "--stores", str(store), "--runs", "1", "--revs", ".,HEAD")
+    runs = [r for r in _json_lines(out) if "rev" in r]
+    assert sorted(r["rev"] for r in runs) == [".", "HEAD"] and all(r["first_token_s"] > 0 for r in runs)
+    out = _run(tmp_path, "-m", "benchmarks.server_latency", "--store", "format", "--runs", "1", "--clients", "1",
+               "--tokens", "2")
+    assert "0 errors" in out and "store unchanged byte for byte: True" in out, out
