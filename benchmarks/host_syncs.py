@@ -23,10 +23,16 @@ layer (sdpa, a KV cache) on the same chunk and token, in bfloat16 as a GPU runs 
 in float32 the casts between the model's dtype and attention's float32 are not there to count).
 Ops on the host's tensors (a store's offsets, its write buffers) are counted too, though on a GPU
 they launch nothing: the count is an upper bound.
+
+`--time` times the host instead: the same steps over the tiny model on one thread, whose kernels
+compute next to nothing, so a layer's microseconds are Python's and dispatch's, what a GPU waits
+on where a step's kernels are too small to hide them (`python -m benchmarks.host_syncs --time
+--layers 2,30`).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import torch
@@ -80,6 +86,19 @@ _NO_KERNEL = {
 }
 
 
+class HostTime:
+    """with HostTime() as t: ...; t.total: the seconds it took. Over a tiny model, whose kernels
+    compute next to nothing, a step's time is the host's: Python and dispatch, what a GPU whose
+    step is paced by its launches waits on."""
+
+    def __enter__(self) -> "HostTime":
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.total = time.perf_counter() - self._t0
+
+
 class Launches(TorchDispatchMode):
     """with Launches() as n: ...; n.total, n.counts (by op): the ops dispatched that compute."""
 
@@ -106,9 +125,12 @@ def _tiny_config(layers: int, vocab: int):
                        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=1024)
 
 
-def plain_launches(layers: int, chunk: int = 8, dtype: torch.dtype = torch.float32) -> tuple[Launches, Launches]:
+def plain_launches(layers: int, chunk: int = 8, dtype: torch.dtype = torch.float32,
+                   count: type = None) -> tuple[Launches, Launches]:
     """(a chunk's launches, a generated token's) of the plain model (sdpa, a KV cache) of
-    `step_reads`'s shapes, in `dtype`, having read 400 tokens."""
+    `step_reads`'s shapes, in `dtype`, having read 400 tokens (count: what to count, as
+    `step_reads` takes it; None: `Launches`)."""
+    count = count or Launches
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from benchmarks import cache_kwargs
@@ -122,9 +144,9 @@ def plain_launches(layers: int, chunk: int = 8, dtype: torch.dtype = torch.float
                           logits_to_keep=n)
     with torch.no_grad():
         run(400)
-        with Launches() as c:
+        with count() as c:
             run(chunk)
-        with Launches() as t:
+        with count() as t:
             run(1)
     return c, t
 
@@ -195,6 +217,33 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
     return chunk, token
 
 
+def host_time(args) -> None:
+    """`--time`: microseconds of the host a layer (the difference between the fewest and the most
+    layers), the device step's against the plain model's, one JSON line each."""
+    import json
+
+    depths = [int(x) for x in args.layers.split(",")]
+    lo, hi = min(depths), max(depths)
+    if lo == hi:
+        raise SystemExit("--time needs two depths in --layers, e.g. 2,30")
+    torch.set_num_threads(1)
+    dtype, n_tok = getattr(torch, args.dtype), 32
+    for name, f in (("plain model (sdpa, KV cache)", lambda n: plain_launches(n, dtype=dtype, count=HostTime)),
+                    ("emllm (device step, store)",
+                     lambda n: step_reads(n, device_step=True, store=True, count=HostTime, answer_tokens=n_tok, dtype=dtype)),
+                    ("emllm, an answer on its question's memory (answer_retrieval question)",
+                     lambda n: step_reads(n, device_step=True, store=True, count=HostTime, question=True,
+                                          answer_tokens=n_tok, dtype=dtype))):
+        tokens = 1 if name.startswith("plain") else n_tok
+        best = {}
+        for n in (lo, hi):
+            runs = [f(n) for _ in range(args.repeat)]
+            best[n] = (min(c.total for c, _ in runs), min(t.total for _, t in runs) / tokens)
+        per = lambda i: round(1e6 * (best[hi][i] - best[lo][i]) / (hi - lo), 1)  # noqa: E731
+        print(json.dumps({"what": name, "dtype": args.dtype, "chunk_us_per_layer": per(0), "token_us_per_layer": per(1)}),
+              flush=True)
+
+
 def main() -> None:
     import argparse
     import json
@@ -202,9 +251,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", default="2,4,8,30")
     ap.add_argument("--launches", action="store_true", help="count the ops that compute (kernel launches on a GPU), a layer")
+    ap.add_argument("--time", action="store_true",
+                    help="time the host a layer instead (tiny model, one thread, best of --repeat): the device step's "
+                         "chunk and tokens against the plain model's")
+    ap.add_argument("--repeat", type=int, default=5, help="runs of each depth for --time (the fastest counts)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                     help="the model's dtype for --launches (a GPU's runs in bfloat16: float32 counts no casts)")
     args = ap.parse_args()
+    if args.time:
+        host_time(args)
+        return
     if args.launches:  # a layer's count: the difference between the fewest and the most layers
         depths = [int(x) for x in args.layers.split(",")]
         lo, hi = min(depths), max(depths)
