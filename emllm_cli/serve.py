@@ -34,7 +34,7 @@ def serve(
 ) -> None:
     """Serve the stores under the emllm home through an OpenAI-compatible API: a request names a
     store as its model; its messages continue that store's memory (on a copy, unless the request
-    sets "remember": true).
+    sets "remember": true). A server runs one model (-m): stores written by another are refused.
 
     Examples:
 
@@ -42,6 +42,7 @@ def serve(
       emllm serve                                  # http://127.0.0.1:8080/v1, the embedded model
       emllm serve --host 0.0.0.0 --api-key secret  # reachable from other machines, with a key
       emllm serve --reread                         # answers re-read, as `emllm ask` gives them
+      emllm serve -m smollm2 --port 8081           # the stores written with SmolLM2
       curl localhost:8080/v1/chat/completions -d '{"model": "book", "messages": [{"role": "user", "content": "who hid the key?"}]}'
     """
     if not _loopback(host) and not api_key:

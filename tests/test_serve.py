@@ -230,3 +230,18 @@ def test_a_requests_earlier_turns_are_laid_out_as_the_chat_template_lays_them_ou
         ids, question = messages_ids(s, turns)
         requested = tok.decode(s.lead + ids + s.question_ids(question))
     assert requested == tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+
+def test_a_store_of_another_model_is_refused_naming_the_server_that_serves_it(tiny, tmp_path):
+    """A server runs one model: a store written by another is a 400 that names the command that
+    serves it (and the store is left as it was)."""
+    folder, prof, other, _ = tiny
+    ingest_store(tmp_path / "stores" / "theirs", other, prof, [("doc", words(6, 100))])
+    before = store_files(tmp_path / "stores" / "theirs")
+    with _serve(tmp_path, folder, prof) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="theirs", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    message = e.value.body["message"]
+    assert "the store was written with model" in message and f"`emllm serve -m {other}`" in message, message
+    assert store_files(tmp_path / "stores" / "theirs") == before

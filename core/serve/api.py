@@ -35,7 +35,7 @@ from pydantic import BaseModel, Field
 from starlette.middleware.base import BaseHTTPMiddleware
 
 import emllm
-from emllm import SEED_LIMIT, EmllmError, Memory, Model, StoreLockedError
+from emllm import SEED_LIMIT, EmllmError, Memory, Model, ModelMismatchError, StoreLockedError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a store's name: never a path
 
@@ -134,7 +134,10 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
 
     @app.exception_handler(EmllmError)
     async def user_error(_request: Request, e: EmllmError) -> JSONResponse:
-        return _error(ApiError(409 if isinstance(e, StoreLockedError) else 400, str(e)))
+        message = str(e)
+        if isinstance(e, ModelMismatchError):  # (one model a server: say which serves this store)
+            message += f"; this server runs another model: serve this store with `emllm serve -m {e.store_model}`"
+        return _error(ApiError(409 if isinstance(e, StoreLockedError) else 400, message))
 
     @app.get("/health")
     def health() -> dict:
