@@ -126,7 +126,7 @@ def _tiny_config(layers: int, vocab: int):
 
 
 def plain_launches(layers: int, chunk: int = 8, dtype: torch.dtype = torch.float32,
-                   count: type = None) -> tuple[Launches, Launches]:
+                   count: type | None = None) -> tuple[Launches, Launches]:
     """(a chunk's launches, a generated token's) of the plain model (sdpa, a KV cache) of
     `step_reads`'s shapes, in `dtype`, having read 400 tokens (count: what to count, as
     `step_reads` takes it; None: `Launches`)."""
@@ -217,15 +217,11 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
     return chunk, token
 
 
-def host_time(args) -> None:
-    """`--time`: microseconds of the host a layer (the difference between the fewest and the most
-    layers), the device step's against the plain model's, one JSON line each."""
+def host_time(args, lo: int, hi: int) -> None:
+    """`--time`: microseconds of the host a layer (the difference between lo and hi layers), the
+    device step's against the plain model's, one JSON line each."""
     import json
 
-    depths = [int(x) for x in args.layers.split(",")]
-    lo, hi = min(depths), max(depths)
-    if lo == hi:
-        raise SystemExit("--time needs two depths in --layers, e.g. 2,30")
     torch.set_num_threads(1)
     dtype, n_tok = getattr(torch, args.dtype), 32
     for name, f in (("plain model (sdpa, KV cache)", lambda n: plain_launches(n, dtype=dtype, count=HostTime)),
@@ -258,14 +254,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                     help="the model's dtype for --launches (a GPU's runs in bfloat16: float32 counts no casts)")
     args = ap.parse_args()
-    if args.time:
-        host_time(args)
-        return
-    if args.launches:  # a layer's count: the difference between the fewest and the most layers
+    if args.time or args.launches:  # a layer's figure: the difference between the fewest and the most layers
         depths = [int(x) for x in args.layers.split(",")]
         lo, hi = min(depths), max(depths)
         if lo == hi:
-            ap.error("--launches needs two depths in --layers, e.g. 2,8")
+            ap.error(f"--{'time' if args.time else 'launches'} needs two depths in --layers, e.g. 2,8")
+    if args.time:
+        host_time(args, lo, hi)
+        return
+    if args.launches:
         n_tok = 16  # generated tokens a count (some close events, some do not): their mean
         dtype = getattr(torch, args.dtype)
         for name, f in (("emllm (device step, store)",

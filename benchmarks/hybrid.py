@@ -31,10 +31,9 @@ import time
 from pathlib import Path
 
 import torch
-
-from benchmarks import machine
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from benchmarks import machine
 from emllm import models
 from emllm.app import ingest as ing, stream
 from emllm.engine.stream import Engine

@@ -20,7 +20,7 @@ import pytest
 
 import benchmarks
 
-from .helpers import cli_env
+from .helpers import cli_env, run
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "reference.md"]
@@ -115,8 +115,7 @@ def test_first_token_and_server_latency_run_on_a_store(tmp_path):
     """first_token alternating two frozen copies of the code; server_latency serving the store's
     own model (not the default)."""
     home = tmp_path / "home"
-    r = subprocess.run([str(Path(sys.executable).parent / "emllm"), "ingest", "docs/store-format.md", "-m", "smollm2",
-                        "--store", "format"], cwd=ROOT, env={**os.environ, **cli_env(home)}, capture_output=True, text=True)
+    r = run("ingest", str(ROOT / "docs" / "store-format.md"), "-m", "smollm2", "--store", "format", home=home)
     assert r.returncode == 0, r.stderr
     store = home / "stores" / "format"
     out = _run(tmp_path, "-m", "benchmarks.first_token", "--stores", str(store), "--runs", "1", "--revs", ".,HEAD")
