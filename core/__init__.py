@@ -6,6 +6,7 @@ stay light; the CLI and the server use nothing else (tests/test_layers.py holds 
     emllm.create(path, model=...) -> Memory     a new store with its model
     emllm.open(path)              -> Memory     a store with the model it was written with
     emllm.load(model)             -> Model      a model loaded once, for several stores
+    emllm.ModelPool(max_loaded)                 stores opened with their own models, a few loaded at a time
     Memory.ingest / .resume / .answer / .ask / .reply / .remember / .conversation / .retrieval / .summary
     emllm.plan_ingest                           the rules of `emllm ingest` (create, append, resume)
     emllm.segment                               a text's event boundaries
@@ -30,7 +31,7 @@ _STORES = "emllm.app.stores"
 _SURFACE = {
     # a store with its model
     "create": _API, "open": _API, "load": _API, "Memory": _API, "Model": _API, "Answer": _API,
-    "IngestPlan": _API, "IngestReport": _API, "plan_ingest": _API, "segment": _API, "sampling": _API,
+    "ModelPool": "emllm.app.pool", "IngestPlan": _API, "IngestReport": _API, "plan_ingest": _API, "segment": _API, "sampling": _API,
     "REREAD_QUESTIONS": _API, "REREAD_CONVERSATION": _API,
     "Progress": "emllm.app.ingest", "DiskSpaceError": "emllm.app.ingest",
     "TextSource": "emllm.app.textinput", "InputError": "emllm.app.textinput", "file_sha256": "emllm.app.textinput",

@@ -1,4 +1,4 @@
-"""`emllm serve`: the OpenAI-compatible HTTP API over the stores, the model loaded once."""
+"""`emllm serve`: the OpenAI-compatible HTTP API over the stores, each answered by its own model."""
 
 from __future__ import annotations
 
@@ -30,11 +30,13 @@ def serve(
     profile: str = ProfileOpt,
     dtype: str = DtypeOpt,
     max_tokens: int = typer.Option(2048, "--max-tokens", min=1, help="The most tokens a request may ask for."),
+    max_models: int = typer.Option(1, "--max-models", min=1, help="Models kept loaded at once. A request for a store of a model not loaded loads it (in the store's dtype), unloading the one used least recently first: more keeps stores of several models answering without reloading, at the memory of each."),
     reread: bool = typer.Option(None, "--reread/--no-reread", show_default=False, help="Answer requests that do not say otherwise as `emllm ask` does, re-reading the passages the memory chose (a request's \"reread\": true or false decides for itself). Default (emllm.REREAD_CONVERSATION): emllm's own reading, which follows a conversation's last turns in its window; --reread suits questions about a document."),
 ) -> None:
     """Serve the stores under the emllm home through an OpenAI-compatible API: a request names a
     store as its model; its messages continue that store's memory (on a copy, unless the request
-    sets "remember": true). A server runs one model (-m): stores written by another are refused.
+    sets "remember": true). Each store is answered by the model it was written with: -m (with
+    --profile, --dtype) is loaded at start, another store's model when a request first needs it.
 
     Examples:
 
@@ -42,7 +44,7 @@ def serve(
       emllm serve                                  # http://127.0.0.1:8080/v1, the embedded model
       emllm serve --host 0.0.0.0 --api-key secret  # reachable from other machines, with a key
       emllm serve --reread                         # answers re-read, as `emllm ask` gives them
-      emllm serve -m smollm2 --port 8081           # the stores written with SmolLM2
+      emllm serve -m smollm2 --max-models 2        # SmolLM2 loaded at start; two models kept loaded
       curl localhost:8080/v1/chat/completions -d '{"model": "book", "messages": [{"role": "user", "content": "who hid the key?"}]}'
     """
     if not _loopback(host) and not api_key:
@@ -55,9 +57,12 @@ def serve(
     log = lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]")  # noqa: E731
     with render.status(f"loading {render.shown(model or emllm.default_model())}"):
         loaded = emllm.load(model, profile, dtype, log)
+    pool = emllm.ModelPool(max_models, log)
+    pool.add(loaded)
     root = emllm.stores_dir()
-    server = Server(root, loaded, max_tokens=max_tokens, api_key=api_key, reread=reread)
+    server = Server(root, pool, max_tokens=max_tokens, api_key=api_key, reread=reread)
     render.err.print(f"serving the stores under {render.shown(root)} at http://{host}:{port}/v1 "
-                     f"(model {render.shown(server.model_name)}{', API key required' if api_key else ''}); Ctrl-C stops")
+                     f"(model {render.shown(loaded.given or loaded.name)} loaded; up to {max_models} at once"
+                     f"{', API key required' if api_key else ''}); Ctrl-C stops")
     os.environ.setdefault("UVICORN_NO_COLOR", "1")
     uvicorn.run(create_app(server), host=host, port=port, log_level="warning")

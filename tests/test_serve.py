@@ -232,16 +232,41 @@ def test_a_requests_earlier_turns_are_laid_out_as_the_chat_template_lays_them_ou
     assert requested == tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
 
 
-def test_a_store_of_another_model_is_refused_naming_the_server_that_serves_it(tiny, tmp_path):
-    """A server runs one model: a store written by another is a 400 that names the command that
-    serves it (and the store is left as it was)."""
-    folder, prof, other, _ = tiny
-    ingest_store(tmp_path / "stores" / "theirs", other, prof, [("doc", words(6, 100))])
+def _health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_a_store_of_another_model_is_answered_by_loading_that_model(tiny, tmp_path):
+    """Each store is answered by its own model: a request for a store of a model not loaded loads
+    it (one model loaded: the other is unloaded), answers as that model answers, and the store is
+    left as it was; a store whose model cannot be found is a 400 that names it, and unloads nothing."""
+    import shutil
+
+    from emllm.app.ask import Session
+
+    folder, prof, other, other_tok = tiny
+    ingest_store(tmp_path / "stores" / "book", folder, prof, [("doc", words(6, 100))])
+    ingest_store(tmp_path / "stores" / "theirs", other, prof, [("doc", "The pass key is 71432. " + words(7, 100))])
+    gone = tmp_path / "gone-model"  # (neither loaded model's weights and tokenizer)
+    shutil.copytree(other_tok, gone)
+    ingest_store(tmp_path / "stores" / "orphan", gone, prof, [("doc", words(8, 40))])
+    shutil.rmtree(gone)
     before = store_files(tmp_path / "stores" / "theirs")
+    model, tok = load_tiny(other)
+    with Store.open(tmp_path / "stores" / "theirs") as st:
+        expected = "".join(Session(st, model, tok).answer_text("what is the pass key?", 8)).strip()
     with _serve(tmp_path, folder, prof) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert _health(url)["models"] == [str(folder)]
+        ask = lambda store: client.chat.completions.create(  # noqa: E731
+            model=store, messages=[{"role": "user", "content": "what is the pass key?"}], max_tokens=8, temperature=0)
+        assert ask("theirs").choices[0].message.content == expected
+        assert _health(url)["models"] == [str(other)]
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="theirs", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    message = e.value.body["message"]
-    assert "the store was written with model" in message and f"`emllm serve -m {other}`" in message, message
+            ask("orphan")
+        assert str(gone) in e.value.body["message"], e.value.body
+        assert _health(url)["models"] == [str(other)]
+        assert ask("book").choices[0].finish_reason in ("stop", "length")
+        assert _health(url)["models"] == [str(folder)]
     assert store_files(tmp_path / "stores" / "theirs") == before

@@ -55,6 +55,11 @@ class Model:
     given: str = ""  # as the user named it (an alias, a folder as typed): for messages and reports
     _identity: Identity | None = None
 
+    @property
+    def dtype(self) -> str:
+        """The dtype it computes in, as a store records it ("bfloat16", "float32")."""
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
     def identity(self) -> Identity:
         """Its config, weights and tokenizer hashes (computed once: the weights take a moment)."""
         if self._identity is None:

@@ -1,6 +1,6 @@
 """An OpenAI-compatible API over the stores under one folder (FastAPI; run it with uvicorn).
 
-    GET  /health                   {"status": "ok"}
+    GET  /health                   {"status": "ok", "models": [the models loaded]}
     GET  /v1/models                the stores, as models
     POST /v1/chat/completions      a request's messages continue its store's stream, on a copy:
                                    the store is unchanged unless the request sets "remember": true
@@ -13,8 +13,10 @@
                                    events. Sampling: temperature, top_p, seed, stop, max_tokens,
                                    and (as llama.cpp's server) top_k, repetition_penalty.
 
-The model of every store must be the one the server loaded (refused with 400 otherwise). Requests
-are answered one at a time (the engine is single-threaded); concurrent ones wait their turn.
+Each store is answered by the model it was written with: a loaded one of the same weights and
+dtype, else its own, loaded then (`emllm.ModelPool`: at most `max_models` stay loaded, the least
+recently used unloaded first). Requests are answered one at a time (the engine is
+single-threaded); concurrent ones wait their turn.
 Errors are OpenAI-style JSON bodies ({"error": {"message", "type", "code"}}) with a 4xx status.
 """
 
@@ -35,7 +37,7 @@ from pydantic import BaseModel, Field
 from starlette.middleware.base import BaseHTTPMiddleware
 
 import emllm
-from emllm import SEED_LIMIT, EmllmError, Memory, Model, ModelMismatchError, StoreLockedError
+from emllm import SEED_LIMIT, EmllmError, Memory, ModelPool, StoreLockedError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a store's name: never a path
 
@@ -69,15 +71,14 @@ class ChatRequest(BaseModel):
 
 
 class Server:
-    """The loaded model and the stores it serves."""
+    """The stores under `root` and the models that answer them (`pool`)."""
 
-    def __init__(self, root: Path, model: Model, max_tokens: int = 2048, api_key: str | None = None,
+    def __init__(self, root: Path, pool: ModelPool, max_tokens: int = 2048, api_key: str | None = None,
                  reread: bool | None = None) -> None:
-        self.root, self.model, self.model_name = Path(root), model, model.given or model.name
+        self.root, self.pool = Path(root), pool
         self.max_tokens, self.api_key = max_tokens, api_key
         self.reread = reread  # for requests that do not say (`emllm serve --reread`; None: the library's default)
-        self.lock = threading.Lock()  # one generation at a time: the model and its attention are shared
-        self.open: dict[str, Memory] = {}  # held between requests: each keeps its stream's tail read
+        self.lock = threading.Lock()  # one generation at a time: the models and their attention are shared
 
     def store_path(self, name: str) -> Path:
         if not NAME.fullmatch(name):
@@ -89,12 +90,13 @@ class Server:
         return path
 
     def memory(self, name: str) -> Memory:
-        """The store `name`, opened with the server's model (checked against it) and held."""
-        path = self.store_path(name)
-        held = self.open.get(name)
-        if held is None:
-            held = self.open[name] = emllm.open(path, model=self.model)
-        return held
+        """The store `name` with its model (loaded if it is not), held between requests: each
+        keeps its stream's tail read. Called under the lock."""
+        return self.pool.memory(self.store_path(name))
+
+    def loaded(self) -> list[str]:
+        """The models loaded, the most recently used last."""
+        return [m.given or m.name for m in self.pool.models]
 
     def models(self) -> list[dict]:
         out = []
@@ -134,14 +136,11 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
 
     @app.exception_handler(EmllmError)
     async def user_error(_request: Request, e: EmllmError) -> JSONResponse:
-        message = str(e)
-        if isinstance(e, ModelMismatchError):  # (one model a server: say which serves this store)
-            message += f"; this server runs another model: serve this store with `emllm serve -m {e.store_model}`"
-        return _error(ApiError(409 if isinstance(e, StoreLockedError) else 400, message))
+        return _error(ApiError(409 if isinstance(e, StoreLockedError) else 400, str(e)))
 
     @app.get("/health")
     def health() -> dict:
-        return {"status": "ok", "model": server.model_name}
+        return {"status": "ok", "models": server.loaded()}
 
     @app.get("/v1/models")
     def models() -> dict:
@@ -155,14 +154,15 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
-        sampling = emllm.sampling(server.model, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                     top_k=req.top_k, repetition_penalty=req.repetition_penalty)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         messages = [m.model_dump() for m in req.messages]
 
         def run() -> Iterator[str | dict]:
             with server.lock:
                 mem = server.memory(req.model)
+                # (bounds checked, unset values from the generation config of the store's model)
+                sampling = emllm.sampling(mem.loaded, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                          top_k=req.top_k, repetition_penalty=req.repetition_penalty)
                 answer = mem.reply(messages, limit, stop, reread=server.reread if req.reread is None else req.reread,
                                    sampling=sampling)
                 yield from answer

@@ -66,6 +66,17 @@ class Identity:
     def as_dict(self) -> dict[str, str]:
         return dict(self.__dict__)
 
+    def difference(self, stored: dict[str, str]) -> str | None:
+        """What differs from the identity a store recorded (`stored`, its manifest's), checked in
+        order: config, weight names and shapes, sampled weight values (only when both sides have
+        a sample: a store older than it, or weights offloaded to meta, leave it to the metadata
+        hash), tokenizer; None where nothing does."""
+        for key in ("config_hash", "weights_hash", "weights_sample", "tokenizer_hash"):
+            mine, theirs = getattr(self, key), stored.get(key, "")
+            if mine != theirs and (key != "weights_sample" or (mine and theirs)):
+                return key
+        return None
+
 
 @dataclass(frozen=True)
 class Geometry:

@@ -377,27 +377,20 @@ class Store:
                 raise StoreError(f"{self.job.name} holds token ids outside the vocabulary: the store is damaged")
 
     def check_identity(self, identity: Identity) -> None:
-        """Refuse a model or tokenizer other than the store's, naming the difference.
-
-        Checked in order: config, weight names and shapes, sampled weight values, tokenizer."""
+        """Refuse a model or tokenizer other than the store's, naming the difference (in the order
+        `Identity.difference` checks)."""
         have = self.manifest["identity"]
-
-        def differs(key: str, what: str) -> None:
-            mine, theirs = getattr(identity, key), have.get(key, "")
-            if mine != theirs:
-                raise ModelMismatchError(f"the store was written with model {have['model']!r}; this {what} "
-                                         f"({mine} != {theirs})", have["model"])
-
-        differs("config_hash", "model config differs")
-        differs("weights_hash", "model weights differ")
-        # Compared only when both sides have one: a store older than the sample, or weights
-        # offloaded to meta, leave it to the metadata hash above.
-        mine, theirs = identity.weights_sample, have.get("weights_sample", "")
-        if mine and theirs and mine != theirs:  # a fine-tune, or the checkpoint replaced in place
+        key = identity.difference(have)
+        if key == "weights_sample":  # a fine-tune, or the checkpoint replaced in place
             raise ModelMismatchError(
                 f"this model's weights differ from those the store was written with ({have['model']!r}: same "
-                f"shapes, other values, {mine} != {theirs}): load that checkpoint", have["model"])
-        differs("tokenizer_hash", "tokenizer differs")
+                f"shapes, other values, {identity.weights_sample} != {have['weights_sample']}): load that checkpoint",
+                have["model"])
+        if key is not None:
+            what = {"config_hash": "model config differs", "weights_hash": "model weights differ",
+                    "tokenizer_hash": "tokenizer differs"}[key]
+            raise ModelMismatchError(f"the store was written with model {have['model']!r}; this {what} "
+                                     f"({getattr(identity, key)} != {have.get(key, '')})", have["model"])
 
     # -- commit ------------------------------------------------------------------------------
     def commit(self, engine_state: dict[str, Tensor], meta: dict[str, Any], job_done: int | None = None,
