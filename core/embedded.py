@@ -6,7 +6,7 @@ Gemma 3 270M likewise, its four parts named after the file).
 The packages are found with `importlib.util.find_spec`, never imported. The first use assembles
 the parts, checks the result's size and sha256, dequantises it with transformers and saves a
 plain safetensors folder under the models directory; a crash at any moment leaves either no
-folder or a whole one under the model's name.
+folder or a whole one under the model's name, and processes started together convert it once.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from filelock import FileLock
 
 from emllm.errors import EmllmError
 from emllm.home import models_dir
@@ -133,13 +135,27 @@ def embedded_folder(key: str, log: Callable[[str], None] | None = None) -> Path:
     """The converted folder of the embedded model `key`, converting it first if it is not there yet."""
     m = EMBEDDED[key]
     target = models_dir() / key
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _converted(target):
         return target
     paths = _part_paths(m)
-    if log:
-        log(f"converting {m.filename} to safetensors under {target} (once)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+    # Another process may be converting it now (a server and an ingest started together): wait for
+    # it and take its folder, rather than convert again and replace the folder it is loading.
+    with FileLock(target.parent / f".{key}.lock"):
+        if _converted(target):
+            return target
+        if log:
+            log(f"converting {m.filename} to safetensors under {target} (once)")
+        _convert_into(m, paths, target)
+    return target
+
+
+def _converted(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
+def _convert_into(m: EmbeddedModel, paths: list[Path], target: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         if len(paths) == 1 and m.size is None:
             gguf = paths[0]
@@ -156,7 +172,6 @@ def embedded_folder(key: str, log: Callable[[str], None] | None = None) -> Path:
         os.replace(folder, target)  # a crash mid-conversion never leaves a half folder under the name
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 __all__ = ["EMBEDDED", "EmbeddedModel", "ModelNotFoundError", "embedded_folder"]

