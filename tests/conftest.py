@@ -19,7 +19,12 @@ os.environ["EMLLM_DTYPE"] = "float32"
 # it (or clear this variable, as tests/test_default_model.py does).
 os.environ["EMLLM_MODEL"] = "smollm2"
 
-# OMP_NUM_THREADS=1 beside a benchmark: two threads on a core already busy run ~30x slower.
+# OMP_NUM_THREADS=1 beside a benchmark: two threads on a core already busy run ~30x slower. Under
+# pytest-xdist (`-n 2`) the cores are shared out among the workers, and the `emllm` processes a
+# test starts inherit its worker's share.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
+if _workers > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
 torch.set_num_threads(max(1, min(int(os.environ.get("OMP_NUM_THREADS", 2)), os.cpu_count() or 1)))
 
 COMMON = dict(

@@ -74,7 +74,8 @@ def test_every_benchmark_has_help(name, monkeypatch, capsys):
 
 
 def _run(tmp_path: Path, *args: str, timeout: int = 600) -> str:
-    env = {**os.environ, **cli_env(tmp_path / "home"), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, **cli_env(tmp_path / "home"),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     r = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
