@@ -5,7 +5,14 @@ import platform
 import subprocess
 from pathlib import Path
 
+from transformers.utils import logging as hf_logging
+
 from emllm.models import cache_kwargs  # noqa: F401  (the benchmarks' plain baselines import it from here)
+
+# A benchmark's log holds its results, not the libraries' progress bar at every model load (the
+# CLI silences them too).
+hf_logging.disable_progress_bar()
+hf_logging.set_verbosity_error()
 
 
 def git_commit() -> str:
