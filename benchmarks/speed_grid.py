@@ -206,6 +206,16 @@ def main() -> None:
     pos = prefix
     where = torch.cuda.get_device_name() if device.startswith("cuda") else machine(torch.get_num_threads())
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def timed(f, *args) -> float:
+        """Seconds f(*args) takes, the device idle before and after."""
+        sync()
+        t = time.perf_counter()
+        with torch.no_grad():
+            f(*args)
+        sync()
+        return time.perf_counter() - t
+
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": where, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "store_format": a.format or "compute dtype",
             "model": name, "profile": prof.name, "window": w_size, "chunk": cs, "kv_bytes_per_token": kv_bytes,
@@ -233,22 +243,12 @@ def main() -> None:
             x = ids[pos : pos + cs]
             pos += cs
             for m, f in active.items():
-                sync()
-                t = time.perf_counter()
-                with torch.no_grad():
-                    f(x)
-                sync()
-                times[m].append(time.perf_counter() - t)
+                times[m].append(timed(f, x))
         dec: dict[str, list[float]] = {m: [] for m in active}
         for i in range(a.decode):
             x = ids[pos + i : pos + i + 1]
             for m, f in active.items():
-                sync()
-                t = time.perf_counter()
-                with torch.no_grad():
-                    f(x)
-                sync()
-                dec[m].append(time.perf_counter() - t)
+                dec[m].append(timed(f, x))
         pos += cs
         # an answer's tokens (a question read as its chunk, then the answer generated as `ask`
         # does, the profile's answer_retrieval), in lockstep with the window's tokens again
@@ -262,15 +262,9 @@ def main() -> None:
             answer = em.generate_iter(a.decode + 1)
             next(answer)  # (the first token comes from the question's logits: no step)
             for i in range(a.decode):
-                for m in ("emllm_answer", "window"):
-                    sync()
-                    t = time.perf_counter()
-                    if m == "window":
-                        win.step(ids[pos + i : pos + i + 1])
-                    else:
-                        next(answer)  # the last token's step, and the next token chosen
-                    sync()
-                    dec.setdefault(m, []).append(time.perf_counter() - t)
+                # an answer's token: the last token's step, and the next token chosen
+                dec.setdefault("emllm_answer", []).append(timed(next, answer))
+                dec.setdefault("window", []).append(timed(win.step, ids[pos + i : pos + i + 1]))
             answer.close()
         pos += cs
         on_dev = getattr(em.windows[0].events, "on_dev", None)  # (a store's layer on the device: all its rows, or a ring)
