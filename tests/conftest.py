@@ -24,7 +24,8 @@ os.environ["EMLLM_MODEL"] = "smollm2"
 # test starts inherit its worker's share.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
 if _workers > 1:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
+    _share = max(1, (os.cpu_count() or 1) // _workers)
+    os.environ["OMP_NUM_THREADS"] = str(min(_share, int(os.environ.get("OMP_NUM_THREADS", _share))))
 torch.set_num_threads(max(1, min(int(os.environ.get("OMP_NUM_THREADS", 2)), os.cpu_count() or 1)))
 
 COMMON = dict(
