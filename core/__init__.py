@@ -9,6 +9,7 @@ stay light; the CLI and the server use nothing else (tests/test_layers.py holds 
     emllm.ModelPool(max_loaded)                 stores opened with their own models, a few loaded at a time
     Memory.ingest / .resume / .answer / .ask / .reply / .remember / .conversation / .retrieval / .summary
     emllm.plan_ingest                           the rules of `emllm ingest` (create, append, resume)
+    emllm.open_documents                        files, stdin and folders (a code base) as documents to ingest
     emllm.segment                               a text's event boundaries
     emllm.store_path, list_stores, store_summary, verify_store, remove_store, move_store: the stores
     emllm.EmllmError                            the base of every error a user can fix
@@ -35,6 +36,7 @@ _SURFACE = {
     "REREAD_QUESTIONS": _API, "REREAD_CONVERSATION": _API,
     "Progress": "emllm.app.ingest", "DiskSpaceError": "emllm.app.ingest",
     "TextSource": "emllm.app.textinput", "InputError": "emllm.app.textinput", "file_sha256": "emllm.app.textinput",
+    "open_documents": "emllm.app.folders", "folder_files": "emllm.app.folders",
     # the stores under the home
     "store_path": _STORES, "is_store": _STORES, "list_stores": _STORES, "folder_bytes": _STORES,
     "store_summary": (_STORES, "summary"), "verify_store": _STORES, "remove_store": _STORES, "move_store": _STORES,

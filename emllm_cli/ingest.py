@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import typer
@@ -16,7 +17,7 @@ from .stores import complete_store_names, store_path
 
 @guarded
 def ingest(
-    paths: list[str] = typer.Argument(None, metavar="PATH", help="Text files to ingest in order (- for stdin)."),
+    paths: list[str] = typer.Argument(None, metavar="PATH", help="Text files or folders to ingest in order (- for stdin). A folder is read as a code base: its text files in the order of their paths, each opening with a line that names it; .gitignore rules are honoured, hidden, binary and empty files left out."),
     model: str = ModelOpt,
     profile: str = ProfileOpt,
     dtype: str = DtypeOpt,
@@ -35,6 +36,7 @@ def ingest(
 
     \b
       emllm ingest book.txt                         # store 'book', the default model
+      emllm ingest ~/src/myproject                  # a code base: store 'myproject'
       cat notes/*.md | emllm ingest - --store notes
       emllm ingest chapter2.txt --store book --append
       emllm ingest --resume --store book            # after an interruption
@@ -53,11 +55,17 @@ def ingest(
             raise typer.BadParameter("say which store with --store", param_hint="--store")
         if paths[0] == "-":
             raise typer.BadParameter("reading stdin: name the store with --store", param_hint="--store")
-        store = emllm.store_name_for(paths[0])
+        store = emllm.store_name_for(os.path.abspath(paths[0]))  # (a folder's own name, "." included)
 
+    warn = lambda m: render.err.print(f"[yellow]warning:[/yellow] {render.shown(m)}")  # noqa: E731
+    left_out: list[dict] = []
+    # bad files fail before any work; a folder's unreadable ones are left out, and said so
+    docs = emllm.open_documents(paths, warn, lambda name, why: left_out.append({"name": name, "why": why}))
+    if left_out:
+        render.err.print(f"[yellow]note:[/yellow] {render.shown(_left_out(left_out))}")
     path = store_path(store)
     try:
-        plan = emllm.plan_ingest(path, paths, append=append, resume=resume,
+        plan = emllm.plan_ingest(path, [src.path for _, src in docs], append=append, resume=resume,
                                  name=store, chat=not raw, kv_format=kv_format)
     except emllm.UsageError as e:
         if raw:
@@ -66,9 +74,9 @@ def ingest(
     for note in plan.notes:
         render.err.print(f"[yellow]note:[/yellow] {render.shown(note)}")
     if plan.mode == "resume":
-        paths, resume, append = [], True, False
-    warn = lambda m: render.err.print(f"[yellow]warning:[/yellow] {render.shown(m)}")  # noqa: E731
-    docs = [(p if p != "-" else "stdin", emllm.TextSource.open(p, warn)) for p in paths]  # bad files fail before any work
+        for _, src in docs:
+            src.close()
+        docs, resume, append = [], True, False
 
     log = lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]")  # noqa: E731
     if plan.mode == "create":
@@ -108,7 +116,7 @@ def ingest(
             raise typer.Exit(130) from None
     summary = report.summary
     if as_json:
-        render.print_json(summary)
+        render.print_json({**summary, "left_out": left_out})
         return
     pending, read = summary["pending_tokens"], summary["read_tokens"]
     where = f"{summary['tokens']} tokens, {summary['events']} events in {path} ({summary['bytes'] / 2**20:.1f} MiB"
@@ -119,3 +127,12 @@ def ingest(
         render.err.print(f"[green]stored[/green] {render.shown(where)}, {summary['tokens_per_second']:.0f} tok/s)")
     else:  # an append shorter than what completes a chunk: nothing for the model to read yet
         render.err.print(f"[green]stored[/green] {render.shown(where)}; {pending} tokens wait for the next append or question)")
+
+
+def _left_out(files: list[dict]) -> str:
+    """One line for the files of folders left out, by reason, a few named."""
+    by: dict[str, list[str]] = {}
+    for f in files:
+        by.setdefault(f["why"], []).append(f["name"])
+    return "left out: " + "; ".join(f"{len(names)} {why} ({', '.join(names[:3])}{', …' if len(names) > 3 else ''})"
+                                    for why, names in by.items())

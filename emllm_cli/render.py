@@ -24,6 +24,9 @@ for _c in (out, err):  # piped or logged, a message stays one line (Rich would w
 _NUMBERS = re.compile(r"\[\n\s+(-?[\d.eE+-]+(?:,\n\s+-?[\d.eE+-]+)*)\n\s*\]")
 
 
+SHOWN_DOCUMENTS = 12  # documents `emllm show` names
+
+
 def print_json(doc: Any) -> None:
     """Indented, with a list of numbers on one line (a retrieval heatmap would take a line per number)."""
     text = _NUMBERS.sub(lambda m: "[" + " ".join(m.group(1).split()) + "]", json.dumps(doc, indent=2))
@@ -263,7 +266,11 @@ def store_summary(s: dict):
     t.add_row("tokens", f"{s['tokens']}" + ("" if s["complete"] else "  [yellow](ingest unfinished: --resume)[/yellow]"))
     t.add_row("events", f"{s['events']}" + (f" (mean {s['mean_event_size']} tokens)" if s["mean_event_size"] else
                                                " (the text still fits the model's window)"))
-    t.add_row("documents", ", ".join(shown(d["name"]) for d in s["documents"]) or "-")
+    docs = s["documents"]
+    listed = ", ".join(shown(d["name"]) for d in docs[:SHOWN_DOCUMENTS]) or "-"
+    if len(docs) > SHOWN_DOCUMENTS:  # (a code base's thousands of files: the first, the count, --json for all)
+        listed += f", … {len(docs):,} in all (--json lists them)"
+    t.add_row("documents", listed)
     t.add_row("on disk", ", ".join(f"{k} {size(v)}" for k, v in s["bytes"].items() if v))
     h = Table(title="event sizes (tokens)", show_edge=False)
     h.add_column("size")

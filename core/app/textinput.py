@@ -29,23 +29,34 @@ _PROBES = ("Hello world\nNext line, with words.", "a b\n\nc d", "x = 1\n    y = 
 
 
 class InputError(EmllmError):
-    """Input that cannot be read as text; the message says what is wrong."""
+    """Input that cannot be read as text; the message says what is wrong, `kind` in a word
+    ("binary", "empty", "unreadable", "missing", "folder", "device")."""
+
+    def __init__(self, message: str, kind: str = "unreadable") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass
 class TextSource:
-    """One document to read: a file, a FIFO or stdin, opened and checked (first piece) up front."""
+    """One document to read: a file, a FIFO or stdin, checked (first piece) up front.
+
+    A regular file is closed once checked and opened again when read, so a job of thousands of
+    files (a code base) holds one open file and one piece at a time; a pipe or stdin, which
+    cannot be read twice, stays open with its first piece."""
 
     name: str
-    stream: BinaryIO
+    stream: BinaryIO | None  # None: a regular file at `path`, opened when read
     first: bytes
     warn: Callable[[str], None] | None = None
-    sha256: str = ""  # of the text as decoded, known once read to the end
+    sha256: str = ""  # of the text as decoded (the header left out), known once read to the end
     chars: int = 0
+    path: str | None = None  # the file's path ("-": stdin)
+    header: str = ""  # text read before the file's own (a folder's file: its name), not in sha256 or chars
     _used: bool = field(default=False, repr=False)
 
     @classmethod
-    def open(cls, path: str, warn: Callable[[str], None] | None = None) -> "TextSource":
+    def open(cls, path: str, warn: Callable[[str], None] | None = None, header: str = "") -> "TextSource":
         """`path`, or stdin for "-": refused at once when missing, unreadable, a folder or a device,
         empty, or binary (NUL bytes in the first piece)."""
         if path == "-":
@@ -61,19 +72,19 @@ class TextSource:
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
-                raise InputError(f"{path}: no such file") from None
+                raise InputError(f"{path}: no such file", "missing") from None
             except IsADirectoryError:
-                raise InputError(f"{path}: is a directory, not a text file") from None
+                raise InputError(f"{path}: is a directory, not a text file", "folder") from None
             except OSError as e:
                 raise InputError(f"{path}: cannot read: {e.strerror}") from None
             mode = os.fstat(fd).st_mode
             if stat.S_ISDIR(mode):
                 os.close(fd)
-                raise InputError(f"{path}: is a directory, not a text file")
+                raise InputError(f"{path}: is a directory, not a text file", "folder")
             if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
                 if not path.startswith("/dev/fd/") and not path.startswith("/proc/self/fd/"):
                     os.close(fd)
-                    raise InputError(f"{path}: is a device, not a text file")
+                    raise InputError(f"{path}: is a device, not a text file", "device")
             stream = os.fdopen(fd, "rb")
         try:
             first = stream.read(PIECE)
@@ -82,24 +93,42 @@ class TextSource:
             raise InputError(f"{name}: cannot read: {e.strerror}") from None
         if b"\x00" in first:
             stream.close()
-            raise InputError(f"{name}: looks like a binary file (NUL bytes); give a text file")
+            raise InputError(f"{name}: looks like a binary file (NUL bytes); give a text file", "binary")
         if not first.strip():
             rest = first
             while rest and not rest.strip():  # a file of blanks longer than a piece
                 rest = stream.read(PIECE)
                 if b"\x00" in rest:
                     stream.close()
-                    raise InputError(f"{name}: looks like a binary file (NUL bytes); give a text file")
+                    raise InputError(f"{name}: looks like a binary file (NUL bytes); give a text file", "binary")
             if not rest:
                 stream.close()
-                raise InputError(f"{name}: is empty: nothing to read")
+                raise InputError(f"{name}: is empty: nothing to read", "empty")
             first += rest
-        return cls(name, stream, first, warn)
+        if path != "-" and stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
+            stream.close()
+            return cls(name, None, b"", warn, path=path, header=header)
+        return cls(name, stream, first, warn, path=path, header=header)
+
+    def _reopen(self) -> None:
+        """Open the regular file again, at its first piece (checked again: it may have changed)."""
+        try:
+            self.stream = open(self.path, "rb")  # noqa: SIM115 (closed by `pieces`)
+            self.first = self.stream.read(PIECE)
+        except OSError as e:
+            if self.stream is not None:
+                self.stream.close()
+            raise InputError(f"{self.name}: cannot read: {e.strerror}") from None
+        if (nul := self.first.find(b"\x00")) >= 0:
+            self.stream.close()
+            raise InputError(f"{self.name}: NUL bytes at byte {nul}: a binary file; give a text file", "binary")
 
     def pieces(self) -> Iterator[str]:
         """The text, a piece at a time (once); sha256 and chars are set when it ends."""
         assert not self._used, "a stream is read once"
         self._used = True
+        if self.stream is None:
+            self._reopen()
         bad: list[int] = []
 
         def replace(e: UnicodeDecodeError) -> tuple[str, int]:  # as errors="replace", noting the first
@@ -113,6 +142,8 @@ class TextSource:
         h = hashlib.sha256()
         data, at = self.first, 0
         try:
+            if self.header:
+                yield self.header
             while True:
                 final = not data
                 text = dec.decode(data, final=final)
@@ -132,13 +163,15 @@ class TextSource:
                 except OSError as e:
                     raise InputError(f"{self.name}: cannot read: {e.strerror}") from None
                 if (nul := data.find(b"\x00")) >= 0:
-                    raise InputError(f"{self.name}: NUL bytes at byte {at + nul}: a binary file; give a text file")
+                    raise InputError(f"{self.name}: NUL bytes at byte {at + nul}: a binary file; give a text file", "binary")
         finally:
             self.stream.close()
+            self.first = b""
         self.sha256 = h.hexdigest()
 
     def close(self) -> None:
-        self.stream.close()
+        if self.stream is not None:
+            self.stream.close()
 
 
 def file_sha256(path: str) -> str | None:

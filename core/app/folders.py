@@ -1,0 +1,126 @@
+"""The text files of a folder, read as one code base: which files, in which order, and how the
+stream names each.
+
+Files are picked as ripgrep picks them by default: the `.gitignore` files of the folder, of the
+folders below it and of those above it up to its git work tree's top, with git's rules (a deeper
+file's patterns take precedence; nothing is picked below an ignored folder); hidden files and
+folders (a leading dot) skipped; binary and empty files skipped (`open_documents` says which);
+links to folders not followed. They are read in the order of their paths, as `git ls-files` lists
+them, and each opens with a line naming it, `==> proj/src/main.py <==` (as `head` and `tail` name
+the files they print), so the model reads which file says what.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import pathspec
+
+from emllm.app.textinput import InputError, TextSource
+
+
+def header(name: str) -> str:
+    """The line that opens a folder's file in the stream."""
+    return f"==> {name} <==\n"
+
+
+def _spec(folder: str) -> pathspec.GitIgnoreSpec | None:
+    try:
+        with open(os.path.join(folder, ".gitignore"), encoding="utf-8", errors="replace") as f:
+            return pathspec.GitIgnoreSpec.from_lines(f.read().splitlines())
+    except OSError:  # none, or unreadable: nothing ignored by it
+        return None
+
+
+def _ancestors(folder: str) -> list[tuple[str, pathspec.GitIgnoreSpec]]:
+    """The .gitignore files above `folder` (absolute) that git would apply: up to the work tree's
+    top (the nearest folder above holding `.git`); none when it is in no work tree."""
+    found, d = [], folder
+    while True:
+        parent = os.path.dirname(d)
+        if parent == d:
+            return []  # in no work tree
+        d = parent
+        spec = _spec(d)
+        if spec is not None:
+            found.append((d, spec))
+        if os.path.exists(os.path.join(d, ".git")):
+            return found[::-1]
+
+
+def _ignored(path: str, is_dir: bool, specs: list[tuple[str, pathspec.GitIgnoreSpec]]) -> bool:
+    """Whether git ignores `path` (absolute) under these (folder, patterns), shallowest first:
+    the deepest file with a pattern that matches decides, its last matching pattern within it."""
+    for base, spec in reversed(specs):
+        rel = path[len(base) :].lstrip("/") + ("/" if is_dir else "")
+        hit = spec.check_file(rel).include
+        if hit is not None:
+            return hit
+    return False
+
+
+def folder_files(folder: str | Path) -> list[tuple[str, Path]]:
+    """(name, path) of each file to read in `folder`, in the order of their paths. name: the
+    folder's own name, then the file's path inside it, joined by "/" (the stream's and the
+    store's name for it)."""
+    top = os.path.abspath(folder)
+    label = os.path.basename(top) or "root"
+    found: list[tuple[str, Path]] = []
+
+    def walk(d: str, rel: str, specs: list[tuple[str, pathspec.GitIgnoreSpec]]) -> None:
+        spec = _spec(d)
+        if spec is not None:
+            specs = [*specs, (d, spec)]
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            return  # an unreadable folder: nothing read from it, as git and ripgrep
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            try:
+                is_dir = e.is_dir(follow_symlinks=False)
+                is_file = not is_dir and e.is_file()  # a regular file, or a link to one
+            except OSError:
+                continue
+            if not (is_dir or is_file) or _ignored(e.path, is_dir, specs):
+                continue
+            inner = f"{rel}/{e.name}" if rel else e.name
+            if is_dir:
+                walk(e.path, inner, specs)
+            else:
+                found.append((inner, Path(e.path)))
+
+    walk(top, "", _ancestors(top))
+    found.sort(key=lambda f: f[0].encode("utf-8", "surrogateescape"))  # bytewise, as git sorts paths
+    return [(f"{label}/{rel}", path) for rel, path in found]
+
+
+def open_documents(paths: list[str], warn: Callable[[str], None] | None = None,
+                   skipped: Callable[[str, str], None] | None = None) -> list[tuple[str, TextSource]]:
+    """(name, source) of each document that `paths` name, in order, checked before any is read:
+    a file ("-": stdin) is one document, named by its path (InputError when it cannot be read as
+    text); a folder is its files (`folder_files`), each opening with its `header`, those that are
+    binary, empty or unreadable left out and told to `skipped(name, why)`; a folder with none
+    left is an InputError. warn: told of text that is not valid UTF-8, when it is read."""
+    docs: list[tuple[str, TextSource]] = []
+    for p in paths:
+        if p == "-" or not os.path.isdir(p):
+            docs.append((p if p != "-" else "stdin", TextSource.open(p, warn)))
+            continue
+        n = len(docs)
+        for name, f in folder_files(p):
+            try:
+                docs.append((name, TextSource.open(str(f), warn, header=header(name))))
+            except InputError as e:
+                if skipped is not None:
+                    skipped(name, e.kind)
+        if len(docs) == n:
+            raise InputError(f"{p}: no text files to read in this folder (hidden, git-ignored, binary and empty "
+                             "files are left out)")
+    return docs
+
+
+__all__ = ["folder_files", "open_documents", "header"]
