@@ -16,7 +16,7 @@ from emllm.app.folders import folder_files, header, open_documents
 from emllm.app.textinput import InputError, TextSource
 from emllm.store import Store
 
-from .helpers import CPU_ONLY, assert_same_state, ingest_store, run, run_in_process, store_arrays, words
+from .helpers import CPU_ONLY, assert_same_state, ingest_store, run, store_arrays, words
 
 
 def _tree(root: Path) -> Path:
@@ -164,7 +164,7 @@ def test_ingest_a_folder_is_its_files_named_in_one_job_and_the_same_command_cont
     assert_same_state(tmp_path / "stores" / "proj", tmp_path / "ref")
     with Store.open(tmp_path / "stores" / "proj") as st:
         assert [d.name for d in st.info.documents] == out["documents"]
-    shown = run_in_process("show", "proj", home=tmp_path, env={"COLUMNS": "400"}).stdout
+    shown = run("show", "proj", home=tmp_path, env={"COLUMNS": "400"}).stdout
     assert "proj/src/m09.py, … 15 in all (--json lists them)" in shown and "m10" not in shown, shown
     # interrupted after its first commit, the same command continues it
     from emllm.app import ingest as ing, stream
@@ -189,3 +189,38 @@ def test_ingest_a_folder_is_its_files_named_in_one_job_and_the_same_command_cont
     r = run("ingest", str(root), "--store", "again", home=tmp_path, env=CPU_ONLY)
     assert r.returncode == 0 and "continuing the interrupted ingest" in r.stderr, r.stderr
     assert store_arrays(tmp_path / "stores" / "again") == store_arrays(tmp_path / "ref")
+
+
+def test_a_reread_reads_each_passage_of_a_folders_file_after_the_line_naming_it(tiny, tmp_path):
+    """The store keeps each folder file's naming line; a re-read answer reads it before every
+    passage that starts inside that file after it (unless it goes on from the one before)."""
+    from emllm.app.ask import Session
+    from emllm.app.stream import encode
+
+    from .helpers import QUESTION, load_tiny
+
+    folder, prof, _, _ = tiny
+    root = tmp_path / "proj"
+    root.mkdir()
+    for i in range(3):
+        (root / f"f{i}.py").write_text(words(20 + i, 300))
+    ingest_store(tmp_path / "s", folder, prof, open_documents([str(root)]))
+    model, tok = load_tiny(folder)
+    with Store.open(tmp_path / "s") as st:
+        assert [d.header for d in st.info.documents] == [header(f"proj/f{i}.py") for i in range(3)]
+        s = Session(st, model, tok, reread=True)
+        q = s.question_ids(QUESTION)
+        reader = s._reread(q, 4)
+        context = reader.ids.view()[: reader.n_tokens - len(q)].tolist()
+        stream = s.engine.ids.view()[: s.engine.n_tokens - len(q)].tolist()
+        n_init = s.engine.profile.n_init
+        named = [(d.start, d.start + d.tokens, encode(tok, d.header)) for d in st.info.documents]
+        want, end, lines = stream[:n_init], n_init, 0
+        for a, b in s.passages:
+            doc = [d for d in named if d[0] < a < d[1]]
+            if doc and a != end:
+                want += doc[0][2]
+                lines += 1
+            want += stream[a:b]
+            end = b
+        assert context == want and lines >= 1 and len(s.passages) > 2

@@ -214,6 +214,37 @@ def test_the_passages_read_are_ordered_by_the_questions_words(tiny):
     assert context_from_votes(st, votes, tok, prof.n_init, len(stream), q_ids).ids == stream  # all of it fits
 
 
+def test_a_passage_inside_a_named_document_is_read_after_the_line_naming_it(tiny):
+    """Documents whose text opens with a line naming them (a folder's files): each passage that
+    starts inside one, after that line, is read after the line, unless it goes on from the
+    passage read before it; the lines count against the room."""
+    from emllm.app.reread import context_from_votes
+    eng, tok, prof, stream = _read_into_engine(tiny, 7, 300)
+    rec = SelectionRecorder(eng)
+    q_ids = tok(QUESTION, add_special_tokens=False)["input_ids"]
+    eng.begin_question()
+    eng.feed(q_ids)
+    rec.detach()
+    votes, st = rec.votes(), torch.tensor(stream)
+    n = len(stream)
+    named = [(prof.n_init + 5, n // 3, [11, 12, 13]), (n // 3, 2 * n // 3, [21, 22]), (2 * n // 3 + 7, n, [31])]
+    room = n // 2
+    got = context_from_votes(st, votes, tok, prof.n_init, room, q_ids, named)
+    plain = context_from_votes(st, votes, tok, prof.n_init, room, q_ids)
+    assert got.passages and got.ids != plain.ids
+    ids, end, lines = stream[: prof.n_init], prof.n_init, 0
+    for s, e in got.passages:  # brute force: the document each passage starts in, strictly after its start
+        doc = [d for d in named if d[0] < s < d[1]]
+        if doc and s != end:
+            ids += doc[0][2]
+            lines += 1
+        ids += stream[s:e]
+        end = e
+    assert got.ids == ids and lines >= 2
+    assert len(got.ids) - prof.n_init <= room
+    assert context_from_votes(st, votes, tok, prof.n_init, n, q_ids, named).ids == stream  # all fits: in order, no lines
+
+
 def test_sentence_ends_per_token(smollm2):
     _, tok, _ = smollm2
     ids = tok("One. Two! Three?\nFour five", add_special_tokens=False)["input_ids"]

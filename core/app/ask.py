@@ -101,7 +101,8 @@ class Session:
         from emllm.app.reread import reread
 
         self.feed_pending()  # first, unrecorded: its chunks' retrievals are not the question's
-        eng, rr = reread(self.engine, ids, self.tok, max_new_tokens)
+        named = [(d.start, d.start + d.tokens, encode(self.tok, d.header)) for d in self.store.info.documents if d.header]
+        eng, rr = reread(self.engine, ids, self.tok, max_new_tokens, named=named)
         self.passages = rr.passages
         return eng
 

@@ -95,7 +95,8 @@ def add_documents(store: Store, tok: Any, docs: list[tuple[str, str | TextSource
                 raise StoreError(f"{name}: no tokens in the text")
             sha, chars = (hashlib.sha256(src.encode()).hexdigest(), len(src)) if isinstance(src, str) else (src.sha256, src.chars)
             documents.append({"name": name, "sha256": sha, "start": stream_pos + start,
-                              "tokens": writer.rows - start, "chars": chars})
+                              "tokens": writer.rows - start, "chars": chars,
+                              **({"header": src.header} if isinstance(src, TextSource) and src.header else {})})
         if check_space:
             check_disk(store, writer.rows)
         store.commit_job(writer, documents)

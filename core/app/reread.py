@@ -172,17 +172,35 @@ WORDS_TOP = 4  # the BM25 ranking's best 4 are fused with the votes', a quarter 
 # question whose words mislead costs at most these; a name the question asks about is in its best few
 
 
+# (start, end, ids): a document of the stream at [start, end) whose text opens with a line naming
+# it (a folder's file), that line's token ids
+Named = tuple[int, int, Sequence[int]]
+
+
 def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: int,
-                   question: Sequence[int] = ()) -> Reread:
+                   question: Sequence[int] = (), named: Sequence[Named] = ()) -> Reread:
     """The initial tokens, then the passages of the stream's first `n_stream` tokens that the
     layers' `votes` and the `question`'s words favour, while they fit in `room` more tokens
     (`context_from_votes`)."""
     pr = engine.profile
-    return context_from_votes(engine.ids.view()[:n_stream], votes, tok, pr.n_init, room, question)
+    return context_from_votes(engine.ids.view()[:n_stream], votes, tok, pr.n_init, room, question, named)
+
+
+def naming_lines(spans: Sequence[tuple[int, int]], named: Sequence[Named]) -> list[Sequence[int]]:
+    """[P] the ids to read before each passage: the line naming the document it starts in, where
+    that document has one (`named`, sorted by start) and the passage does not start with it."""
+    import bisect
+
+    starts = [n[0] for n in named]
+    out: list[Sequence[int]] = []
+    for s, _ in spans:
+        i = bisect.bisect_right(starts, s) - 1
+        out.append(named[i][2] if i >= 0 and named[i][0] < s < named[i][1] else ())
+    return out
 
 
 def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, room: int,
-                       question: Sequence[int] = ()) -> Reread:
+                       question: Sequence[int] = (), named: Sequence[Named] = ()) -> Reread:
     """`reread_context` from what it needs (`stream` [n] the tokens before the question): the first
     `n_init` tokens, then passages while they fit in `room`.
 
@@ -192,7 +210,9 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, room
     words), so that a passage the question's rare words point to is read even where the layers'
     votes passed it over (hybrid retrieval). In what order: by their BM25 for the question, the
     best last, next to the question, ties by rank (the votes choose, the words order). Where every
-    passage fits, the stream is read in its order."""
+    passage fits, the stream is read in its order. A passage that starts inside a document
+    `named` (a folder's file, whose first line names it) is read after that line, unless it goes
+    on from the passage read before it: the model reads which file each passage is from."""
     n_stream = len(stream)
     weights = event_votes(list(votes.selections.values()), len(votes.spans))
     tv = token_votes(votes.spans, weights, n_stream)
@@ -206,15 +226,21 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, room
         by_votes = by_votes[pv[0][by_votes] > 0]
         by_words = torch.sort(-words, stable=True).indices
         order = fuse_orders([by_votes.tolist(), by_words[words[by_words] > 0][:WORDS_TOP].tolist()], len(spans))
-    kept = choose_passages(order, spans, room)
+    lines = naming_lines(spans, named)
+    fits = sum(e - s for s, e in spans) <= room  # every passage: read in order, each going on from the last (no lines)
+    kept = choose_passages(order, spans, room, None if fits or not named else [len(x) for x in lines])
     if len(kept) < len(spans):  # worst first: by the words first, then by rank
         rank = {i: r for r, i in enumerate(order)}
         kept = [i for _, _, i in sorted(zip(words[kept].tolist(), [-rank[i] for i in kept], kept))]
-    taken = [spans[i] for i in kept]
     ids = stream[:n_init].tolist()
-    for s, e in taken:
+    end = n_init
+    for i in kept:
+        s, e = spans[i]
+        if s != end:  # (a passage that goes on from the one before needs no name: it was read)
+            ids.extend(lines[i])
         ids.extend(stream[s:e].tolist())
-    return Reread(ids, taken)
+        end = e
+    return Reread(ids, [spans[i] for i in kept])
 
 
 def reader(model: Any, profile: Any, tokens: int) -> Engine:
@@ -224,12 +250,12 @@ def reader(model: Any, profile: Any, tokens: int) -> Engine:
 
 
 def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
-           read_question: Callable[[list[int]], Any] | None = None) -> tuple[Engine, Reread]:
+           read_question: Callable[[list[int]], Any] | None = None, named: Sequence[Named] = ()) -> tuple[Engine, Reread]:
     """Read `question` against the engine's memory (`read_question`, by default as a question of
     its own: begin_question, feed), recording each layer's selection; then return a reader engine
     that has read the initial tokens, the passages voted for and the question, ready to answer,
     and what it read. The passages fill emllm's attention span, n_init + n_mem + n_local tokens,
-    with the question."""
+    with the question; `named`: the stream's documents that a line names (`context_from_votes`)."""
     rec = SelectionRecorder(engine)
     try:
         if read_question is None:
@@ -241,7 +267,7 @@ def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
         rec.detach()
     n_stream = engine.n_tokens - len(question)
     room = reread_room(engine.profile, n_stream, len(question))
-    rr = reread_context(engine, rec.votes(), tok, n_stream, room, question)
+    rr = reread_context(engine, rec.votes(), tok, n_stream, room, question, named)
     return read_again(engine.model, engine.profile, rr.ids, question, max_new_tokens), rr
 
 
@@ -264,5 +290,5 @@ def read_again(model: Any, profile: Any, context: list[int], question: list[int]
     return eng
 
 
-__all__ = ["PASSAGE_TOKENS", "Reread", "WORDS_TOP", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
+__all__ = ["PASSAGE_TOKENS", "Named", "Reread", "naming_lines", "WORDS_TOP", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
            "context_from_votes", "reread_context", "reread_room", "sentence_ends", "tail_lengths", "tail_selection"]

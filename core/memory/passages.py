@@ -149,15 +149,18 @@ def fuse_orders(orders: Sequence[Sequence[int]], n: int, k: int = RRF_K) -> list
     return base[torch.sort(-score[base], stable=True).indices].tolist()
 
 
-def choose_passages(order: Sequence[int], spans: Sequence[tuple[int, int]], room: int) -> list[int]:
+def choose_passages(order: Sequence[int], spans: Sequence[tuple[int, int]], room: int,
+                    extra: Sequence[int] | None = None) -> list[int]:
     """The passages taken best first while they fit in `room` tokens (one that does not fit is
-    passed over: a shorter one after it may), in stream order."""
+    passed over: a shorter one after it may), in stream order. extra: tokens each passage costs
+    besides its own (a line naming its document), none if not given."""
     kept, used = [], 0
     for i in order:
         s, e = spans[i]
-        if used + (e - s) <= room:
+        cost = e - s + (extra[i] if extra is not None else 0)
+        if used + cost <= room:
             kept.append(i)
-            used += e - s
+            used += cost
     return sorted(kept)
 
 

@@ -195,6 +195,7 @@ def _validate(m: dict) -> None:
     for d in docs:
         _str(d, "name")
         _str(d, "sha256", optional=True)
+        _str(d, "header", optional=True)
         for k in ("start", "tokens"):
             _int(d, k)
         if "chars" in d:
@@ -271,6 +272,7 @@ class Document:
     sha256: str | None = None  # of its text (None: an exchange emllm laid out, or an older store)
     chars: int | None = None
     kind: str | None = None  # "exchange": a conversation's turn
+    header: str | None = None  # the line naming it that opens its text (a folder's file), re-read before its passages
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
