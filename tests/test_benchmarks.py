@@ -125,3 +125,25 @@ def test_first_token_and_server_latency_run_on_a_store(tmp_path):
     out = _run(tmp_path, "-m", "benchmarks.server_latency", "--store", "format", "--runs", "1", "--clients", "1",
                "--tokens", "2")
     assert "0 errors" in out and "store unchanged byte for byte: True" in out, out
+
+
+@pytest.mark.slow
+def test_code_base_runs_on_a_folders_store(tiny, tmp_path):
+    """Three answers a question (re-read, re-read without the naming lines, own reading), each
+    scored; the summary counts them."""
+    folder, prof, _, _ = tiny
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "a.py").write_text("PASSAGE = 128\n" * 40)
+    (proj / "b.py").write_text("def f():\n    return 1\n" * 40)
+    r = run("ingest", str(proj), "-m", str(folder), "--profile", str(prof), home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr
+    qs = tmp_path / "qs.tsv"
+    qs.write_text("Which file defines f?\tb.py\nWhat is PASSAGE?\t128\n")
+    rows = _json_lines(_run(tmp_path, "-m", "benchmarks.code_base", "--store", "proj", "--questions", str(qs), "-n", "3"))
+    assert [r["question"] for r in rows[:2]] == ["Which file defines f?", "What is PASSAGE?"]
+    assert all(isinstance(r[w]["right"], bool) and isinstance(r[w]["answer"], str) for r in rows[:2]
+               for w in ("reread", "reread_unnamed", "own"))
+    summary = rows[2]
+    assert summary["questions"] == 2 and summary["documents"] == 2 and summary["tokens"] > 400
+    assert summary["right"] == {w: sum(r[w]["right"] for r in rows[:2]) for w in ("reread", "reread_unnamed", "own")}

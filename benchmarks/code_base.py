@@ -1,0 +1,76 @@
+"""Questions about a code base read from its folder (`emllm ingest FOLDER`), side by side in one
+run: each asked as `emllm ask` answers (the re-read, whose passages are read after the lines
+naming their files), as the re-read did before those lines (the same store and passages, no
+lines), and as emllm reads itself (`--no-reread`), greedy.
+
+    emllm ingest core --store core-code
+    python -m benchmarks.code_base --store core-code --out docs/results/code-base-core.jsonl
+
+The questions (`--questions`, a tab-separated file: question, then the text a right answer
+contains, case-insensitive) default to `benchmarks/code_base_questions.tsv`: which file of this
+project's `core/` defines a name, and two of its constants. Prints one JSON line per question and
+a summary: right answers of each way, seconds each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import emllm
+from emllm.app import reread as rr
+
+QUESTIONS = Path(__file__).resolve().parent / "code_base_questions.tsv"
+WAYS = ("reread", "reread_unnamed", "own")
+
+
+@contextlib.contextmanager
+def unnamed():
+    """The re-read without the lines naming each passage's file (as before they were read)."""
+    saved = rr.naming_lines
+    rr.naming_lines = lambda spans, named: [() for _ in spans]
+    try:
+        yield
+    finally:
+        rr.naming_lines = saved
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", required=True, help="a store ingested from a folder")
+    ap.add_argument("--questions", default=str(QUESTIONS))
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=40)
+    ap.add_argument("--out", help="append the JSON lines to this file too")
+    args = ap.parse_args()
+    pairs = [line.split("\t") for line in Path(args.questions).read_text().splitlines() if line.strip()]
+    right = dict.fromkeys(WAYS, 0)
+    seconds = dict.fromkeys(WAYS, 0.0)
+    out = open(args.out, "a") if args.out else None  # noqa: SIM115
+    with emllm.open(emllm.store_path(args.store)) as mem:
+        for question, want in pairs:
+            row = {"question": question, "want": want}
+            for way in WAYS:
+                t0 = time.perf_counter()
+                with unnamed() if way == "reread_unnamed" else contextlib.nullcontext():
+                    answer = mem.ask(question, args.max_new_tokens, reread=way != "own")
+                seconds[way] += time.perf_counter() - t0
+                ok = want.lower() in answer.lower()
+                right[way] += ok
+                row[way] = {"right": ok, "answer": answer}
+            print(json.dumps(row), flush=True)
+            if out:
+                out.write(json.dumps(row) + "\n")
+        summary = {"store": args.store, "tokens": mem.info.rows.tokens, "documents": len(mem.info.documents),
+                   "questions": len(pairs), "right": right,
+                   "seconds_per_answer": {k: round(v / max(1, len(pairs)), 1) for k, v in seconds.items()}}
+    print(json.dumps(summary), flush=True)
+    if out:
+        out.write(json.dumps(summary) + "\n")
+        out.close()
+
+
+if __name__ == "__main__":
+    main()
