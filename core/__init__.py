@@ -32,7 +32,7 @@ _STORES = "emllm.app.stores"
 _SURFACE = {
     # a store with its model
     "create": _API, "open": _API, "load": _API, "Memory": _API, "Model": _API, "Answer": _API,
-    "ModelPool": "emllm.app.pool", "IngestPlan": _API, "IngestReport": _API, "plan_ingest": _API, "segment": _API, "sampling": _API,
+    "ModelPool": "emllm.app.pool", "IngestPlan": _API, "IngestReport": _API, "plan_ingest": _API, "unchanged_files": _API, "segment": _API, "sampling": _API,
     "REREAD_QUESTIONS": _API, "REREAD_CONVERSATION": _API,
     "Progress": "emllm.app.ingest", "DiskSpaceError": "emllm.app.ingest",
     "TextSource": "emllm.app.textinput", "InputError": "emllm.app.textinput", "file_sha256": "emllm.app.textinput",

@@ -23,7 +23,7 @@ def ingest(
     dtype: str = DtypeOpt,
     kv_format: str = FormatOpt,
     store: str = typer.Option(None, "--store", "-s", help="Store name (under the emllm home) or path; default: the first file's name.", autocompletion=complete_store_names),
-    append: bool = typer.Option(False, "--append", help="Add the documents to an existing store."),
+    append: bool = typer.Option(False, "--append", help="Add the documents to an existing store (a folder's files that it holds unchanged are not read again)."),
     resume: bool = typer.Option(False, "--resume", help="Finish an interrupted ingest (needs no files)."),
     raw: bool = typer.Option(False, "--raw", help="Do not wrap the stream in the model's chat template."),
     commit_every: int = typer.Option(4, "--commit-every", min=1, help="Commit the store every N chunks."),
@@ -77,6 +77,19 @@ def ingest(
         for _, src in docs:
             src.close()
         docs, resume, append = [], True, False
+    unchanged: list[str] = []
+    if plan.mode == "append":  # a folder read before: only its new and changed files are added
+        same = set(emllm.unchanged_files(path, docs))
+        unchanged = [name for i, (name, _) in enumerate(docs) if i in same]
+        docs = [d for i, d in enumerate(docs) if i not in same]
+        if unchanged and docs:
+            render.err.print(f"[yellow]note:[/yellow] {len(unchanged)} files unchanged since the store read them: not read again")
+        elif unchanged:
+            render.err.print(f"nothing to add: the store holds each of these {len(unchanged)} files as it is")
+            if as_json:
+                render.print_json({"store": str(path), "ingested_tokens": 0, "read_tokens": 0, "left_out": left_out,
+                                   "unchanged": unchanged})
+            return
 
     log = lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]")  # noqa: E731
     if plan.mode == "create":
@@ -116,7 +129,7 @@ def ingest(
             raise typer.Exit(130) from None
     summary = report.summary
     if as_json:
-        render.print_json({**summary, "left_out": left_out})
+        render.print_json({**summary, "left_out": left_out, "unchanged": unchanged})
         return
     pending, read = summary["pending_tokens"], summary["read_tokens"]
     where = f"{summary['tokens']} tokens, {summary['events']} events in {path} ({summary['bytes'] / 2**20:.1f} MiB"

@@ -224,3 +224,32 @@ def test_a_reread_reads_each_passage_of_a_folders_file_after_the_line_naming_it(
             want += stream[a:b]
             end = b
         assert context == want and lines >= 1 and len(s.passages) > 2
+
+
+@pytest.mark.slow
+def test_an_append_of_a_folder_read_before_adds_its_new_and_changed_files_only(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    root = tmp_path / "proj"
+    root.mkdir()
+    for i in range(3):
+        (root / f"f{i}.py").write_text(words(30 + i, 40))
+    r = run("ingest", str(root), "-m", str(folder), "--profile", str(prof), home=tmp_path, env=CPU_ONLY)
+    assert r.returncode == 0, r.stderr
+    (root / "f1.py").write_text(words(40, 40))  # changed
+    (root / "f3.py").write_text(words(41, 40))  # new
+    r = run("ingest", str(root), "--store", "proj", "--append", "--json", home=tmp_path, env=CPU_ONLY)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["unchanged"] == ["proj/f0.py", "proj/f2.py"] and "2 files unchanged since the store read them" in r.stderr
+    assert out["documents"] == ["proj/f0.py", "proj/f1.py", "proj/f2.py", "proj/f1.py", "proj/f3.py"]
+    r = run("ingest", str(root), "--store", "proj", "--append", "--json", home=tmp_path, env=CPU_ONLY)
+    assert r.returncode == 0 and "nothing to add: the store holds each of these 4 files as it is" in r.stderr, r.stderr
+    assert json.loads(r.stdout)["unchanged"] == ["proj/f0.py", "proj/f1.py", "proj/f2.py", "proj/f3.py"]
+    with Store.open(tmp_path / "stores" / "proj") as st:
+        assert len(st.info.documents) == 5
+    single = tmp_path / "one.txt"  # a file named by the user is added again, as before (with a note)
+    single.write_text(words(42, 20))
+    for _ in range(2):
+        r = run("ingest", str(single), "--store", "proj", "--append", "--json", home=tmp_path, env=CPU_ONLY)
+        assert r.returncode == 0 and json.loads(r.stdout)["unchanged"] == [], r.stderr
+    assert "the store held this text already" in r.stderr

@@ -219,6 +219,15 @@ def plan_ingest(path: Path, documents: list[str], append: bool = False, resume: 
     return IngestPlan(mode, notes)
 
 
+def unchanged_files(path: Path, docs: list[tuple[str, TextSource]]) -> list[int]:
+    """Indices of the folders' files among `docs` (`open_documents`: those that open with a
+    naming line) that the store at `path` holds already under the same name with the same text:
+    an append of a folder read before adds only its new and changed files."""
+    held = {(d.name, d.sha256) for d in read_info(Path(path)).documents if d.header and d.sha256}
+    return [i for i, (name, src) in enumerate(docs)
+            if isinstance(src, TextSource) and src.header and (name, file_sha256(src.path)) in held]
+
+
 @dataclass
 class IngestReport:
     """What an ingest run did: `summary` is `emllm ingest --json`'s document (tokens, events, what
@@ -542,4 +551,4 @@ def open(path: str | Path, writable: bool = False, model: str | Model | None = N
 
 
 __all__ = ["Memory", "Model", "Answer", "segment", "IngestPlan", "IngestReport", "create", "open", "load", "sampling",
-           "plan_ingest", "REREAD_QUESTIONS", "REREAD_CONVERSATION"]
+           "plan_ingest", "unchanged_files", "REREAD_QUESTIONS", "REREAD_CONVERSATION"]
