@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -60,7 +61,9 @@ def ingest(
     warn = lambda m: render.err.print(f"[yellow]warning:[/yellow] {render.shown(m)}")  # noqa: E731
     left_out: list[dict] = []
     # bad files fail before any work; a folder's unreadable ones are left out, and said so
-    docs = emllm.open_documents(paths, warn, lambda name, why: left_out.append({"name": name, "why": why}))
+    folders = [p for p in paths if p != "-" and os.path.isdir(p)]
+    with render.status(f"finding the text files in {render.shown(', '.join(folders))}") if folders else contextlib.nullcontext():
+        docs = emllm.open_documents(paths, warn, lambda name, why: left_out.append({"name": name, "why": why}))
     if left_out:
         render.err.print(f"[yellow]note:[/yellow] {render.shown(_left_out(left_out))}")
     path = store_path(store)
