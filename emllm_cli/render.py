@@ -319,9 +319,14 @@ def retrieval_view(r: dict, tokens: int):
     t.add_column("event", justify="right")
     t.add_column("tokens", justify="right")
     t.add_column("layers", justify="right")
+    named = len({e.get("document") for e in r["top_events"]}) > 1  # (events of several documents: say whose)
+    if named:
+        t.add_column("document")
     t.add_column("text")
     for e in r["top_events"]:
-        t.add_row(str(e["event"]), f"{e['tokens'][0]}-{e['tokens'][1]}", str(e["layers"]), shown(repr(e["preview"])[1:-1]))
+        doc = [shown(e.get("document") or "-")] if named else []
+        t.add_row(str(e["event"]), f"{e['tokens'][0]}-{e['tokens'][1]}", str(e["layers"]), *doc,
+                  shown(repr(e["preview"])[1:-1]))
     parts = [lines, t]
     if "layer" in r:
         steps = r["layer"]["steps"]

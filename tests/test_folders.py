@@ -253,3 +253,25 @@ def test_an_append_of_a_folder_read_before_adds_its_new_and_changed_files_only(t
         r = run("ingest", str(single), "--store", "proj", "--append", "--json", home=tmp_path, env=CPU_ONLY)
         assert r.returncode == 0 and json.loads(r.stdout)["unchanged"] == [], r.stderr
     assert "the store held this text already" in r.stderr
+
+
+def test_retrieval_names_the_document_of_each_event(tiny, tmp_path):
+    from emllm.app.report import retrieval_report
+
+    from .helpers import QUESTION, load_tiny
+
+    folder, prof, _, _ = tiny
+    root = tmp_path / "proj"
+    root.mkdir()
+    for i in range(3):
+        (root / f"f{i}.py").write_text(words(50 + i, 200))
+    ingest_store(tmp_path / "s", folder, prof, open_documents([str(root)]))
+    model, tok = load_tiny(folder)
+    with Store.open(tmp_path / "s") as st:
+        r = retrieval_report(st, model, tok, QUESTION, layer=0, top=50)
+        docs = st.info.documents
+    events = r["top_events"] + [e for s in r["layer"]["steps"] for e in s["events"]]
+    for e in events:  # brute force: the document whose tokens hold the event's first
+        want = [d.name for d in docs if d.start <= e["tokens"][0] < d.start + d.tokens]
+        assert e["document"] == (want[0] if want else None)
+    assert len({e["document"] for e in events} - {None}) >= 2

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import torch
@@ -66,10 +67,17 @@ def retrieval_doc(trace, st, tok, query: str, layer: int | None = None, top: int
     counts = trace.counts()  # [layers, E]
     spans = trace.event_spans()
     ids = st.tokens.read()
+    docs = st.info.documents
+    starts = [d.start for d in docs]
+
+    def document(s: int) -> str | None:
+        """The document the stream position s lies in (None: framing, separators, the question)."""
+        i = bisect.bisect_right(starts, s) - 1
+        return docs[i].name if i >= 0 and s < docs[i].start + docs[i].tokens else None
 
     def event(e: int, score: float | None = None) -> dict:
         s, t = spans[e].tolist()
-        d = {"event": e, "tokens": [s, t], "layers": int((counts[:, e] > 0).sum()),
+        d = {"event": e, "tokens": [s, t], "layers": int((counts[:, e] > 0).sum()), "document": document(s),
              "preview": tok.decode(ids[s:t].tolist(), skip_special_tokens=True)[:PREVIEW]}
         if score is not None:
             d["score"] = round(score, 4)
