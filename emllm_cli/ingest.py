@@ -46,7 +46,7 @@ def ingest(
     if resume and paths:
         raise typer.BadParameter("--resume continues the interrupted job; give no files", param_hint="--resume")
     if not resume and not paths:
-        raise typer.BadParameter("give at least one file (or - for stdin)", param_hint="PATH")
+        raise typer.BadParameter("give at least one file or folder (or - for stdin)", param_hint="PATH")
     if resume and append:
         raise typer.BadParameter("use --resume or --append, not both", param_hint="--append")
     if paths.count("-") > 1:
