@@ -6,10 +6,12 @@ lines), and as emllm reads itself (`--no-reread`), greedy.
     emllm ingest core --store core-code
     python -m benchmarks.code_base --store core-code --out docs/results/code-base-core.jsonl
 
-The questions (`--questions`, a tab-separated file: question, then the text a right answer
-contains, case-insensitive) default to `benchmarks/code_base_questions.tsv`: which file of this
-project's `core/` defines a name, and two of its constants. Prints one JSON line per question and
-a summary: right answers of each way, seconds each.
+The questions (`--questions`, a tab-separated file: question, then what a right answer names)
+default to `benchmarks/code_base_questions.tsv`: which file of this project's `core/` defines a
+name, and two of its constants. A file (`engine/stream.py`) is named by its path or its module
+(`emllm.engine.stream`), whole parts only (`rotated.py` is not `rotated_window.py`); a value, as a
+whole word. Prints one JSON line per question and a summary: right answers of each way, seconds
+each.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import time
 from pathlib import Path
 
@@ -25,6 +28,17 @@ from emllm.app import reread as rr
 
 QUESTIONS = Path(__file__).resolve().parent / "code_base_questions.tsv"
 WAYS = ("reread", "reread_unnamed", "own")
+
+
+def right(answer: str, want: str) -> bool:
+    """Whether `answer` names `want`: a file by its path or dotted module, whole parts; else the
+    value as a whole word (case-insensitive)."""
+    text = answer.lower()
+    if want.endswith(".py"):
+        parts = want.lower().removesuffix(".py")
+        text = re.sub(r"\.py\b", "", text).replace(".", "/")  # emllm.engine.stream -> emllm/engine/stream
+        return re.search(rf"(?<!\w){re.escape(parts)}(?!\w)", text) is not None
+    return re.search(rf"(?<!\w){re.escape(want.lower())}(?!\w)", text) is not None
 
 
 @contextlib.contextmanager
@@ -57,7 +71,7 @@ def main() -> None:
                 with unnamed() if way == "reread_unnamed" else contextlib.nullcontext():
                     answer = mem.ask(question, args.max_new_tokens, reread=way != "own")
                 seconds[way] += time.perf_counter() - t0
-                ok = want.lower() in answer.lower()
+                ok = right(answer, want)
                 right[way] += ok
                 row[way] = {"right": ok, "answer": answer}
             print(json.dumps(row), flush=True)
