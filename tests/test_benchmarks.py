@@ -147,3 +147,12 @@ def test_code_base_runs_on_a_folders_store(tiny, tmp_path):
     summary = rows[2]
     assert summary["questions"] == 2 and summary["documents"] == 2 and summary["tokens"] > 400
     assert summary["right"] == {w: sum(r[w]["right"] for r in rows[:2]) for w in ("reread", "reread_unnamed", "own")}
+
+
+def test_code_base_scores_a_file_by_path_or_module_whole_parts_only():
+    from benchmarks.code_base import right
+
+    assert right("It is in `core/math/rope.py`.", "rope.py") and right("the emllm.memory.buffers module", "buffers.py")
+    assert right("emllm/engine/stream.py", "engine/stream.py") and not right("emllm.app.stream", "engine/stream.py")
+    assert not right("`rotated_window.py`", "rotated.py") and not right("core/app/api.py", "serve/api.py")
+    assert right("The value is 128.", "128") and not right("1024", "128") and not right("it is 128", "8")
