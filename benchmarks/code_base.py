@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--out", help="append the JSON lines to this file too")
     args = ap.parse_args()
     pairs = [line.split("\t") for line in Path(args.questions).read_text().splitlines() if line.strip()]
-    right = dict.fromkeys(WAYS, 0)
+    score = dict.fromkeys(WAYS, 0)
     seconds = dict.fromkeys(WAYS, 0.0)
     out = open(args.out, "a") if args.out else None  # noqa: SIM115
     with emllm.open(emllm.store_path(args.store)) as mem:
@@ -72,13 +72,13 @@ def main() -> None:
                     answer = mem.ask(question, args.max_new_tokens, reread=way != "own")
                 seconds[way] += time.perf_counter() - t0
                 ok = right(answer, want)
-                right[way] += ok
+                score[way] += ok
                 row[way] = {"right": ok, "answer": answer}
             print(json.dumps(row), flush=True)
             if out:
                 out.write(json.dumps(row) + "\n")
         summary = {"store": args.store, "tokens": mem.info.rows.tokens, "documents": len(mem.info.documents),
-                   "questions": len(pairs), "right": right,
+                   "questions": len(pairs), "right": score,
                    "seconds_per_answer": {k: round(v / max(1, len(pairs)), 1) for k, v in seconds.items()}}
     print(json.dumps(summary), flush=True)
     if out:
