@@ -22,9 +22,10 @@ from .helpers import CPU_ONLY, assert_same_state, ingest_store, run, store_array
 def _tree(root: Path) -> Path:
     """A work tree with the cases git's ignore rules have: nested .gitignore files, negation, folder
     patterns, anchored ones, an ignored folder whose files a deeper rule cannot bring back, a
-    .gitignore above the folder read; hidden files; names that sort differently by bytes."""
+    .gitignore above the folder read, .git/info/exclude below every .gitignore; hidden files; names
+    that sort differently by bytes."""
     files = {
-        ".gitignore": "*.log\n!keep.log\nbuild/\n/top.txt\nsrc/gen/\n",
+        ".gitignore": "*.log\n!keep.log\nbuild/\n/top.txt\nsrc/gen/\n!README.md\n",  # (README: back from info/exclude)
         "README.md": "read me\n",
         "top.txt": "ignored at the top only\n",
         "a.txt": "a\n", "a/b.txt": "under a\n", "a-b.txt": "dash\n", "Z.txt": "capital\n", "ü.txt": "umlaut\n",
@@ -35,11 +36,16 @@ def _tree(root: Path) -> Path:
         "src/gen/code.py": "generated\n", "src/gen/.gitignore": "!code.py\n",  # (git: no re-include under an ignored folder)
         "src/pkg/__init__.py": "\n", "src/pkg/mod.py": "x = 1\n", "src/pkg/build/x.py": "ignored folder, deeper\n",
         ".hidden.txt": "hidden\n", ".cfg/settings.txt": "hidden folder\n", "src/.env": "hidden below\n",
+        "src/notes.md": "excluded by info/exclude\n", "local.txt": "excluded by info/exclude\n",
     }
     for name, text in files.items():
         p = root / name
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
+    env = {**os.environ, "HOME": str(root), "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
+    subprocess.run(["git", "init", "-q", str(root)], check=True, env=env)
+    (root / ".git" / "info").mkdir(parents=True, exist_ok=True)
+    (root / ".git" / "info" / "exclude").write_text("*.md\n/local.txt\n")  # git's weakest rules
     return root
 
 
@@ -47,7 +53,6 @@ def _git_lists(root: Path, sub: str = ".") -> list[str]:
     """What git lists in the work tree `root` under `sub`, as paths from `sub`, hidden ones left out
     (a leading dot in any part: ripgrep's default, and emllm's)."""
     env = {**os.environ, "HOME": str(root), "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
-    subprocess.run(["git", "init", "-q", str(root)], check=True, env=env)
     out = subprocess.run(["git", "-c", "core.excludesFile=", "-c", "core.quotePath=off", "ls-files", "-z", "--others",
                           "--cached", "--exclude-standard", "--", sub], cwd=root, capture_output=True, check=True,
                          env=env).stdout

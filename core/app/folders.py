@@ -2,10 +2,10 @@
 stream names each.
 
 Files are picked as ripgrep picks them by default: the `.gitignore` files of the folder, of the
-folders below it and of those above it up to its git work tree's top, with git's rules (a deeper
-file's patterns take precedence; nothing is picked below an ignored folder); hidden files and
-folders (a leading dot) skipped; binary and empty files skipped (`open_documents` says which);
-links to folders not followed. They are read in the order of their paths, as `git ls-files` lists
+folders below it and of those above it up to its git work tree's top, and the work tree's
+`.git/info/exclude`, with git's rules (a deeper file's patterns take precedence; nothing is picked
+below an ignored folder); hidden files and folders (a leading dot) skipped; binary and empty files
+skipped (`open_documents` says which); links to folders not followed. They are read in the order of their paths, as `git ls-files` lists
 them, and each opens with a line naming it, `==> proj/src/main.py <==` (as `head` and `tail` name
 the files they print), so the model reads which file says what.
 """
@@ -26,28 +26,30 @@ def header(name: str) -> str:
     return f"==> {name} <==\n"
 
 
-def _spec(folder: str) -> pathspec.GitIgnoreSpec | None:
+def _spec(file: str) -> pathspec.GitIgnoreSpec | None:
+    """The patterns of an ignore file (None: there is none, or it cannot be read: nothing ignored by it)."""
     try:
-        with open(os.path.join(folder, ".gitignore"), encoding="utf-8", errors="replace") as f:
+        with open(file, encoding="utf-8", errors="replace") as f:
             return pathspec.GitIgnoreSpec.from_lines(f.read().splitlines())
-    except OSError:  # none, or unreadable: nothing ignored by it
+    except OSError:
         return None
 
 
-def _ancestors(folder: str) -> list[tuple[str, pathspec.GitIgnoreSpec]]:
-    """The .gitignore files above `folder` (absolute) that git would apply: up to the work tree's
-    top (the nearest folder above holding `.git`); none when it is in no work tree."""
-    found, d = [], folder
-    while True:
+def _above(folder: str) -> list[tuple[str, pathspec.GitIgnoreSpec]]:
+    """The ignore files git would apply to `folder` (absolute) from above it and from its work
+    tree's top, shallowest first: the work tree's `.git/info/exclude` (git's weakest), then the
+    .gitignore files of the folders above `folder` up to the top (the nearest folder, `folder`
+    itself included, holding `.git`). None when it is in no work tree."""
+    chain, d = [], folder
+    while not os.path.exists(os.path.join(d, ".git")):
         parent = os.path.dirname(d)
         if parent == d:
             return []  # in no work tree
         d = parent
-        spec = _spec(d)
-        if spec is not None:
-            found.append((d, spec))
-        if os.path.exists(os.path.join(d, ".git")):
-            return found[::-1]
+        chain.append(d)
+    found = [(d, spec) for d in reversed(chain) if (spec := _spec(os.path.join(d, ".gitignore"))) is not None]
+    exclude = _spec(os.path.join(d, ".git", "info", "exclude"))  # (a worktree's .git is a file: none read)
+    return ([(d, exclude)] if exclude is not None else []) + found
 
 
 def _ignored(path: str, is_dir: bool, specs: list[tuple[str, pathspec.GitIgnoreSpec]]) -> bool:
@@ -70,7 +72,7 @@ def folder_files(folder: str | Path) -> list[tuple[str, Path]]:
     found: list[tuple[str, Path]] = []
 
     def walk(d: str, rel: str, specs: list[tuple[str, pathspec.GitIgnoreSpec]]) -> None:
-        spec = _spec(d)
+        spec = _spec(os.path.join(d, ".gitignore"))
         if spec is not None:
             specs = [*specs, (d, spec)]
         try:
@@ -93,7 +95,7 @@ def folder_files(folder: str | Path) -> list[tuple[str, Path]]:
             else:
                 found.append((inner, Path(e.path)))
 
-    walk(top, "", _ancestors(top))
+    walk(top, "", _above(top))
     found.sort(key=lambda f: f[0].encode("utf-8", "surrogateescape"))  # bytewise, as git sorts paths
     return [(f"{label}/{rel}", path) for rel, path in found]
 
