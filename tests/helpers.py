@@ -143,6 +143,43 @@ def ingest_store(path: Path, folder: Path, prof: Path, docs: list[tuple[str, str
         ing.run_job(st, engine, commit_every)
 
 
+def interrupted_ingest(path: Path, folder: Path, prof: Path, docs: list) -> None:
+    """A store whose first ingest of `docs` stopped after its first commit (as a kill -9 would
+    leave it), written by the tiny model of `folder`."""
+    import pytest
+
+    model, tok = load_tiny(folder)
+
+    class Stop(Exception):
+        pass
+
+    def stop(p: ing.Progress) -> None:
+        if p.done >= 32:
+            raise Stop
+
+    with stream.create_store(path, str(folder), model, tok, load_profile_file(prof)) as st:
+        eng = stream.open_engine(st, model)
+        ing.add_documents(st, tok, docs)
+        with pytest.raises(Stop):
+            ing.run_job(st, eng, commit_every=1, progress=stop)
+
+
+def named_context(stream_ids: list[int], n_init: int, passages: list[tuple[int, int]],
+                  named: list[tuple[int, int, list[int]]]) -> tuple[list[int], int]:
+    """A re-read's context by brute force: the initial tokens, then each passage, after the line
+    naming the document it starts in (strictly after its start) unless it goes on from the
+    passage before. (context, lines read)."""
+    ids, end, lines = list(stream_ids[:n_init]), n_init, 0
+    for s, e in passages:
+        doc = [d for d in named if d[0] < s < d[1]]
+        if doc and s != end:
+            ids += doc[0][2]
+            lines += 1
+        ids += stream_ids[s:e]
+        end = e
+    return ids, lines
+
+
 def ingest_now_and_later(root: Path, folder: Path, prof: Path, first: list[tuple[str, str]],
                          later: list[tuple[str, str]]) -> tuple[Path, Path]:
     """Two stores of the same documents: `root/one` reads them all in one ingest, `root/two` reads

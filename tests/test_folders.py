@@ -16,7 +16,7 @@ from emllm.app.folders import folder_files, header, open_documents
 from emllm.app.textinput import InputError, TextSource
 from emllm.store import Store
 
-from .helpers import CPU_ONLY, assert_same_state, ingest_store, run, store_arrays, words
+from .helpers import CPU_ONLY, assert_same_state, ingest_store, interrupted_ingest, named_context, run, store_arrays, words
 
 
 def _tree(root: Path) -> Path:
@@ -172,28 +172,22 @@ def test_ingest_a_folder_is_its_files_named_in_one_job_and_the_same_command_cont
     shown = run("show", "proj", home=tmp_path, env={"COLUMNS": "400"}).stdout
     assert "proj/src/m09.py, … 15 in all (--json lists them)" in shown and "m10" not in shown, shown
     # interrupted after its first commit, the same command continues it
-    from emllm.app import ingest as ing, stream
-
-    from .helpers import load_tiny
-    from emllm.config import load_profile_file
-
-    model, tok = load_tiny(folder)
-
-    class Stop(Exception):
-        pass
-
-    def stop(p: ing.Progress) -> None:
-        if p.done >= 32:
-            raise Stop
-
-    with stream.create_store(tmp_path / "stores" / "again", str(folder), model, tok, load_profile_file(prof)) as st:
-        eng = stream.open_engine(st, model)
-        ing.add_documents(st, tok, open_documents([str(root)]))
-        with pytest.raises(Stop):
-            ing.run_job(st, eng, commit_every=1, progress=stop)
+    interrupted_ingest(tmp_path / "stores" / "again", folder, prof, open_documents([str(root)]))
     r = run("ingest", str(root), "--store", "again", home=tmp_path, env=CPU_ONLY)
     assert r.returncode == 0 and "continuing the interrupted ingest" in r.stderr, r.stderr
     assert store_arrays(tmp_path / "stores" / "again") == store_arrays(tmp_path / "ref")
+
+
+def _folder_store(tiny, tmp_path: Path, seed: int, n_words: int) -> tuple[Path, Path]:
+    """A folder `proj` of three files (f0-f2.py, `n_words` words each from `seed` on), ingested by
+    the tiny model into the store `tmp_path/s`: (the model's folder, the folder read)."""
+    folder, prof, _, _ = tiny
+    root = tmp_path / "proj"
+    root.mkdir()
+    for i in range(3):
+        (root / f"f{i}.py").write_text(words(seed + i, n_words))
+    ingest_store(tmp_path / "s", folder, prof, open_documents([str(root)]))
+    return folder, root
 
 
 def test_a_reread_reads_each_passage_of_a_folders_file_after_the_line_naming_it(tiny, tmp_path):
@@ -204,12 +198,7 @@ def test_a_reread_reads_each_passage_of_a_folders_file_after_the_line_naming_it(
 
     from .helpers import QUESTION, load_tiny
 
-    folder, prof, _, _ = tiny
-    root = tmp_path / "proj"
-    root.mkdir()
-    for i in range(3):
-        (root / f"f{i}.py").write_text(words(20 + i, 300))
-    ingest_store(tmp_path / "s", folder, prof, open_documents([str(root)]))
+    folder, _ = _folder_store(tiny, tmp_path, 20, 300)
     model, tok = load_tiny(folder)
     with Store.open(tmp_path / "s") as st:
         assert [d.header for d in st.info.documents] == [header(f"proj/f{i}.py") for i in range(3)]
@@ -220,14 +209,7 @@ def test_a_reread_reads_each_passage_of_a_folders_file_after_the_line_naming_it(
         stream = s.engine.ids.view()[: s.engine.n_tokens - len(q)].tolist()
         n_init = s.engine.profile.n_init
         named = [(d.start, d.start + d.tokens, encode(tok, d.header)) for d in st.info.documents]
-        want, end, lines = stream[:n_init], n_init, 0
-        for a, b in s.passages:
-            doc = [d for d in named if d[0] < a < d[1]]
-            if doc and a != end:
-                want += doc[0][2]
-                lines += 1
-            want += stream[a:b]
-            end = b
+        want, lines = named_context(stream, n_init, s.passages, named)
         assert context == want and lines >= 1 and len(s.passages) > 2
 
 
@@ -265,12 +247,7 @@ def test_retrieval_names_the_document_of_each_event(tiny, tmp_path):
 
     from .helpers import QUESTION, load_tiny
 
-    folder, prof, _, _ = tiny
-    root = tmp_path / "proj"
-    root.mkdir()
-    for i in range(3):
-        (root / f"f{i}.py").write_text(words(50 + i, 200))
-    ingest_store(tmp_path / "s", folder, prof, open_documents([str(root)]))
+    folder, _ = _folder_store(tiny, tmp_path, 50, 200)
     model, tok = load_tiny(folder)
     with Store.open(tmp_path / "s") as st:
         r = retrieval_report(st, model, tok, QUESTION, layer=0, top=50)

@@ -14,7 +14,7 @@ from emllm.app.reread import SelectionRecorder, passage_spans, reread_context, s
 from emllm.memory.passages import choose_passages, chunk_spans, event_spans, event_votes, passage_order, token_votes
 from emllm.store import Store
 
-from .helpers import QUESTION, TOL, ingest_store, load_tiny, store_files, vanilla_logits, words
+from .helpers import QUESTION, TOL, ingest_store, load_tiny, named_context, store_files, vanilla_logits, words
 
 
 def _walk(n, size, start, ends):
@@ -185,19 +185,25 @@ def _read_into_engine(tiny, seed: int, n_words: int):
     return eng, tok, prof, stream
 
 
-def test_the_passages_read_are_ordered_by_the_questions_words(tiny):
-    """The passages chosen are read by their BM25 for the question's ids, the best last, ties by
-    the votes' rank (the worst first); without a question, by rank alone; where every passage
-    fits, the stream in its order."""
-    from emllm.app.reread import context_from_votes
-    from emllm.memory.passages import lexical_scores
+def _asked(tiny):
+    """An engine that has read 300 words, then QUESTION as a question, its layers' selections
+    recorded: (engine, tok, profile, stream, question ids, votes, stream as a tensor)."""
     eng, tok, prof, stream = _read_into_engine(tiny, 7, 300)
     rec = SelectionRecorder(eng)
     q_ids = tok(QUESTION, add_special_tokens=False)["input_ids"]
     eng.begin_question()
     eng.feed(q_ids)
     rec.detach()
-    votes, st = rec.votes(), torch.tensor(stream)
+    return eng, tok, prof, stream, q_ids, rec.votes(), torch.tensor(stream)
+
+
+def test_the_passages_read_are_ordered_by_the_questions_words(tiny):
+    """The passages chosen are read by their BM25 for the question's ids, the best last, ties by
+    the votes' rank (the worst first); without a question, by rank alone; where every passage
+    fits, the stream in its order."""
+    from emllm.app.reread import context_from_votes
+    from emllm.memory.passages import lexical_scores
+    eng, tok, prof, stream, q_ids, votes, st = _asked(tiny)
     room = 3 * len(stream) // 4
     lex = context_from_votes(st, votes, tok, prof.n_init, room, q_ids)
     assert lex == reread_context(eng, votes, tok, len(stream), room, q_ids)
@@ -219,27 +225,14 @@ def test_a_passage_inside_a_named_document_is_read_after_the_line_naming_it(tiny
     starts inside one, after that line, is read after the line, unless it goes on from the
     passage read before it; the lines count against the room."""
     from emllm.app.reread import context_from_votes
-    eng, tok, prof, stream = _read_into_engine(tiny, 7, 300)
-    rec = SelectionRecorder(eng)
-    q_ids = tok(QUESTION, add_special_tokens=False)["input_ids"]
-    eng.begin_question()
-    eng.feed(q_ids)
-    rec.detach()
-    votes, st = rec.votes(), torch.tensor(stream)
+    eng, tok, prof, stream, q_ids, votes, st = _asked(tiny)
     n = len(stream)
     named = [(prof.n_init + 5, n // 3, [11, 12, 13]), (n // 3, 2 * n // 3, [21, 22]), (2 * n // 3 + 7, n, [31])]
     room = n // 2
     got = context_from_votes(st, votes, tok, prof.n_init, room, q_ids, named)
     plain = context_from_votes(st, votes, tok, prof.n_init, room, q_ids)
     assert got.passages and got.ids != plain.ids
-    ids, end, lines = stream[: prof.n_init], prof.n_init, 0
-    for s, e in got.passages:  # brute force: the document each passage starts in, strictly after its start
-        doc = [d for d in named if d[0] < s < d[1]]
-        if doc and s != end:
-            ids += doc[0][2]
-            lines += 1
-        ids += stream[s:e]
-        end = e
+    ids, lines = named_context(stream, prof.n_init, got.passages, named)
     assert got.ids == ids and lines >= 2
     assert len(got.ids) - prof.n_init <= room
     assert context_from_votes(st, votes, tok, prof.n_init, n, q_ids, named).ids == stream  # all fits: in order, no lines

@@ -19,7 +19,7 @@ from emllm.app import stream
 from emllm.config import load_profile_file
 from emllm.store import Store
 from emllm.app.textinput import TextSource, cut_rules, token_pieces
-from .helpers import CPU_ONLY, EMLLM, assert_same_state, cli_env, ingest_store, load_tiny, run, store_arrays, store_files, words
+from .helpers import CPU_ONLY, EMLLM, assert_same_state, cli_env, ingest_store, interrupted_ingest, load_tiny, run, store_arrays, store_files, words
 
 
 
@@ -71,23 +71,7 @@ def test_an_empty_store_left_by_an_older_emllm_is_made_anew_and_resume_says_what
 def _partial(tiny, path: Path, text: str) -> None:
     """A store whose first ingest stopped after its first commit (as a kill -9 would leave it)."""
     folder, prof, _, _ = tiny
-    model, tok = load_tiny(folder)
-
-    class Stop(Exception):
-        pass
-
-    def stop(p: ing.Progress) -> None:
-        if p.done >= 32:
-            raise Stop
-
-    st = stream.create_store(path, str(folder), model, tok, load_profile_file(prof))
-    try:
-        eng = stream.open_engine(st, model)
-        ing.add_documents(st, tok, [(str(path.parent.parent / "doc.txt"), text)])
-        with pytest.raises(Stop):
-            ing.run_job(st, eng, commit_every=1, progress=stop)
-    finally:
-        st.close()
+    interrupted_ingest(path, folder, prof, [(str(path.parent.parent / "doc.txt"), text)])
 
 
 @pytest.mark.slow

@@ -5,9 +5,10 @@ Files are picked as ripgrep picks them by default: the `.gitignore` files of the
 folders below it and of those above it up to its git work tree's top, and the work tree's
 `.git/info/exclude`, with git's rules (a deeper file's patterns take precedence; nothing is picked
 below an ignored folder); hidden files and folders (a leading dot) skipped; binary and empty files
-skipped (`open_documents` says which); links to folders not followed. They are read in the order of their paths, as `git ls-files` lists
-them, and each opens with a line naming it, `==> proj/src/main.py <==` (as `head` and `tail` name
-the files they print), so the model reads which file says what.
+skipped (`open_documents` says which); links to folders not followed. They are read in the order
+of their paths, as `git ls-files` lists them, and each opens with a line naming it,
+`==> proj/src/main.py <==` (as `head` and `tail` name the files they print), so the model reads
+which file says what.
 """
 
 from __future__ import annotations

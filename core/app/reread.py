@@ -24,6 +24,7 @@ It costs one more forward over about the span's tokens. The store is not changed
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -189,8 +190,6 @@ def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: 
 def naming_lines(spans: Sequence[tuple[int, int]], named: Sequence[Named]) -> list[Sequence[int]]:
     """[P] the ids to read before each passage: the line naming the document it starts in, where
     that document has one (`named`, sorted by start) and the passage does not start with it."""
-    import bisect
-
     starts = [n[0] for n in named]
     out: list[Sequence[int]] = []
     for s, _ in spans:
