@@ -105,8 +105,7 @@ class RowFile:
         data = x.detach().to("cpu", self.dtype).contiguous()
         if self.dtype == torch.bfloat16:
             data = data.view(torch.int16)
-        buf = data.numpy().tobytes()
-        view = memoryview(buf)
+        view = memoryview(data.numpy()).cast("B")  # (written from the tensor's own memory: no copy)
         while view:
             n = os.write(self._fd, view)
             view = view[n:]

@@ -532,18 +532,28 @@ class Store:
         if not self._deferred:
             return
         items, self._deferred = self._deferred, []
-        parts = [t.detach().contiguous().view(-1).view(torch.uint8) for _, ts in items for t in ts]
+        flat = [t.detach().contiguous().view(-1) for _, ts in items for t in ts]
         # one read back per device the parts live on (rows may also come from the host already)
-        host: list[Tensor | None] = [p if p.device.type == "cpu" else None for p in parts]
-        for dev in {p.device for p in parts if p.device.type != "cpu"}:
-            at = [i for i, p in enumerate(parts) if p.device == dev]
-            back = torch.cat([parts[i] for i in at]).cpu()  # (the step's one read back)
-            for i, b in zip(at, back.split([parts[i].numel() for i in at])):
-                host[i] = b
-        bytes_ = iter(host)
-        for write, ts in items:
-            # (clone: a fresh, aligned buffer for the view to the tensor's dtype)
-            write([next(bytes_).clone().view(t.dtype).view(t.shape) for t in ts])
+        host: list[Tensor | None] = [p if p.device.type == "cpu" else None for p in flat]
+        for dev in {p.device for p in flat if p.device.type != "cpu"}:
+            at = [i for i, p in enumerate(flat) if p.device == dev]
+            # each part starts at a multiple of 16 bytes of the one buffer, so that its bytes view
+            # back as its dtype in place (no copy a part); a pad is inserted only where one is not
+            parts, sizes, off = [], [], 0
+            for i in at:
+                pad = -off % 16
+                if pad:
+                    parts.append(torch.zeros(pad, dtype=torch.uint8, device=dev))
+                    off += pad
+                parts.append(flat[i].view(torch.uint8))
+                sizes.append((off, flat[i].nbytes))
+                off += flat[i].nbytes
+            back = torch.cat(parts).cpu()  # (the step's one read back)
+            for i, (o, n) in zip(at, sizes):
+                host[i] = back[o : o + n].view(flat[i].dtype)
+        parts_ = iter(host)
+        for write, ts in items:  # (the writes copy what they keep: the views need not outlive them)
+            write([next(parts_).view(t.shape) for t in ts])
 
     def forget_equaliser(self, slot: int) -> None:
         """Drop a layer's equaliser fitted in RAM (a reader's, on a store without keys yet)."""
