@@ -21,8 +21,8 @@ What is exact and what is approximate
 Inner product on lifted vectors
 ------------------------------
 HNSW over the raw vectors with `METRIC_INNER_PRODUCT` links the wrong neighbourhoods on keys
-shaped like a model's (one large mean shared by every event; measured recall@64 0.31 to 0.86
-depending on M and efConstruction): inner product between two keys is not a similarity. The
+shaped like a model's (one large mean shared by every event; its recall measured low whatever M
+and efConstruction: docs/benchmark-log.md): inner product between two keys is not a similarity. The
 graph is built instead over the classic lifting of maximum inner product search to a sphere:
 each vector x gets one more coordinate sqrt(R^2 - |x|^2), so every lifted x' has norm R and
 x'.y' = R^2 - |x' - y'|^2 / 2 (the graph links true neighbours), while the query gets 0, so
@@ -228,8 +228,8 @@ class EventIndex:
 
         Needs the graph to hold every event (len(self) >= threshold). The beam search starts from
         the best-scoring anchors (every `anchor_stride`-th event, scored exactly): a search started
-        only from HNSW's own entry point can stay inside one cluster of events (measured on
-        well-separated clusters: recall@161 0.85, whole clusters missed; from the anchors 0.98).
+        only from HNSW's own entry point can stay inside one cluster of events, missing whole
+        clusters (tests/test_search.py holds the anchors' recall on separated clusters).
         """
         import faiss
 
