@@ -74,13 +74,37 @@ def test_votes_and_the_order_of_passages_against_brute_force():
     assert event_votes([], 3).tolist() == [0, 0, 0] and passage_order(torch.zeros(4), []) == []
 
 
+def test_lexical_scores_rank_the_question_s_words_in_its_order_first():
+    """Two passages with the same words, of the same length: the one holding the question's two
+    ids in a row (a name, "class SlidingRows") scores above the one holding them apart."""
+    from emllm.memory.passages import lexical_scores
+    stream = torch.tensor([7, 8, 1, 2, 9, 9, 1, 9, 9, 2, 9, 9, 7, 7, 7, 7, 7, 7])
+    together, apart, neither = lexical_scores(stream, [(0, 6), (6, 12), (12, 18)], [1, 2]).tolist()
+    assert together > apart > neither == 0.0
+
+
 def test_lexical_scores_against_brute_force():
-    """lexical_scores: Okapi BM25 of each passage for the query's distinct ids, against the
-    formula term by term in Python; repeated query ids count once; no passages, no query."""
+    """lexical_scores: Okapi BM25 of each passage for the query's distinct ids and its distinct
+    pairs of consecutive ids (a pair where a passage holds them in a row), against the formula term
+    by term in Python; repeated query terms count once; no passages, no query."""
     import math
 
     from emllm.memory.passages import lexical_scores
     rng = random.Random(4)
+
+    def bm25(docs: list[list], terms: set, lengths: list[int]) -> list[float]:
+        avg = sum(lengths) / len(docs)
+        out = []
+        for d, n in zip(docs, lengths):
+            total = 0.0
+            for t in terms:
+                tf, df = d.count(t), sum(t in x for x in docs)
+                if tf:
+                    idf = math.log(1 + (len(docs) - df + 0.5) / (df + 0.5))
+                    total += idf * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * n / avg))
+            out.append(total)
+        return out
+
     for _ in range(30):
         n, vocab = rng.randint(20, 200), rng.randint(3, 30)
         stream = torch.tensor([rng.randrange(vocab) for _ in range(n)])
@@ -88,19 +112,13 @@ def test_lexical_scores_against_brute_force():
         spans = chunk_spans(n, rng.randint(3, 40), start=start)
         query = [rng.randrange(vocab + 5) for _ in range(rng.randint(0, 12))]
         docs = [stream[s:e].tolist() for s, e in spans]
-        avg = sum(map(len, docs)) / len(docs)
-        want = []
-        for d in docs:
-            total = 0.0
-            for t in set(query):
-                tf, df = d.count(t), sum(t in x for x in docs)
-                if tf:
-                    idf = math.log(1 + (len(docs) - df + 0.5) / (df + 0.5))
-                    total += idf * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * len(d) / avg))
-            want.append(total)
+        pairs = [list(zip(d, d[1:])) for d in docs]  # (a passage's own: none across two)
+        tokens = [len(d) for d in docs]  # (a passage's length in tokens for both)
+        want = [a + b for a, b in zip(bm25(docs, set(query), tokens), bm25(pairs, set(zip(query, query[1:])), tokens))]
         got = lexical_scores(stream, spans, query)
         assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=1e-12)
-        assert torch.equal(lexical_scores(stream, spans, query + query), got)
+        # every term and pair again, with an id between that no passage holds (nor a pair with it)
+        assert torch.equal(lexical_scores(stream, spans, query + [vocab + 9] + query), got)
     assert lexical_scores(torch.arange(5), [], [1]).numel() == 0
     assert lexical_scores(torch.arange(5), [(0, 5)], []).tolist() == [0.0]
 

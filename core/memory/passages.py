@@ -107,30 +107,45 @@ BM25_K1, BM25_B = 1.2, 0.75  # Okapi BM25's usual constants (Robertson and Zarag
 def lexical_scores(stream: Tensor, spans: Sequence[tuple[int, int]], query: Sequence[int] | Tensor,
                    k1: float = BM25_K1, b: float = BM25_B) -> Tensor:
     """[P] float64 Okapi BM25 of each passage (`spans` of `stream` [n] token ids, disjoint) for the
-    distinct token ids of `query`, the passages their own collection: sum over the query's ids
-    in a passage of idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len / mean len)), with
-    idf = ln(1 + (P - df + 0.5) / (df + 0.5)).
+    distinct token ids of `query` and its distinct pairs of consecutive ids, the passages their own
+    collection: sum over the query's terms in a passage of idf * tf * (k1 + 1) / (tf + k1 * (1 - b
+    + b * len / mean len)), with idf = ln(1 + (P - df + 0.5) / (df + 0.5)); a pair counts where a
+    passage holds its two ids in a row.
 
     Why: the layers' votes find the look-alike needles of a multi-key question but tie on them
     (every layer selects all four); the asked key's name is in the question and in one passage.
+    Why pairs: a name is several tokens, and the passages that use it share them; those that hold
+    the question's words in its order ("class SlidingRows", "the value 12345") rank above those
+    that hold them apart (the phrase terms of Metzler and Croft's sequential dependence model).
     docs/benchmarks.md, re-read answers."""
     p = len(spans)
     if p == 0:
         return torch.zeros(0, dtype=torch.float64)
-    terms = torch.unique(torch.as_tensor(query, dtype=torch.long).cpu())  # [Q] sorted
+    q = torch.as_tensor(query, dtype=torch.long).cpu().flatten()
     lengths = torch.tensor([e - s for s, e in spans])
     first, last = spans[0][0], spans[-1][1]
     seg = torch.repeat_interleave(torch.arange(p), lengths)  # [tokens] passage of each token
     toks = stream[first:last].long().cpu()
-    tf = torch.zeros(p, max(len(terms), 1), dtype=torch.float64)  # [P, Q]
-    if len(terms):
-        at = torch.searchsorted(terms, toks).clamp_max_(len(terms) - 1)
-        hit = terms[at] == toks
-        tf.view(-1).index_add_(0, seg[hit] * len(terms) + at[hit], torch.ones(int(hit.sum()), dtype=torch.float64))
-    df = (tf > 0).sum(0).double()
-    idf = torch.log1p((p - df + 0.5) / (df + 0.5))
     norm = k1 * (1 - b + b * lengths.double() / lengths.double().mean())  # [P]
-    return (idf * tf * (k1 + 1) / (tf + norm[:, None])).sum(1)
+
+    def bm25(terms: Tensor, seen: Tensor, where: Tensor) -> Tensor:
+        """terms [Q] sorted distinct; seen [m] the collection's terms, in passages `where` [m]
+        (-1: in none)."""
+        tf = torch.zeros(p, max(len(terms), 1), dtype=torch.float64)  # [P, Q]
+        if len(terms):
+            at = torch.searchsorted(terms, seen).clamp_max_(len(terms) - 1)
+            hit = (terms[at] == seen) & (where >= 0)
+            tf.view(-1).index_add_(0, where[hit] * len(terms) + at[hit], torch.ones(int(hit.sum()), dtype=torch.float64))
+        df = (tf > 0).sum(0).double()
+        idf = torch.log1p((p - df + 0.5) / (df + 0.5))
+        return (idf * tf * (k1 + 1) / (tf + norm[:, None])).sum(1)
+
+    scores = bm25(torch.unique(q), toks, seg)
+    if len(q) > 1 and len(toks) > 1:  # pairs as one id each (v: past every id of both)
+        v = int(max(int(toks.max()), int(q.max()))) + 1
+        within = torch.where(seg[:-1] == seg[1:], seg[:-1], -1)  # (a pair across two passages is in neither)
+        scores += bm25(torch.unique(q[:-1] * v + q[1:]), toks[:-1] * v + toks[1:], within)
+    return scores
 
 
 def fuse_orders(orders: Sequence[Sequence[int]], n: int, k: int = RRF_K) -> list[int]:
