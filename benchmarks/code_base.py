@@ -1,7 +1,8 @@
 """Questions about a code base read from its folder (`emllm ingest FOLDER`), side by side in one
 run: each asked as `emllm ask` answers (the re-read, whose passages are read after the lines
-naming their files), as the re-read did before those lines (the same store and passages, no
-lines), and as emllm reads itself (`--no-reread`), greedy.
+naming their files), as the re-read did before its words counted the question's pairs of tokens
+(`reread_ids`: BM25 over its token ids alone), as it did before those lines (the same store and
+passages, no lines), and as emllm reads itself (`--no-reread`), greedy.
 
     emllm ingest core --store core-code
     python -m benchmarks.code_base --store core-code --out docs/results/code-base-core.jsonl
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import re
 import time
@@ -27,7 +29,7 @@ import emllm
 from emllm.app import reread as rr
 
 QUESTIONS = Path(__file__).resolve().parent / "code_base_questions.tsv"
-WAYS = ("reread", "reread_unnamed", "own")
+WAYS = ("reread", "reread_ids", "reread_unnamed", "own")
 
 
 def right(answer: str, want: str) -> bool:
@@ -39,6 +41,17 @@ def right(answer: str, want: str) -> bool:
         text = re.sub(r"\.py\b", "", text).replace(".", "/")  # emllm.engine.stream -> emllm/engine/stream
         return re.search(rf"(?<!\w){re.escape(parts)}(?!\w)", text) is not None
     return re.search(rf"(?<!\w){re.escape(want.lower())}(?!\w)", text) is not None
+
+
+@contextlib.contextmanager
+def ids_only():
+    """The re-read with its words' BM25 over the question's token ids alone (no pairs)."""
+    saved = rr.lexical_scores
+    rr.lexical_scores = functools.partial(saved, pairs=False)
+    try:
+        yield
+    finally:
+        rr.lexical_scores = saved
 
 
 @contextlib.contextmanager
@@ -68,7 +81,7 @@ def main() -> None:
             row = {"question": question, "want": want}
             for way in WAYS:
                 t0 = time.perf_counter()
-                with unnamed() if way == "reread_unnamed" else contextlib.nullcontext():
+                with {"reread_unnamed": unnamed, "reread_ids": ids_only}.get(way, contextlib.nullcontext)():
                     answer = mem.ask(question, args.max_new_tokens, reread=way != "own")
                 seconds[way] += time.perf_counter() - t0
                 ok = right(answer, want)

@@ -129,8 +129,9 @@ def test_first_token_and_server_latency_run_on_a_store(tmp_path):
 
 @pytest.mark.slow
 def test_code_base_runs_on_a_folders_store(tiny, tmp_path):
-    """Three answers a question (re-read, re-read without the naming lines, own reading), each
-    scored; the summary counts them."""
+    """Four answers a question (re-read, re-read with its words' ids alone, re-read without the
+    naming lines, own reading), each scored; the summary counts them."""
+    from benchmarks.code_base import WAYS
     folder, prof, _, _ = tiny
     proj = tmp_path / "proj"
     proj.mkdir()
@@ -142,11 +143,45 @@ def test_code_base_runs_on_a_folders_store(tiny, tmp_path):
     qs.write_text("Which file defines f?\tb.py\nWhat is PASSAGE?\t128\n")
     rows = _json_lines(_run(tmp_path, "-m", "benchmarks.code_base", "--store", "proj", "--questions", str(qs), "-n", "3"))
     assert [r["question"] for r in rows[:2]] == ["Which file defines f?", "What is PASSAGE?"]
-    assert all(isinstance(r[w]["right"], bool) and isinstance(r[w]["answer"], str) for r in rows[:2]
-               for w in ("reread", "reread_unnamed", "own"))
+    assert WAYS == ("reread", "reread_ids", "reread_unnamed", "own")
+    assert all(isinstance(r[w]["right"], bool) and isinstance(r[w]["answer"], str) for r in rows[:2] for w in WAYS)
     summary = rows[2]
     assert summary["questions"] == 2 and summary["documents"] == 2 and summary["tokens"] > 400
-    assert summary["right"] == {w: sum(r[w]["right"] for r in rows[:2]) for w in ("reread", "reread_unnamed", "own")}
+    assert summary["right"] == {w: sum(r[w]["right"] for r in rows[:2]) for w in WAYS}
+
+
+def test_words_rank_ranks_each_target_each_way():
+    """benchmarks.words_rank: a target's best passage rank by the words' ids alone and with their
+    pairs, on a stream where only the pairs tell its passage from a look-alike's."""
+    import torch
+
+    from benchmarks.words_rank import ranks, summary
+    stream = torch.tensor([1, 9, 9, 2, 9, 9] + [7, 8, 1, 2, 9, 9] + [7] * 6)  # apart, in a row, neither
+    spans = [(0, 6), (6, 12), (12, 18)]
+    got = ranks(stream, spans, [1, 2], [[1], [0], []])
+    assert got == {"ids": [1, 0, None], "ids_and_pairs": [0, 1, None]}  # (a tie: the stable sort keeps stream order)
+    assert summary(got) == {"ids": {"top4": 2, "first": 1, "mean_rank": 0.5, "of": 2},
+                            "ids_and_pairs": {"top4": 2, "first": 1, "mean_rank": 0.5, "of": 2}, "in_initial_tokens": 1}
+
+
+@pytest.mark.slow
+def test_words_rank_runs(tmp_path):
+    """One short prompt of each task and a folder's question: JSON lines with both ways counted
+    over every target (each task's prompt has 1, 1, 4 and 5 of them, some perhaps in the initial
+    tokens; the folder's question 1)."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "a.py").write_text("x = Foo()\n" * 300)  # (past the initial tokens: b.py's lines are in passages)
+    (proj / "b.py").write_text("class Foo:\n    pass\n")
+    qs = tmp_path / "qs.tsv"
+    qs.write_text("Which file defines the class Foo?\tb.py\nWhat is X?\t1\n")
+    rows = _json_lines(_run(tmp_path, "-m", "benchmarks.words_rank", "--lengths", "4k", "--haystacks", "essay",
+                            "--samples", "1", "--folder", str(proj), "--questions", str(qs)))
+    assert [r.get("haystack", r.get("folder")) for r in rows] == ["essay", str(proj)]
+    for r, targets in zip(rows, (11, 1)):
+        for way in ("ids", "ids_and_pairs"):
+            assert r[way]["of"] + r["in_initial_tokens"] == targets and 0 <= r[way]["first"] <= r[way]["top4"] <= targets
+    assert rows[1]["ids_and_pairs"]["first"] == 1  # (b.py's one passage holds "class Foo")
 
 
 def test_code_base_scores_a_file_by_path_or_module_whole_parts_only():

@@ -105,12 +105,12 @@ BM25_K1, BM25_B = 1.2, 0.75  # Okapi BM25's usual constants (Robertson and Zarag
 
 
 def lexical_scores(stream: Tensor, spans: Sequence[tuple[int, int]], query: Sequence[int] | Tensor,
-                   k1: float = BM25_K1, b: float = BM25_B) -> Tensor:
+                   k1: float = BM25_K1, b: float = BM25_B, pairs: bool = True) -> Tensor:
     """[P] float64 Okapi BM25 of each passage (`spans` of `stream` [n] token ids, disjoint) for the
     distinct token ids of `query` and its distinct pairs of consecutive ids, the passages their own
     collection: sum over the query's terms in a passage of idf * tf * (k1 + 1) / (tf + k1 * (1 - b
     + b * len / mean len)), with idf = ln(1 + (P - df + 0.5) / (df + 0.5)); a pair counts where a
-    passage holds its two ids in a row.
+    passage holds its two ids in a row (`pairs`; False: the ids alone, as before, for comparison).
 
     Why: the layers' votes find the look-alike needles of a multi-key question but tie on them
     (every layer selects all four); the asked key's name is in the question and in one passage.
@@ -141,7 +141,7 @@ def lexical_scores(stream: Tensor, spans: Sequence[tuple[int, int]], query: Sequ
         return (idf * tf * (k1 + 1) / (tf + norm[:, None])).sum(1)
 
     scores = bm25(torch.unique(q), toks, seg)
-    if len(q) > 1 and len(toks) > 1:  # pairs as one id each (v: past every id of both)
+    if pairs and len(q) > 1 and len(toks) > 1:  # pairs as one id each (v: past every id of both)
         v = int(max(int(toks.max()), int(q.max()))) + 1
         within = torch.where(seg[:-1] == seg[1:], seg[:-1], -1)  # (a pair across two passages is in neither)
         scores += bm25(torch.unique(q[:-1] * v + q[1:]), toks[:-1] * v + toks[1:], within)

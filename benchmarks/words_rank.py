@@ -1,0 +1,131 @@
+"""Where the re-read's words rank the passages that hold the answer: BM25 over the question's
+token ids alone against ids and their consecutive pairs (`memory.passages.lexical_scores`), no
+model run. The re-read reads the words' `WORDS_TOP` best beside the layers' votes
+(`app.reread.context_from_votes`), so what counts is whether an answer's passage is among them.
+
+    python -m benchmarks.words_rank [--lengths 64k,128k] [--haystacks essay,prose,code,chat] [--folder core]
+
+RULER-style prompts (`evals.ruler`, the four tasks of docs/benchmarks.md's answers, `--samples` of
+each at spread depths, the model's tokenizer and passages as its profile cuts them): each target
+needle's best passage rank. A folder (`--folder`, read as `emllm ingest FOLDER` streams it) with
+`--questions` ("which file defines X?"): the rank of the passage holding `class X` or `def X`.
+Prints one JSON line per haystack and length, and one for the folder: targets in the words' top
+`WORDS_TOP`, first, and their mean rank, each way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+from pathlib import Path
+
+import torch
+
+from benchmarks.code_base import QUESTIONS
+from emllm.app.reread import WORDS_TOP, passage_spans, reread_room
+from emllm.memory.passages import lexical_scores
+
+TASKS = ("niah_single_words", "niah_multikey", "niah_multivalue", "vt")
+WAYS = {"ids": False, "ids_and_pairs": True}
+
+
+def ranks(stream: torch.Tensor, spans: list[tuple[int, int]], question: list[int], targets: list[list[int]]) -> dict:
+    """Each way's best rank (0 first) of each target's passages (`targets`: passage indices each;
+    None for a target in no passage: in the initial tokens, which a re-read always reads)."""
+    out = {}
+    for way, pairs in WAYS.items():
+        order = torch.sort(-lexical_scores(stream, spans, question, pairs=pairs), stable=True).indices
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(len(order))
+        out[way] = [int(rank[t].min()) if t else None for t in targets]
+    return out
+
+
+def summary(found: dict[str, list[int | None]]) -> dict:
+    """Each way: targets in the words' top WORDS_TOP, first, their mean rank, of how many ranked;
+    and how many sat in the initial tokens (no rank)."""
+    out: dict = {}
+    for way, all_ranks in found.items():
+        rs = [r for r in all_ranks if r is not None]
+        out[way] = {f"top{WORDS_TOP}": sum(r < WORDS_TOP for r in rs), "first": sum(r == 0 for r in rs),
+                    "mean_rank": round(sum(rs) / max(len(rs), 1), 1), "of": len(rs)}
+        out["in_initial_tokens"] = len(all_ranks) - len(rs)
+    return out
+
+
+def ruler_ranks(tok, profile, length: int, haystack: str | None, samples: int) -> dict:
+    from emllm.evals.ruler import build_prompt
+
+    found: dict[str, list[int]] = {w: [] for w in WAYS}
+    for task in TASKS:
+        for i in range(samples):
+            pr = build_prompt(task, tok, length, (i + 0.5) / samples, random.Random(i), haystack)
+            stream = torch.tensor(pr.document)
+            room = reread_room(profile, len(stream), len(pr.question))
+            spans = passage_spans(tok, stream, min(profile.n_init, len(stream)), room)
+            targets = [[j for j, (a, b) in enumerate(spans) if a < pr.needles[t][1] and b > pr.needles[t][0]]
+                       for t in pr.targets]
+            for way, rs in ranks(stream, spans, pr.question, targets).items():
+                found[way] += rs
+    return found
+
+
+def folder_ranks(tok, profile, folder: Path, questions: Path) -> dict:
+    from emllm.app.folders import folder_files, header
+    from emllm.app.stream import SEPARATOR, StreamFormat, encode_framing
+
+    text = ""
+    for name, path in folder_files(folder):
+        try:
+            body = Path(path).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # (binary: left out, as ingest leaves it out)
+        text += (SEPARATOR if text else "") + header(name) + body
+    enc = tok(text, return_offsets_mapping=True, add_special_tokens=False)
+    stream, offsets = torch.tensor(enc["input_ids"]), enc["offset_mapping"]
+    suffix = encode_framing(tok, StreamFormat.for_tokenizer(tok, True).suffix)
+    found: dict[str, list[int]] = {w: [] for w in WAYS}
+    for line in questions.read_text().splitlines():
+        q = line.split("\t")[0]
+        m = re.search(r"(class|function) (\w+)", q)
+        if not m:
+            continue  # (a constant's question: no definition to find)
+        pattern = ("class " if m[1] == "class" else "def ") + m[2]
+        question = tok(SEPARATOR + q, add_special_tokens=False)["input_ids"] + suffix
+        spans = passage_spans(tok, stream, profile.n_init, reread_room(profile, len(stream), len(question)))
+        defines = [i for i, (s, e) in enumerate(spans) if pattern in text[offsets[s][0]:offsets[e - 1][1]]]
+        for way, rs in ranks(stream, spans, question, [defines]).items():
+            found[way] += rs
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b", help="whose tokenizer and profile")
+    ap.add_argument("--lengths", default="64k,128k")
+    ap.add_argument("--haystacks", default="essay,prose,code,chat", help="RULER's essay or the project's corpora (evals.ruler)")
+    ap.add_argument("--samples", type=int, default=6, help="prompts of each task")
+    ap.add_argument("--folder", default="core", help="a folder to ask 'which file defines X?' of ('' for none)")
+    ap.add_argument("--questions", default=str(QUESTIONS))
+    a = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from emllm import models
+    from emllm.config import load_profile
+    from emllm.evals.passkey import parse_length
+
+    tok = AutoTokenizer.from_pretrained(models.resolve(a.model).path)
+    profile = load_profile(a.model)
+    for length in (parse_length(x) for x in a.lengths.split(",")):
+        for hay in a.haystacks.split(","):
+            found = ruler_ranks(tok, profile, length, hay, a.samples)
+            print(json.dumps({"haystack": hay, "length": length, **summary(found)}), flush=True)
+    if a.folder:
+        print(json.dumps({"folder": a.folder, **summary(folder_ranks(tok, profile, Path(a.folder), Path(a.questions)))}))
+
+
+if __name__ == "__main__":
+    main()
