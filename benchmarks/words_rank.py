@@ -11,6 +11,13 @@ needle's best passage rank. A folder (`--folder`, read as `emllm ingest FOLDER` 
 `--questions` ("which file defines X?"): the rank of the passage holding `class X` or `def X`.
 Prints one JSON line per haystack and length, and one for the folder: targets in the words' top
 `WORDS_TOP`, first, and their mean rank, each way.
+
+`--answers N` also answers the first N prompts of each task (of each haystack and length) with
+the model, greedy, re-read both ways from one read of the prompt (the same layers' votes): the
+passages each way reads, whether they differ, and the RULER score of each answer (a second answer
+only where the passages differ). Slow: a read of every prompt.
+
+    python -m benchmarks.words_rank --answers 2 --lengths 16k --haystacks essay,code --folder ""
 """
 
 from __future__ import annotations
@@ -72,6 +79,48 @@ def ruler_ranks(tok, profile, length: int, haystack: str | None, samples: int) -
     return found
 
 
+def ruler_answers(model, tok, profile, length: int, haystack: str | None, n: int) -> list[dict]:
+    """The re-read's answer each way to the first `n` prompts of each task (`--answers`)."""
+    from emllm.app import reread as rr
+    from emllm.engine.stream import Engine
+    from emllm.evals.ruler import build_prompt, score
+    from emllm.models import stop_token_ids
+
+    rows = []
+    for task in TASKS:
+        for i in range(n):
+            pr = build_prompt(task, tok, length, (i + 0.5) / n, random.Random(i), haystack)
+            eng = Engine(model, profile)
+            eng.feed(pr.document)
+            rec = rr.SelectionRecorder(eng)
+            try:
+                eng.begin_question()
+                eng.feed(pr.question)
+            finally:
+                rec.detach()
+            m = len(pr.document)
+            room = rr.reread_room(profile, m, len(pr.question))
+            row: dict = {"task": task, "haystack": haystack, "length": length, "depth": (i + 0.5) / n}
+            answers: dict[tuple, str] = {}
+            for way, pairs in WAYS.items():
+                saved = rr.lexical_scores
+                rr.lexical_scores = lambda *a, pairs=pairs, **k: saved(*a, **k, pairs=pairs)
+                try:
+                    ctx = rr.reread_context(eng, rec.votes(), tok, m, room, pr.question)
+                finally:
+                    rr.lexical_scores = saved
+                key = tuple(ctx.ids)
+                if key not in answers:  # (the same context, the same greedy answer)
+                    reader = rr.read_again(model, profile, ctx.ids, pr.question, pr.max_new_tokens)
+                    out = reader.generate(pr.max_new_tokens, stop_ids=set(stop_token_ids(tok, model)))
+                    answers[key] = tok.decode(out, skip_special_tokens=True)
+                row[way] = {"score": score(answers[key], pr.answers), "answer": answers[key],
+                            "passages": [list(p) for p in ctx.passages]}
+            row["same_context"] = len(answers) == 1
+            rows.append(row)
+    return rows
+
+
 def folder_ranks(tok, profile, folder: Path, questions: Path) -> dict:
     from emllm.app.folders import folder_files, header
     from emllm.app.stream import SEPARATOR, StreamFormat, encode_framing
@@ -109,20 +158,30 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=6, help="prompts of each task")
     ap.add_argument("--folder", default="core", help="a folder to ask 'which file defines X?' of ('' for none)")
     ap.add_argument("--questions", default=str(QUESTIONS))
+    ap.add_argument("--answers", type=int, default=0, help="also answer the first N prompts of each task with the model")
+    ap.add_argument("--dtype", default=None, help="the model's compute dtype for --answers (default: its profile's)")
     a = ap.parse_args()
 
     from transformers import AutoTokenizer
 
     from emllm import models
-    from emllm.config import load_profile
     from emllm.evals.passkey import parse_length
 
-    tok = AutoTokenizer.from_pretrained(models.resolve(a.model).path)
-    profile = load_profile(a.model)
+    src = models.resolve(a.model)
+    tok, profile = AutoTokenizer.from_pretrained(src.path), src.profile
+    model = models.load(src, dtype=a.dtype)[0] if a.answers else None
     for length in (parse_length(x) for x in a.lengths.split(",")):
         for hay in a.haystacks.split(","):
             found = ruler_ranks(tok, profile, length, hay, a.samples)
             print(json.dumps({"haystack": hay, "length": length, **summary(found)}), flush=True)
+            if model is not None:
+                rows = ruler_answers(model, tok, profile, length, hay, a.answers)
+                for row in rows:
+                    print(json.dumps(row), flush=True)
+                print(json.dumps({"haystack": hay, "length": length, "answers": len(rows),
+                                  "same_context": sum(r["same_context"] for r in rows),
+                                  "score": {w: round(100 * sum(r[w]["score"] for r in rows) / len(rows), 1) for w in WAYS}}),
+                      flush=True)
     if a.folder:
         print(json.dumps({"folder": a.folder, **summary(folder_ranks(tok, profile, Path(a.folder), Path(a.questions)))}))
 
