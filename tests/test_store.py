@@ -862,3 +862,22 @@ def test_rowfile_rows_at_asks_for_a_chunks_pages_first(tmp_path, monkeypatch):
     assert sorted(hints) == [(100 * rb, 200 * rb), (3000 * rb, 200 * rb)]
     r.close()
     w.close()
+
+
+def test_packed_parts_view_back_as_their_dtypes_in_place():
+    """store.packed, how a device step's deferred rows come back in one read: parts of mixed
+    dtypes and odd sizes concatenated as bytes, each at a multiple of 16 bytes, view back from the
+    one buffer as themselves, bit for bit, without a copy."""
+    from emllm.store.store import packed
+
+    rng = torch.Generator().manual_seed(0)
+    parts = [torch.randn(7, generator=rng).to(torch.bfloat16), torch.randint(0, 255, (13,), dtype=torch.uint8),
+             torch.randn(5, generator=rng), torch.randint(-9, 9, (3,)), torch.zeros(0, dtype=torch.float16),
+             torch.randn(9, generator=rng).to(torch.float16)]
+    pieces, offsets = packed(parts)
+    back = torch.cat(pieces)
+    assert all(o % 16 == 0 for o in offsets) and back.numel() == offsets[-1] + parts[-1].nbytes
+    for p, o in zip(parts, offsets):
+        view = back[o : o + p.nbytes].view(p.dtype)
+        assert view.dtype == p.dtype and torch.equal(view.view(torch.uint8), p.view(torch.uint8))
+        assert view.data_ptr() == back.data_ptr() + o or not p.numel()  # (a view of the buffer: no copy)

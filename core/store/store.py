@@ -74,6 +74,22 @@ def _remove_abandoned(path: Path) -> None:
             os.close(fd)
 
 
+def packed(parts: list[Tensor]) -> tuple[list[Tensor], list[int]]:
+    """1-D tensors `parts` (one device) as bytes to concatenate: the pieces (each part's bytes, with
+    zero bytes before it where needed) and each part's offset in their concatenation. Every part
+    starts at a multiple of 16 bytes, so that its bytes view back as its dtype in place (no copy a
+    part)."""
+    pieces, offsets, off = [], [], 0
+    for p in parts:
+        pad = -off % 16
+        if pad:
+            pieces.append(torch.zeros(pad, dtype=torch.uint8, device=p.device))
+            off += pad
+        pieces.append(p.view(torch.uint8))
+        offsets.append(off)
+        off += p.nbytes
+    return pieces, offsets
+
 
 class Store:
     """One store folder, open for reading (any number of readers) or writing (one writer)."""
@@ -537,20 +553,10 @@ class Store:
         host: list[Tensor | None] = [p if p.device.type == "cpu" else None for p in flat]
         for dev in {p.device for p in flat if p.device.type != "cpu"}:
             at = [i for i, p in enumerate(flat) if p.device == dev]
-            # each part starts at a multiple of 16 bytes of the one buffer, so that its bytes view
-            # back as its dtype in place (no copy a part); a pad is inserted only where one is not
-            parts, sizes, off = [], [], 0
-            for i in at:
-                pad = -off % 16
-                if pad:
-                    parts.append(torch.zeros(pad, dtype=torch.uint8, device=dev))
-                    off += pad
-                parts.append(flat[i].view(torch.uint8))
-                sizes.append((off, flat[i].nbytes))
-                off += flat[i].nbytes
-            back = torch.cat(parts).cpu()  # (the step's one read back)
-            for i, (o, n) in zip(at, sizes):
-                host[i] = back[o : o + n].view(flat[i].dtype)
+            pieces, offsets = packed([flat[i] for i in at])
+            back = torch.cat(pieces).cpu()  # (the step's one read back)
+            for i, o in zip(at, offsets):
+                host[i] = back[o : o + flat[i].nbytes].view(flat[i].dtype)
         parts_ = iter(host)
         for write, ts in items:  # (the writes copy what they keep: the views need not outlive them)
             write([next(parts_).view(t.shape) for t in ts])
