@@ -207,11 +207,12 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, room
     are ranked by the reciprocal rank fusion (`fuse_orders`) of the votes' ranking (those with any
     vote) and the `WORDS_TOP` best by BM25 for the `question`'s token ids and their consecutive
     pairs (of those with any of its words), so that a passage the question's rare words point to is
-    read even where the layers' votes passed it over (hybrid retrieval). In what order: by their BM25 for the question, the
-    best last, next to the question, ties by rank (the votes choose, the words order). Where every
-    passage fits, the stream is read in its order. A passage that starts inside a document
-    `named` (a folder's file, whose first line names it) is read after that line, unless it goes
-    on from the passage read before it: the model reads which file each passage is from."""
+    read even where the layers' votes passed it over (hybrid retrieval). In what order: by their
+    BM25 for the question, the best last, next to the question, ties by rank (the votes choose, the
+    words order). Where every passage fits, the stream is read in its order. A passage that starts
+    inside a document `named` (a folder's file, whose first line names it) is read after that
+    line, unless it goes on from the passage read before it: the model reads which file each
+    passage is from."""
     n_stream = len(stream)
     weights = event_votes(list(votes.selections.values()), len(votes.spans))
     tv = token_votes(votes.spans, weights, n_stream)
