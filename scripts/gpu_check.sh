@@ -10,6 +10,8 @@
 #   .gpu/home/  an emllm home whose models/smollm2 holds SmolLM2's config and tokenizer, no weights
 # and run there (the tool `device`): `bash scripts/gpu_check.sh [STEP...]` carrying .whl and .gpu/home;
 # steps: tests grid cli prof profile compile grid1b grid8b suite keep model gridreal (default: tests grid cli grid1b, in that order);
+# a task's device time (status's budget_left_s) covers the machine's start too: where it is short,
+# one call of the steps that matter most, e.g. COMPILE_S=200 `bash scripts/gpu_check.sh "tests grid compile"`;
 # GRID_LENGTHS, GRID_S and GRID_FORMAT set the speed grids' lengths, time limit and store format
 # (GRID_FORMAT=int4 GRID_LENGTHS=1M ... grid8b: the 8B's store at a million tokens fits that disk).
 # GRID_BUDGET=GB: the device memory emllm's events may take (below the store's rows: the ring path).
