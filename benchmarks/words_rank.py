@@ -23,6 +23,7 @@ only where the passages differ). Slow: a read of every prompt.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import re
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.code_base import QUESTIONS
+from benchmarks.code_base import QUESTIONS, ids_only
 from emllm.app.reread import WORDS_TOP, passage_spans, reread_room
 from emllm.memory.passages import lexical_scores
 
@@ -103,12 +104,8 @@ def ruler_answers(model, tok, profile, length: int, haystack: str | None, n: int
             row: dict = {"task": task, "haystack": haystack, "length": length, "depth": (i + 0.5) / n}
             answers: dict[tuple, str] = {}
             for way, pairs in WAYS.items():
-                saved = rr.lexical_scores
-                rr.lexical_scores = lambda *a, pairs=pairs, **k: saved(*a, **k, pairs=pairs)
-                try:
+                with contextlib.nullcontext() if pairs else ids_only():
                     ctx = rr.reread_context(eng, rec.votes(), tok, m, room, pr.question)
-                finally:
-                    rr.lexical_scores = saved
                 key = tuple(ctx.ids)
                 if key not in answers:  # (the same context, the same greedy answer)
                     reader = rr.read_again(model, profile, ctx.ids, pr.question, pr.max_new_tokens)
@@ -122,20 +119,16 @@ def ruler_answers(model, tok, profile, length: int, haystack: str | None, n: int
 
 
 def folder_ranks(tok, profile, folder: Path, questions: Path) -> dict:
-    from emllm.app.folders import folder_files, header
+    import emllm
     from emllm.app.stream import SEPARATOR, StreamFormat, encode_framing
 
-    text = ""
-    for name, path in folder_files(folder):
-        try:
-            body = Path(path).read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue  # (binary: left out, as ingest leaves it out)
-        text += (SEPARATOR if text else "") + header(name) + body
+    # the files ingest reads, each after its naming line (binary and empty ones left out)
+    text = SEPARATOR.join("".join(src.pieces()) for _, src in emllm.open_documents([str(folder)]))
     enc = tok(text, return_offsets_mapping=True, add_special_tokens=False)
     stream, offsets = torch.tensor(enc["input_ids"]), enc["offset_mapping"]
     suffix = encode_framing(tok, StreamFormat.for_tokenizer(tok, True).suffix)
     found: dict[str, list[int]] = {w: [] for w in WAYS}
+    cut: dict[int, tuple[list, list[str]]] = {}  # room -> (passages, their texts): cut once
     for line in questions.read_text().splitlines():
         q = line.split("\t")[0]
         m = re.search(r"(class|function) (\w+)", q)
@@ -143,8 +136,12 @@ def folder_ranks(tok, profile, folder: Path, questions: Path) -> dict:
             continue  # (a constant's question: no definition to find)
         pattern = ("class " if m[1] == "class" else "def ") + m[2]
         question = tok(SEPARATOR + q, add_special_tokens=False)["input_ids"] + suffix
-        spans = passage_spans(tok, stream, profile.n_init, reread_room(profile, len(stream), len(question)))
-        defines = [i for i, (s, e) in enumerate(spans) if pattern in text[offsets[s][0]:offsets[e - 1][1]]]
+        room = reread_room(profile, len(stream), len(question))
+        if room not in cut:
+            spans = passage_spans(tok, stream, profile.n_init, room)
+            cut[room] = spans, [text[offsets[s][0] : offsets[e - 1][1]] for s, e in spans]
+        spans, texts = cut[room]
+        defines = [i for i, t in enumerate(texts) if pattern in t]
         for way, rs in ranks(stream, spans, question, [defines]).items():
             found[way] += rs
     return found

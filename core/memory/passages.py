@@ -142,7 +142,7 @@ def lexical_scores(stream: Tensor, spans: Sequence[tuple[int, int]], query: Sequ
 
     scores = bm25(torch.unique(q), toks, seg)
     if pairs and len(q) > 1 and len(toks) > 1:  # pairs as one id each (v: past every id of both)
-        v = int(max(int(toks.max()), int(q.max()))) + 1
+        v = max(int(toks.max()), int(q.max())) + 1
         within = torch.where(seg[:-1] == seg[1:], seg[:-1], -1)  # (a pair across two passages is in neither)
         scores += bm25(torch.unique(q[:-1] * v + q[1:]), toks[:-1] * v + toks[1:], within)
     return scores
