@@ -1,8 +1,9 @@
 """Questions about a code base read from its folder (`emllm ingest FOLDER`), side by side in one
 run: each asked as `emllm ask` answers (the re-read, whose passages are read after the lines
-naming their files), as the re-read did before its words counted the question's pairs of tokens
-(`reread_ids`: BM25 over its token ids alone), as it did before those lines (the same store and
-passages, no lines), and as emllm reads itself (`--no-reread`), greedy.
+naming their files), as the re-read did before its words were blind to case and spaces
+(`reread_tokens`: BM25 over the question's token ids and their pairs), before its words counted
+the pairs (`reread_ids`: the token ids alone), before those lines (`reread_unnamed`: the same
+store and passages, no lines), and as emllm reads itself (`--no-reread`), greedy.
 
     emllm ingest core --store core-code
     python -m benchmarks.code_base --store core-code --out docs/results/code-base-core.jsonl
@@ -25,11 +26,13 @@ import re
 import time
 from pathlib import Path
 
+import torch
+
 import emllm
 from emllm.app import reread as rr
 
 QUESTIONS = Path(__file__).resolve().parent / "code_base_questions.tsv"
-WAYS = ("reread", "reread_ids", "reread_unnamed", "own")
+WAYS = ("reread", "reread_tokens", "reread_ids", "reread_unnamed", "own")
 
 
 def right(answer: str, want: str) -> bool:
@@ -44,12 +47,24 @@ def right(answer: str, want: str) -> bool:
 
 
 @contextlib.contextmanager
+def token_words():
+    """The re-read with its words the question's token ids as they are (" class" is not "class")."""
+    saved = rr.word_ids
+    rr.word_ids = lambda tok, *seqs: [torch.as_tensor(s, dtype=torch.long).flatten() for s in seqs]
+    try:
+        yield
+    finally:
+        rr.word_ids = saved
+
+
+@contextlib.contextmanager
 def ids_only():
-    """The re-read with its words' BM25 over the question's token ids alone (no pairs)."""
+    """The re-read with its words' BM25 over the question's token ids alone (as they are, no pairs)."""
     saved = rr.lexical_scores
     rr.lexical_scores = functools.partial(saved, pairs=False)
     try:
-        yield
+        with token_words():
+            yield
     finally:
         rr.lexical_scores = saved
 
@@ -81,7 +96,8 @@ def main() -> None:
             row = {"question": question, "want": want}
             for way in WAYS:
                 t0 = time.perf_counter()
-                with {"reread_unnamed": unnamed, "reread_ids": ids_only}.get(way, contextlib.nullcontext)():
+                with {"reread_unnamed": unnamed, "reread_ids": ids_only, "reread_tokens": token_words}.get(
+                        way, contextlib.nullcontext)():
                     answer = mem.ask(question, args.max_new_tokens, reread=way != "own")
                 seconds[way] += time.perf_counter() - t0
                 ok = right(answer, want)

@@ -1,6 +1,8 @@
-"""Where the re-read's words rank the passages that hold the answer: BM25 over the question's
-token ids alone against ids and their consecutive pairs (`memory.passages.lexical_scores`), no
-model run. The re-read reads the words' `WORDS_TOP` best beside the layers' votes
+"""Where the re-read's words rank the passages that hold the answer, no model run: BM25
+(`memory.passages.lexical_scores`) over the question's token ids alone (`ids`), over the ids and
+their consecutive pairs (`ids_and_pairs`), and over words and their pairs (`words_and_pairs`,
+the re-read's way: `app.reread.word_ids`, tokens blind to case and the spaces around them). The
+re-read reads the words' `WORDS_TOP` best beside the layers' votes
 (`app.reread.context_from_votes`), so what counts is whether an answer's passage is among them.
 
     python -m benchmarks.words_rank [--lengths 64k,128k] [--haystacks essay,prose,code,chat] [--folder core]
@@ -13,8 +15,8 @@ Prints one JSON line per haystack and length, and one for the folder: targets in
 `WORDS_TOP`, first, and their mean rank, each way.
 
 `--answers N` also answers the first N prompts of each task (of each haystack and length) with
-the model, greedy, re-read both ways from one read of the prompt (the same layers' votes): the
-passages each way reads, whether they differ, and the RULER score of each answer (a second answer
+the model, greedy, re-read each way from one read of the prompt (the same layers' votes): the
+passages each way reads, whether they differ, and the RULER score of each answer (another answer
 only where the passages differ). Slow: a read of every prompt.
 
     python -m benchmarks.words_rank --answers 2 --lengths 16k --haystacks essay,code --folder ""
@@ -31,20 +33,24 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.code_base import QUESTIONS, ids_only
+from benchmarks.code_base import QUESTIONS, ids_only, token_words
+from emllm.app import reread as rr
 from emllm.app.reread import WORDS_TOP, passage_spans, reread_room
-from emllm.memory.passages import lexical_scores
 
 TASKS = ("niah_single_words", "niah_multikey", "niah_multivalue", "vt")
-WAYS = {"ids": False, "ids_and_pairs": True}
+# each way: the re-read's words as it scored them then (code_base's patches of `app.reread`)
+WAYS = {"ids": ids_only, "ids_and_pairs": token_words, "words_and_pairs": contextlib.nullcontext}
 
 
-def ranks(stream: torch.Tensor, spans: list[tuple[int, int]], question: list[int], targets: list[list[int]]) -> dict:
+def ranks(tok, stream: torch.Tensor, spans: list[tuple[int, int]], question: list[int], targets: list[list[int]]) -> dict:
     """Each way's best rank (0 first) of each target's passages (`targets`: passage indices each;
     None for a target in no passage: in the initial tokens, which a re-read always reads)."""
     out = {}
-    for way, pairs in WAYS.items():
-        order = torch.sort(-lexical_scores(stream, spans, question, pairs=pairs), stable=True).indices
+    for way, patched in WAYS.items():
+        with patched():  # (as `context_from_votes` scores them)
+            words, asked = rr.word_ids(tok, stream, question)
+            scores = rr.lexical_scores(words, spans, asked)
+        order = torch.sort(-scores, stable=True).indices
         rank = torch.empty_like(order)
         rank[order] = torch.arange(len(order))
         out[way] = [int(rank[t].min()) if t else None for t in targets]
@@ -75,7 +81,7 @@ def ruler_ranks(tok, profile, length: int, haystack: str | None, samples: int) -
             spans = passage_spans(tok, stream, min(profile.n_init, len(stream)), room)
             targets = [[j for j, (a, b) in enumerate(spans) if a < pr.needles[t][1] and b > pr.needles[t][0]]
                        for t in pr.targets]
-            for way, rs in ranks(stream, spans, pr.question, targets).items():
+            for way, rs in ranks(tok, stream, spans, pr.question, targets).items():
                 found[way] += rs
     return found
 
@@ -103,8 +109,8 @@ def ruler_answers(model, tok, profile, length: int, haystack: str | None, n: int
             room = rr.reread_room(profile, m, len(pr.question))
             row: dict = {"task": task, "haystack": haystack, "length": length, "depth": (i + 0.5) / n}
             answers: dict[tuple, str] = {}
-            for way, pairs in WAYS.items():
-                with contextlib.nullcontext() if pairs else ids_only():
+            for way, patched in WAYS.items():
+                with patched():
                     ctx = rr.reread_context(eng, rec.votes(), tok, m, room, pr.question)
                 key = tuple(ctx.ids)
                 if key not in answers:  # (the same context, the same greedy answer)
@@ -142,7 +148,7 @@ def folder_ranks(tok, profile, folder: Path, questions: Path) -> dict:
             cut[room] = spans, [text[offsets[s][0] : offsets[e - 1][1]] for s, e in spans]
         spans, texts = cut[room]
         defines = [i for i, t in enumerate(texts) if pattern in t]
-        for way, rs in ranks(stream, spans, question, [defines]).items():
+        for way, rs in ranks(tok, stream, spans, question, [defines]).items():
             found[way] += rs
     return found
 

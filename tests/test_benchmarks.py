@@ -129,8 +129,8 @@ def test_first_token_and_server_latency_run_on_a_store(tmp_path):
 
 @pytest.mark.slow
 def test_code_base_runs_on_a_folders_store(tiny, tmp_path):
-    """Four answers a question (re-read, re-read with its words' ids alone, re-read without the
-    naming lines, own reading), each scored; the summary counts them."""
+    """Five answers a question (re-read, re-read with its words the token ids and their pairs, with
+    the ids alone, without the naming lines, own reading), each scored; the summary counts them."""
     from benchmarks.code_base import WAYS
     folder, prof, _, _ = tiny
     proj = tmp_path / "proj"
@@ -143,25 +143,34 @@ def test_code_base_runs_on_a_folders_store(tiny, tmp_path):
     qs.write_text("Which file defines f?\tb.py\nWhat is PASSAGE?\t128\n")
     rows = _json_lines(_run(tmp_path, "-m", "benchmarks.code_base", "--store", "proj", "--questions", str(qs), "-n", "3"))
     assert [r["question"] for r in rows[:2]] == ["Which file defines f?", "What is PASSAGE?"]
-    assert WAYS == ("reread", "reread_ids", "reread_unnamed", "own")
+    assert WAYS == ("reread", "reread_tokens", "reread_ids", "reread_unnamed", "own")
     assert all(isinstance(r[w]["right"], bool) and isinstance(r[w]["answer"], str) for r in rows[:2] for w in WAYS)
     summary = rows[2]
     assert summary["questions"] == 2 and summary["documents"] == 2 and summary["tokens"] > 400
     assert summary["right"] == {w: sum(r[w]["right"] for r in rows[:2]) for w in WAYS}
 
 
-def test_words_rank_ranks_each_target_each_way():
-    """benchmarks.words_rank: a target's best passage rank by the words' ids alone and with their
-    pairs, on a stream where only the pairs tell its passage from a look-alike's."""
+def test_words_rank_ranks_each_target_each_way(tiny):
+    """benchmarks.words_rank: a target's best passage rank by the question's token ids alone, with
+    their pairs, and by words and their pairs, on a stream where only the pairs tell a passage from
+    a look-alike's, and only the words find another."""
     import torch
+    from transformers import AutoTokenizer
 
     from benchmarks.words_rank import ranks, summary
-    stream = torch.tensor([1, 9, 9, 2, 9, 9] + [7, 8, 1, 2, 9, 9] + [7] * 6)  # apart, in a row, neither
-    spans = [(0, 6), (6, 12), (12, 18)]
-    got = ranks(stream, spans, [1, 2], [[1], [0], []])
-    assert got == {"ids": [1, 0, None], "ids_and_pairs": [0, 1, None]}  # (a tie: the stable sort keeps stream order)
-    assert summary(got) == {"ids": {"top4": 2, "first": 1, "mean_rank": 0.5, "of": 2},
-                            "ids_and_pairs": {"top4": 2, "first": 1, "mean_rank": 0.5, "of": 2}, "in_initial_tokens": 1}
+    tok = AutoTokenizer.from_pretrained(tiny[0])
+    (cls, apple), (Cls, Apple) = tok.encode(" class apple"), tok.encode("Class Apple")  # one word each, two ids
+    assert len({cls, apple, Cls, Apple}) == 4
+    filler = tok.encode(" the")[0]
+    stream = torch.tensor([cls, filler, filler, apple, filler, filler] + [filler, filler, cls, apple, filler, filler]
+                          + [filler] * 6 + [filler, Cls, Apple, filler, filler, filler])  # apart, in a row, neither, other ids
+    spans = [(0, 6), (6, 12), (12, 18), (18, 24)]
+    got = ranks(tok, stream, spans, [cls, apple], [[1], [0], [], [3]])
+    # (ties: the stable sort keeps stream order)
+    assert got == {"ids": [1, 0, None, 3], "ids_and_pairs": [0, 1, None, 3], "words_and_pairs": [0, 2, None, 1]}
+    assert summary(got) == {"ids": {"top4": 3, "first": 1, "mean_rank": 1.3, "of": 3},
+                            "ids_and_pairs": {"top4": 3, "first": 1, "mean_rank": 1.3, "of": 3},
+                            "words_and_pairs": {"top4": 3, "first": 1, "mean_rank": 1.0, "of": 3}, "in_initial_tokens": 1}
 
 
 @pytest.mark.slow
@@ -179,9 +188,9 @@ def test_words_rank_runs(tmp_path):
                             "--samples", "1", "--folder", str(proj), "--questions", str(qs)))
     assert [r.get("haystack", r.get("folder")) for r in rows] == ["essay", str(proj)]
     for r, targets in zip(rows, (11, 1)):
-        for way in ("ids", "ids_and_pairs"):
+        for way in ("ids", "ids_and_pairs", "words_and_pairs"):
             assert r[way]["of"] + r["in_initial_tokens"] == targets and 0 <= r[way]["first"] <= r[way]["top4"] <= targets
-    assert rows[1]["ids_and_pairs"]["first"] == 1  # (b.py's one passage holds "class Foo")
+    assert rows[1]["words_and_pairs"]["first"] == 1  # (b.py's one passage holds "class Foo")
 
 
 def test_code_base_scores_a_file_by_path_or_module_whole_parts_only():

@@ -147,7 +147,7 @@ def test_passages_chosen_by_votes_and_words(tiny):
     the question's BM25 ranking (passages with one of its words), checked step by step; a passage
     the votes passed over but that alone holds the question's word is read (only the WORDS_TOP
     best by BM25 take part); a question none of whose words is in the stream chooses as the votes do."""
-    from emllm.app.reread import WORDS_TOP, context_from_votes
+    from emllm.app.reread import WORDS_TOP, context_from_votes, word_ids
     from emllm.memory.passages import fuse_orders, lexical_scores, passage_votes
     from emllm.config import load_profile_file
     from emllm.engine.stream import Engine
@@ -178,7 +178,8 @@ def test_passages_chosen_by_votes_and_words(tiny):
     # a planted id in a passage the votes did not choose: the question asks for it
     rare = next((t, i) for i in reversed(left_out) for t in planted if t in stream[spans[i][0]:spans[i][1]])
     for q in ([rare[0]], [rare[0]] + stream[spans[order[0]][0]:spans[order[0]][0] + 3]):
-        bm25 = lexical_scores(st, spans, q)
+        words_of, asked = word_ids(tok, st, q)
+        bm25 = lexical_scores(words_of, spans, asked)
         worded = [i for i in sorted(range(len(spans)), key=lambda i: -float(bm25[i])) if bm25[i] > 0][:WORDS_TOP]
         fused = fuse_orders([voted, worded], len(spans))
         want = choose_passages(fused, spans, room)
@@ -188,6 +189,51 @@ def test_passages_chosen_by_votes_and_words(tiny):
         assert got.passages[-1] == spans[best] and (len(q) > 1 or best == rare[1])
     absent = [int(st.max()) + 1]  # no word of the question in the stream: the votes' choice, the best last
     assert ctx(absent).passages == [spans[i] for i in reversed(voted) if i in by_votes]
+
+
+def test_word_ids_against_the_tokens_texts(tiny):
+    """word_ids: two ids are one word where their texts, stripped of the spaces around them, are
+    the same in lower case (checked pair by pair against the texts); a piece of a character and an
+    id the tokenizer lacks are words of their own; one numbering across the sequences."""
+    from emllm.app.reread import word_ids
+    _, tok = load_tiny(tiny[0])
+    rng = random.Random(3)
+    ids = [tok.convert_tokens_to_ids(t) for t in ("class", "\u0120class", "Class", "\u0120apple", "Apple", "apple", "\u010a",
+                                                 "\u0120", "\u0120\u0120")]
+    bits = tok.encode("\U0001f600")  # (an emoji: byte tokens, each alone a replacement character)
+    past = len(tok) + 5
+    sample = ids + bits + [past] + rng.sample(range(len(tok)), 400)
+    a, b = word_ids(tok, sample[:200], sample[200:])
+    got = torch.cat((a, b)).tolist()
+    text = [tok.decode([i]) if i < len(tok) else None for i in sample]
+    for i in range(len(sample)):
+        for j in range(i + 1, len(sample)):
+            same = sample[i] == sample[j] or (None not in (text[i], text[j]) and "\ufffd" not in text[i] + text[j]
+                                              and text[i].strip().lower() == text[j].strip().lower())
+            assert (got[i] == got[j]) == same, (sample[i], sample[j], text[i], text[j])
+    assert got[0] == got[1] == got[2] != got[3] and got[3] == got[4] == got[5] and got[6] == got[7] == got[8]
+    assert len(bits) > 1 and len(set(got[9 : 9 + len(bits)])) == len(bits)
+    assert [t.tolist() for t in word_ids(tok, [], [])] == [[], []]
+
+
+def test_the_re_read_s_words_are_blind_to_case_and_spaces(tiny):
+    """A question's " apple" (one token id) finds the passage that holds "Apple" (another id; one
+    word to the re-read's BM25): read, last, though the votes passed it over; by its token ids
+    the question matched no passage."""
+    from emllm.app.reread import context_from_votes
+    eng, tok, prof, stream, q_ids, votes, st = _asked(tiny)
+    (asked,), (held,) = tok.encode(" apple"), tok.encode("Apple")
+    assert asked != held and not {asked, held} & set(stream)
+    room = len(stream) // 3
+    spans = passage_spans(tok, st, prof.n_init, room)
+    by_votes = context_from_votes(st, votes, tok, prof.n_init, room, [asked]).passages  # (no word of it in the stream)
+    assert by_votes == context_from_votes(st, votes, tok, prof.n_init, room).passages
+    left = next(p for p in reversed(spans) if p not in by_votes)
+    planted = st.clone()
+    planted[left[0] + 1] = held
+    assert passage_spans(tok, planted, prof.n_init, room) == spans
+    got = context_from_votes(planted, votes, tok, prof.n_init, room, [asked]).passages
+    assert got[-1] == left and got != by_votes
 
 
 def _read_into_engine(tiny, seed: int, n_words: int):
@@ -219,14 +265,14 @@ def test_the_passages_read_are_ordered_by_the_questions_words(tiny):
     """The passages chosen are read by their BM25 for the question's ids, the best last, ties by
     the votes' rank (the worst first); without a question, by rank alone; where every passage
     fits, the stream in its order."""
-    from emllm.app.reread import context_from_votes
+    from emllm.app.reread import context_from_votes, word_ids
     from emllm.memory.passages import lexical_scores
     eng, tok, prof, stream, q_ids, votes, st = _asked(tiny)
     room = 3 * len(stream) // 4
     lex = context_from_votes(st, votes, tok, prof.n_init, room, q_ids)
     assert lex == reread_context(eng, votes, tok, len(stream), room, q_ids)
     spans = passage_spans(tok, st, prof.n_init, room)
-    words_of = lexical_scores(st, spans, q_ids)
+    words_of = lexical_scores(word_ids(tok, st, q_ids)[0], spans, word_ids(tok, st, q_ids)[1])
     got = [float(words_of[spans.index(p)]) for p in lex.passages]
     assert len(lex.passages) > 2 and got == sorted(got) and got[-1] > got[0]  # the question's words found, the best last
     rank = context_from_votes(st, votes, tok, prof.n_init, room)  # no question: the worst-ranked first

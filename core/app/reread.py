@@ -54,6 +54,22 @@ def sentence_ends(tok: Any, ids: Sequence[int] | Tensor) -> Tensor:
     return ends[inverse]
 
 
+def word_ids(tok: Any, *seqs: Sequence[int] | Tensor) -> list[Tensor]:
+    """Each of `seqs` (token ids) with every id replaced by one that stands for its text without
+    the whitespace around it, in lower case, the same in all of them: to the re-read's BM25,
+    " class", "class" and "Class" are one word (a question says "the class X", a file "\\nclass X").
+    A token that is part of a character (its text alone a replacement character), or an id the
+    tokenizer lacks, stays its own word. Each distinct token is decoded once."""
+    flat = [torch.as_tensor(s, dtype=torch.long).flatten() for s in seqs]
+    uniq, inverse = torch.unique(torch.cat(flat), return_inverse=True)
+    first: dict[str, int] = {}  # a word's text -> its id: the first token's (an index into uniq) with that text
+    words = []
+    for i, piece in enumerate(tok.convert_ids_to_tokens(uniq.tolist())):
+        text = None if piece is None else tok.convert_tokens_to_string([piece])  # (None: an id past the tokenizer's)
+        words.append(i if text is None or "\ufffd" in text else first.setdefault(text.strip().lower(), i))
+    return list(torch.tensor(words, dtype=torch.long)[inverse].split([len(f) for f in flat]))
+
+
 def passage_spans(tok: Any, stream: Tensor, start: int, room: int) -> list[tuple[int, int]]:
     """The passages of `stream` [n] from `start`: PASSAGE_TOKENS long at most, shorter where the
     room would not hold PASSAGES_AT_LEAST of them, ending after a sentence where they can."""
@@ -205,9 +221,10 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, room
 
     Which passages: a token scores its event's votes (the layers that selected it); the passages
     are ranked by the reciprocal rank fusion (`fuse_orders`) of the votes' ranking (those with any
-    vote) and the `WORDS_TOP` best by BM25 for the `question`'s token ids and their consecutive
-    pairs (of those with any of its words), so that a passage the question's rare words point to is
-    read even where the layers' votes passed it over (hybrid retrieval). In what order: by their
+    vote) and the `WORDS_TOP` best by BM25 for the `question`'s words (`word_ids`: its tokens,
+    blind to case and the spaces around them) and their consecutive pairs (of those with any of
+    its words), so that a passage the question's rare words point to is read even where the
+    layers' votes passed it over (hybrid retrieval). In what order: by their
     BM25 for the question, the best last, next to the question, ties by rank (the votes choose, the
     words order). Where every passage fits, the stream is read in its order. A passage that starts
     inside a document `named` (a folder's file, whose first line names it) is read after that
@@ -220,7 +237,9 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, room
     spans = passage_spans(tok, stream, n_init, room)
     pv = passage_votes(tv, spans) if spans else None  # ([P] most, [P] mean) votes of each passage
     order = passage_order(tv, spans, pv)
-    words = lexical_scores(stream, spans, question)  # [P] (the stream's passages are the collection: the words' rarity)
+    # [P] (the stream's passages are the collection: the words' rarity)
+    stream_words, question_words = word_ids(tok, stream, question)
+    words = lexical_scores(stream_words, spans, question_words)
     if spans:
         by_votes = torch.as_tensor(order)
         by_votes = by_votes[pv[0][by_votes] > 0]
@@ -290,5 +309,5 @@ def read_again(model: Any, profile: Any, context: list[int], question: list[int]
     return eng
 
 
-__all__ = ["PASSAGE_TOKENS", "Named", "Reread", "naming_lines", "WORDS_TOP", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
+__all__ = ["PASSAGE_TOKENS", "Named", "Reread", "naming_lines", "WORDS_TOP", "word_ids", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
            "context_from_votes", "reread_context", "reread_room", "sentence_ends", "tail_lengths", "tail_selection"]
