@@ -36,13 +36,14 @@ WAYS = ("reread", "reread_tokens", "reread_ids", "reread_unnamed", "own")
 
 
 def right(answer: str, want: str) -> bool:
-    """Whether `answer` names `want`: a file by its path or dotted module, whole parts; else the
-    value as a whole word (case-insensitive)."""
+    """Whether `answer` names `want`: a file by its path or dotted module, whole parts, the file's
+    name last (`manifest.json` is not `manifest.py`); else the value as a whole word
+    (case-insensitive)."""
     text = answer.lower()
     if want.endswith(".py"):
         parts = want.lower().removesuffix(".py")
         text = re.sub(r"\.py\b", "", text).replace(".", "/")  # emllm.engine.stream -> emllm/engine/stream
-        return re.search(rf"(?<!\w){re.escape(parts)}(?!\w)", text) is not None
+        return re.search(rf"(?<!\w){re.escape(parts)}(?!\w|/\w)", text) is not None
     return re.search(rf"(?<!\w){re.escape(want.lower())}(?!\w)", text) is not None
 
 

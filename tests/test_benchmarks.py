@@ -199,4 +199,5 @@ def test_code_base_scores_a_file_by_path_or_module_whole_parts_only():
     assert right("It is in `core/math/rope.py`.", "rope.py") and right("the emllm.memory.buffers module", "buffers.py")
     assert right("emllm/engine/stream.py", "engine/stream.py") and not right("emllm.app.stream", "engine/stream.py")
     assert not right("`rotated_window.py`", "rotated.py") and not right("core/app/api.py", "serve/api.py")
+    assert not right("The file `manifest.json` defines it.", "manifest.py") and right("in manifest.py.", "manifest.py")
     assert right("The value is 128.", "128") and not right("1024", "128") and not right("it is 128", "8")
