@@ -88,7 +88,6 @@ def ruler_ranks(tok, profile, length: int, haystack: str | None, samples: int) -
 
 def ruler_answers(model, tok, profile, length: int, haystack: str | None, n: int) -> list[dict]:
     """The re-read's answer each way to the first `n` prompts of each task (`--answers`)."""
-    from emllm.app import reread as rr
     from emllm.engine.stream import Engine
     from emllm.evals.ruler import build_prompt, score
     from emllm.models import stop_token_ids
