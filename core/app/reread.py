@@ -42,6 +42,11 @@ PASSAGE_TOKENS = 128  # the retrieval baseline's chunk: long enough to hold a ne
 PASSAGES_AT_LEAST = 8  # a small span (a test's profile) gets shorter passages, so that several fit
 
 
+def _texts(tok: Any, ids: Tensor) -> list[str | None]:
+    """The text of each token id of `ids` [n] alone (None: an id past the tokenizer's)."""
+    return [None if p is None else tok.convert_tokens_to_string([p]) for p in tok.convert_ids_to_tokens(ids.tolist())]
+
+
 def sentence_ends(tok: Any, ids: Sequence[int] | Tensor) -> Tensor:
     """[n] bool, per token: whether its text ends a sentence (. ! ? or a newline). Each distinct
     token is decoded once."""
@@ -49,8 +54,7 @@ def sentence_ends(tok: Any, ids: Sequence[int] | Tensor) -> Tensor:
     if ids.numel() == 0:
         return torch.zeros(0, dtype=torch.bool)
     uniq, inverse = torch.unique(ids, return_inverse=True)
-    pieces = tok.convert_ids_to_tokens(uniq.tolist())
-    ends = torch.tensor([tok.convert_tokens_to_string([p]).rstrip(" ").endswith((".", "!", "?", "\n")) for p in pieces])
+    ends = torch.tensor([t is not None and t.rstrip(" ").endswith((".", "!", "?", "\n")) for t in _texts(tok, uniq)])
     return ends[inverse]
 
 
@@ -63,10 +67,8 @@ def word_ids(tok: Any, *seqs: Sequence[int] | Tensor) -> list[Tensor]:
     flat = [torch.as_tensor(s, dtype=torch.long).flatten() for s in seqs]
     uniq, inverse = torch.unique(torch.cat(flat), return_inverse=True)
     first: dict[str, int] = {}  # a word's text -> its id: the first token's (an index into uniq) with that text
-    words = []
-    for i, piece in enumerate(tok.convert_ids_to_tokens(uniq.tolist())):
-        text = None if piece is None else tok.convert_tokens_to_string([piece])  # (None: an id past the tokenizer's)
-        words.append(i if text is None or "\ufffd" in text else first.setdefault(text.strip().lower(), i))
+    words = [i if t is None or "\ufffd" in t else first.setdefault(t.strip().lower(), i)
+             for i, t in enumerate(_texts(tok, uniq))]
     return list(torch.tensor(words, dtype=torch.long)[inverse].split([len(f) for f in flat]))
 
 
@@ -224,12 +226,12 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, room
     vote) and the `WORDS_TOP` best by BM25 for the `question`'s words (`word_ids`: its tokens,
     blind to case and the spaces around them) and their consecutive pairs (of those with any of
     its words), so that a passage the question's rare words point to is read even where the
-    layers' votes passed it over (hybrid retrieval). In what order: by their
-    BM25 for the question, the best last, next to the question, ties by rank (the votes choose, the
-    words order). Where every passage fits, the stream is read in its order. A passage that starts
-    inside a document `named` (a folder's file, whose first line names it) is read after that
-    line, unless it goes on from the passage read before it: the model reads which file each
-    passage is from."""
+    layers' votes passed it over (hybrid retrieval). In what order: by their BM25 for the
+    question, the best last, next to the question, ties by rank (the votes choose, the words
+    order). Where every passage fits, the stream is read in its order. A passage that starts inside
+    a document `named` (a folder's file, whose first line names it) is read after that line,
+    unless it goes on from the passage read before it: the model reads which file each passage is
+    from."""
     n_stream = len(stream)
     weights = event_votes(list(votes.selections.values()), len(votes.spans))
     tv = token_votes(votes.spans, weights, n_stream)
