@@ -31,7 +31,7 @@ from benchmarks.step_profile import random_model, step_args
 # replacing the global replaces every call
 TARGETS = (
     ("emllm.math.attention", "_attend_joint"),
-    ("emllm.engine.window", "apply_rotary"),
+    ("emllm.engine.window", "rotate"),
     ("emllm.memory.selection", "select_mask"),
     ("emllm.memory.buffers", "padded_index"),
     ("emllm.memory.selection", "token_scores"),

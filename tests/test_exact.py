@@ -182,7 +182,7 @@ def test_rotary_in_place_rounds_as_the_plain_formula(dtype):
 
 @pytest.mark.parametrize("arch", ["llama3.1", "phi3"])
 def test_rotary_table_cache(arch):
-    from emllm.math.rope import Rotary
+    from emllm.math.rope import Rotary, signed_sin
 
     model = tiny_model(arch)
     emb = model.model.rotary_emb
@@ -205,6 +205,11 @@ def test_rotary_table_cache(arch):
         rot.table(20, dev, dt)
         rot.table(64, dev, dt)
         assert torch.equal(rot.table(64, dev, dt)[0], c1)
+        # the signed table `rotate` takes: the same cos, the sin's first half negated, cached alike
+        c4, ss4 = rot.signed_table(64, dev, dt)
+        assert c4.data_ptr() == c1.data_ptr() and torch.equal(ss4, signed_sin(s1))
+        h = s1.shape[1] // 2
+        assert torch.equal(ss4[:, :h], -s1[:, :h]) and torch.equal(ss4[:, h:], s1[:, h:])
         # bf16 is its own entry: the float32 values divided by the bf16-rounded scale, rounded once
         cb, _ = rot.table(64, dev, torch.bfloat16)
         s_bf16 = float(emb(torch.empty(0, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.long))[0][0, 0, 0])

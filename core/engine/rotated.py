@@ -20,22 +20,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from emllm.math.rope import apply_rotary
+from emllm.math.rope import rotate
 
 
 class RotatedWindow:
     """keys/values [H_kv, n, D] (keys before RoPE, the model's dtype) -> rows of `dtype` (the keys'
-    if None), key i rotated at position i; room for `slack` more tokens (cos/sin must cover
-    n + slack positions)."""
+    if None), key i rotated at position i; room for `slack` more tokens (cos and the signed sin,
+    `rope.signed_sin`, must cover n + slack positions)."""
 
-    def __init__(self, keys: Tensor, values: Tensor, cos: Tensor, sin: Tensor, slack: int,
+    def __init__(self, keys: Tensor, values: Tensor, cos: Tensor, ssin: Tensor, slack: int,
                  dtype: torch.dtype | None = None) -> None:
         h, n, d = keys.shape
         dtype = keys.dtype if dtype is None else dtype
         self.k = torch.empty(h, n + slack, d, dtype=dtype, device=keys.device)
         self.v = torch.empty_like(self.k)
         # rotated in the keys' dtype, then widened: rounded as the chunk's rotation is
-        self.k[:, :n] = apply_rotary(keys, cos[:n].to(keys.device), sin[:n].to(keys.device))
+        self.k[:, :n] = rotate(keys, cos[:n].to(keys.device), ssin[:n].to(keys.device))
         self.v[:, :n] = values
         self.a, self.b = 0, n
 
@@ -46,11 +46,11 @@ class RotatedWindow:
     def full(self) -> bool:
         return self.b == self.k.shape[1]
 
-    def push(self, key: Tensor, value: Tensor, cos: Tensor, sin: Tensor) -> int:
+    def push(self, key: Tensor, value: Tensor, cos: Tensor, ssin: Tensor) -> int:
         """Append one token: key [H_kv, 1, D] before RoPE, value [H_kv, 1, D]. Returns the
         position its query is rotated at (its row's)."""
         p = self.b
-        self.k[:, p : p + 1] = apply_rotary(key, cos[p : p + 1].to(key.device), sin[p : p + 1].to(key.device))
+        self.k[:, p : p + 1] = rotate(key, cos[p : p + 1].to(key.device), ssin[p : p + 1].to(key.device))
         self.v[:, p : p + 1] = value
         self.b += 1
         return p

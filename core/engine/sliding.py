@@ -16,7 +16,7 @@ from torch import Tensor
 
 from emllm.math.attention import attend_band
 from emllm.memory.buffers import SlidingRows
-from emllm.math.rope import apply_rotary
+from emllm.math.rope import rotate
 
 
 @dataclass
@@ -49,8 +49,8 @@ class SlidingLayer:
         c = q.shape[1]
         keys, values = self._k.append(k), self._v.append(v)  # [H_kv, L, D]
         length = keys.shape[1]
-        cos, sin = (t[:length].to(q.device) for t in st.sliding_rope)
-        out = attend_band(apply_rotary(q, cos[length - c :], sin[length - c :]), apply_rotary(keys, cos, sin),
+        cos, ssin = (t[:length].to(q.device) for t in st.sliding_rope)
+        out = attend_band(rotate(q, cos[length - c :], ssin[length - c :]), rotate(keys, cos, ssin),
                           values, self.size, scaling, softcap)
         keep = min(length, self.size - 1)
         self._k.drop_front(length - keep)

@@ -267,11 +267,11 @@ class Engine:
         # a step of one token keeps the window rotated at positions up to n_local + TOKEN_SLACK
         # (not for rope types whose angles depend on the sequence's length: their window is rotated whole)
         slack = TOKEN_SLACK if c == 1 and not self.rotary.length_dependent else 0
-        cos, sin = self.rotary.table(max(window, pr.n_local + slack), self.device, self.dtype)
+        cos, ssin = self.rotary.signed_table(max(window, pr.n_local + slack), self.device, self.dtype)
         budget = self.similarity_budget
         centering = pr.question_centering if self.answering and pr.question_centering else pr.query_centering
         scoring = pr.question_scoring if self.answering and pr.question_scoring != "mean" and c > 1 else None
-        step = StepInfo(cos, sin, pr.n_local, pr.n_init, budget, pr.n_mem - budget, pr.neighbours, centering,
+        step = StepInfo(cos, ssin, pr.n_local, pr.n_init, budget, pr.n_mem - budget, pr.neighbours, centering,
                         bool(pr.query_centering or pr.question_centering), self.on_retrieval,
                         pr.representative == "attention", slack, scoring,
                         self.event_groups() if scoring and pr.distinct_events else None,
@@ -353,10 +353,10 @@ class Engine:
         return head if bool((mine - theirs).abs().max() <= 1e-2 * theirs.abs().max().clamp_min(1)) else False
 
     def _sliding_rope(self, c: int) -> tuple[Tensor, Tensor] | None:
-        """cos/sin of the sliding layers for a step of c tokens (their window: size - 1 before them)."""
+        """cos and signed sin of the sliding layers for a step of c tokens (their window: size - 1 before them)."""
         if self.sliding_window is None:
             return None
-        return self.sliding_rotary.table(min(self.n_tokens, self.sliding_window - 1) + c, self.device, self.dtype)
+        return self.sliding_rotary.signed_table(min(self.n_tokens, self.sliding_window - 1) + c, self.device, self.dtype)
 
     def _close_events(self) -> None:
         """Close every event that lies wholly in the evicted part of the stream (shared by all layers)."""

@@ -29,7 +29,7 @@ from emllm.memory.selection import (
 # device but the CPU, where the host's selection (numpy) costs less than torch's operations and
 # reading back costs nothing.
 DEVICE_STEP: bool | None = None
-from emllm.math.rope import apply_rotary
+from emllm.math.rope import rotate
 
 
 @dataclass
@@ -37,7 +37,7 @@ class StepInfo:
     """What all layers share during one forward: the rotary table and the window geometry."""
 
     cos: Tensor  # [>= window length, rotary_dim]
-    sin: Tensor
+    ssin: Tensor  # the sin table signed as `rope.rotate` takes it (`rope.signed_sin`)
     n_local: int
     n_init: int
     budget: int  # similarity-buffer budget in tokens
@@ -55,7 +55,7 @@ class StepInfo:
     # [E] group labels of the events for a question's token scoring (`memory.distinct`): identical
     # events take one place in its selection (profile distinct_events); None: every event competes
     groups: Tensor | None = None
-    # cos/sin [>= window, rotary_dim] of the sliding-window layers of a model that mixes them with
+    # cos/signed sin [>= window, rotary_dim] of the sliding-window layers of a model that mixes them with
     # global ones (their own rope base: Gemma 3); None: the model has none
     sliding_rope: tuple[Tensor, Tensor] | None = None
     # keep this step's memory (the events retrieved, gathered) for the answer to come: a question's chunk
@@ -67,15 +67,15 @@ class StepInfo:
     _query_rope: dict = field(default_factory=dict, repr=False)
 
     def query_rope(self, start: int, c: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """cos/sin [2, 1, c, rotary_dim]: the window's positions start..start + c - 1, then the
-        memory's (n_local - 1) for every query: a chunk's queries rotated both ways in one pass
-        (`apply_rotary` broadcasts), the tables made once per forward, not once per layer."""
+        """cos/signed sin [2, 1, c, rotary_dim]: the window's positions start..start + c - 1, then
+        the memory's (n_local - 1) for every query: a chunk's queries rotated both ways in one pass
+        (`rotate` broadcasts), the tables made once per forward, not once per layer."""
         key = (start, c, device)
         if key not in self._query_rope:
             p = self.n_local - 1
             self._query_rope[key] = tuple(
                 torch.stack((t[start : start + c], t[p : p + 1].expand(c, -1))).to(device)[:, None]
-                for t in (self.cos, self.sin))
+                for t in (self.cos, self.ssin))
         return self._query_rope[key]
 
 
@@ -191,24 +191,23 @@ class LayerWindow:
                 # in the model's dtype, as the CPU's kernel takes it; in float32 where the joint
                 # path widens it anyway (`attends_jointly`): widened once, not at every token
                 wide = q.device.type != "cpu" or self._device_step(q, st)
-                rw = self._rw = RotatedWindow(k_loc[:, :-1], v_loc[:, :-1], st.cos, st.sin, st.token_slack,
+                rw = self._rw = RotatedWindow(k_loc[:, :-1], v_loc[:, :-1], st.cos, st.ssin, st.token_slack,
                                               torch.float32 if wide else k_loc.dtype)
-            at = rw.push(k, v, st.cos, st.sin)
+            at = rw.push(k, v, st.cos, st.ssin)
             k_rot, v_att = rw.view()
         else:
             self._rw = None  # (a chunk moves the window past what it holds)
             at = length - c
-            cos, sin = st.cos[:length].to(q.device), st.sin[:length].to(q.device)
-            k_rot, v_att = apply_rotary(k_loc, cos, sin), v_loc
+            k_rot, v_att = rotate(k_loc, st.cos[:length].to(q.device), st.ssin[:length].to(q.device)), v_loc
 
         q_mem = k_mem = v_mem = mem_valid = out_dtype = None
         has_memory = self.init_k.shape[1] or self.rem_k.shape[1] or len(self.events)
         if not has_memory:
-            q_loc = apply_rotary(q, st.cos[at : at + c].to(q.device), st.sin[at : at + c].to(q.device))
+            q_loc = rotate(q, st.cos[at : at + c].to(q.device), st.ssin[at : at + c].to(q.device))
         else:
             # the queries at their window positions, and at the memory's, which sits at one fixed
             # distance from every query (n_local - 1)
-            both = apply_rotary(q, *st.query_rope(at, c, q.device))  # [2, H_q, c, D]
+            both = rotate(q, *st.query_rope(at, c, q.device))  # [2, H_q, c, D]
             if q.device.type != "cpu" or self._device_step(q, st):
                 # attention's joint path ahead (`attends_jointly`), which widens its queries to
                 # float32: widened here, both at once, laid out for its products, one copy

@@ -50,7 +50,7 @@ class Rotary:
         self._cache: OrderedDict[tuple, tuple[Tensor, Tensor]] = OrderedDict()
 
     @torch.no_grad()
-    def _compute(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def _compute(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
         pos = torch.arange(length, device=device)[None]  # [1, length]
         probe = torch.empty(0, device=device, dtype=torch.float32)  # float32 out: no rounding yet
         # s_d: the factor the model's attention applies at position 0 (module doc), read from the
@@ -58,13 +58,23 @@ class Rotary:
         zero = torch.zeros(1, 1, dtype=torch.long, device=device)
         s_d = self._call(torch.empty(0, device=device, dtype=dtype), zero)[0][0, 0, :1].float()  # [1]
         cos, sin = self._call(probe, pos)  # [1, length, rotary_dim] float32, scaled by s
-        return (cos[0] / s_d).to(dtype), (sin[0] / s_d).to(dtype)
+        sin = (sin[0] / s_d).to(dtype)
+        return (cos[0] / s_d).to(dtype), sin, signed_sin(sin)
 
     def _call(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
         return self.module(x, pos) if self.layer_type is None else self.module(x, pos, self.layer_type)
 
     def table(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin: [length, rotary_dim] for positions 0..length-1 (read-only: may be cached views)."""
+        cos, sin, _ = self._tables(length, device, dtype)
+        return cos, sin
+
+    def signed_table(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and `signed_sin(sin)` of `table`, as `rotate` takes them (cached alike)."""
+        cos, _, ssin = self._tables(length, device, dtype)
+        return cos, ssin
+
+    def _tables(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
         device = torch.device(device)
         if self.length_dependent:
             key = (length, device, dtype)
@@ -79,7 +89,7 @@ class Rotary:
         hit = self._cache.get(key)
         if hit is None or hit[0].shape[0] < length:
             hit = self._cache[key] = self._compute(length, device, dtype)
-        return hit[0][:length], hit[1][:length]
+        return tuple(t[:length] for t in hit)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -87,20 +97,29 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [..., n, head_dim] by cos/sin [n, rotary_dim] (rotary_dim <= head_dim).
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin [..., rotary_dim] with its first half negated: rotate_half(x) * sin is then x with its
+    halves swapped times signed_sin(sin), to the bit (a product by -s is the negated product by s)."""
+    h = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :h], sin[..., h:]), -1)
 
-    The same roundings as x * cos + rotate_half(x) * sin (each product rounded, then the sum),
-    in three passes over x instead of five (no negated copy, no concatenation): a generated
-    token rotates the whole window in every layer. In-place on views of the output, not through
-    `out[...] -= ...`, whose assignment copies the half onto itself: one kernel fewer each (on a
-    GPU a layer's step is paced by its kernel launches)."""
+
+def rotate(x: Tensor, cos: Tensor, ssin: Tensor) -> Tensor:
+    """Rotate x [..., n, head_dim] by cos and the signed sin ssin [n, rotary_dim] (`signed_sin`;
+    rotary_dim <= head_dim): x * cos + rotate_half(x) * sin to the bit, each product rounded and
+    then the sum (a sum with a negated term is the difference), in four kernels where the halves
+    rotated apart take five: a step rotates its queries and keys in every layer, and on a GPU a
+    layer's step is paced by its kernel launches."""
     rd = cos.shape[-1]
+    h = rd // 2
     if rd == x.shape[-1]:
-        h = rd // 2
         out = x * cos
-        out[..., :h].sub_(x[..., h:] * sin[..., :h])
-        out[..., h:].add_(x[..., :h] * sin[..., h:])
-        return out
+        return out.add_(torch.cat((x[..., h:], x[..., :h]), -1) * ssin)
     x_rot, x_pass = x[..., :rd], x[..., rd:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+    return torch.cat((x_rot * cos + torch.cat((x_rot[..., h:], x_rot[..., :h]), -1) * ssin, x_pass), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [..., n, head_dim] by cos/sin [n, rotary_dim] (rotary_dim <= head_dim): `rotate`
+    with the sign made here (a table used often: `Rotary.signed_table`, made once)."""
+    return rotate(x, cos, signed_sin(sin))
