@@ -129,13 +129,31 @@ class LayerWindow:
     def local_v(self, t: Tensor) -> None:
         self._lv = SlidingRows(t)
 
+    # the remainder too: the window's evicted rows appended, an event's rows dropped from the front
+    # when it closes (no copy of what stays; a closed event's rows, views, are never written again)
+    @property
+    def rem_k(self) -> Tensor:
+        return self._rk.view()
+
+    @rem_k.setter
+    def rem_k(self, t: Tensor) -> None:
+        self._rk = SlidingRows(t)
+
+    @property
+    def rem_v(self) -> Tensor:
+        return self._rv.view()
+
+    @rem_v.setter
+    def rem_v(self, t: Tensor) -> None:
+        self._rv = SlidingRows(t)
+
     _STATE = ("init_k", "init_v", "local_k", "local_v", "local_mass", "rem_k", "rem_v", "rem_mass", "contiguity",
               "query_sum")
 
     def state(self) -> dict[str, Tensor]:
         """The tensors that continue this layer's stream (events excluded: they are in `events`)."""
         own = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731 (views of buffers a step overwrites)
-        return {**{name: own(getattr(self, name)) if name.startswith("local") or name == "rem_mass" else getattr(self, name)
+        return {**{name: own(getattr(self, name)) if name.startswith(("local", "rem")) else getattr(self, name)
                    for name in self._STATE},
                 "n_seen": torch.tensor(self.n_seen),
                 "query_n": torch.tensor(self.query_n)}
@@ -252,7 +270,7 @@ class LayerWindow:
             else:
                 parts_k += [mk, self.rem_k]
                 parts_v += [mv, self.rem_v]
-            k_mem, v_mem = torch.cat(parts_k, 1), torch.cat(parts_v, 1)
+            k_mem, v_mem = torch.cat(parts_k, 1), parts_v  # (the values joined with the window's by `attend`)
             if st.keep_mean and kept is None:  # (kept only when used: a store that does not centre writes zeros, as before)
                 self.query_sum.add_(query)  # (widened in the add: exact, no copy made first)
                 self.query_n += 1
@@ -372,8 +390,8 @@ class LayerWindow:
                 self.init_k = torch.cat((self.init_k, k_loc[:, :to_init]), 1)
                 self.init_v = torch.cat((self.init_v, v_loc[:, :to_init]), 1)
             if n_out > to_init:
-                self.rem_k = torch.cat((self.rem_k, k_loc[:, to_init:n_out]), 1)
-                self.rem_v = torch.cat((self.rem_v, v_loc[:, to_init:n_out]), 1)
+                self._rk.append(k_loc[:, to_init:n_out])
+                self._rv.append(v_loc[:, to_init:n_out])
                 if mass is None:
                     self.rem_mass = self._zeros(self.rem_k.shape[1])
                 else:
@@ -401,9 +419,10 @@ class LayerWindow:
         them; `mean`: mean keys, which read no attention mass)."""
         keys, values = self.rem_k[:, :n], self.rem_v[:, :n]
         self.events.append(keys, values, lengths, reprs)
-        if self._kept is not None:  # (views: the remainder below is a new buffer)
+        if self._kept is not None:  # (views of rows the remainder's buffer never writes again)
             self._kept[3].append((keys, values))
-        self.rem_k, self.rem_v = self.rem_k[:, n:].contiguous(), self.rem_v[:, n:].contiguous()
+        self._rk.drop_front(n)
+        self._rv.drop_front(n)
         # (mean representatives: the mass stays zeros, a view of `_zeros`)
         self.rem_mass = self._zeros(self.rem_k.shape[1]) if mean else self.rem_mass[:, n:].contiguous()
 

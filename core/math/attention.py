@@ -38,7 +38,7 @@ def attend(
     v_local: Tensor,  # [H_kv, L, D] (the model's dtype or float32)
     q_mem: Tensor | None,  # [H_q, c, D] queries rotated at the memory position
     k_mem: Tensor | None,  # [H_kv, M, D] memory keys, un-rotated
-    v_mem: Tensor | None,  # [H_kv, M, D]
+    v_mem: Tensor | Sequence[Tensor] | None,  # [H_kv, M, D], or its parts [H_kv, M_i, D] in order
     scaling: float,
     with_mass: bool = True,
     mem_valid: Tensor | None = None,  # [V <= M] bool: which of the memory's last V rows count (a selection padded to its budget); None: all
@@ -60,9 +60,12 @@ def attend(
     c = q_local.shape[1]
     cpu = q_local.device.type == "cpu"
     if attends_jointly(q_local.device, mem_valid):  # (a device's step: its padding masked)
+        # (the memory's values given in parts join the window's in one concatenation there)
         return _attend_joint(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_mass, mem_valid, softcap,
                              out_dtype)
     q_local, q_mem = (q_local, q_mem) if out_dtype is None else (q_local.to(out_dtype), _to(q_mem, out_dtype))
+    if isinstance(v_mem, (tuple, list)):
+        v_mem = torch.cat(v_mem, 1)
     if softcap is not None:  # (capped scores: no kernel caps them)
         memory = lambda q, k, v, scale: _memory_materialised(q, k, v, scale, softcap)  # noqa: E731
         return _attend(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, memory, with_mass, softcap)
@@ -97,7 +100,7 @@ def _attend_joint(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_
     in float32 (queries, keys and values widened first): where a layer's step is paced by the
     kernels it launches (a GPU), about half of `_attend`'s, which merges two softmaxes by their
     log-sum-exps. valid [V <= M] bool: which of the memory's last V rows count (a selection padded
-    to its budget)."""
+    to its budget). v_mem: a tensor or its parts, concatenated with the window's values at once."""
     h_q, c, d = q_local.shape
     h_kv, length, _ = k_local.shape
     g = h_q // h_kv
@@ -113,7 +116,8 @@ def _attend_joint(q_local, k_local, v_local, q_mem, k_mem, v_mem, scaling, with_
     if c > 1:  # causal: query i sees the chunk's keys 0..i (and every memory key; each query sees itself)
         s.view(h_kv, g, c, m + length)[..., m + length - c :].masked_fill_(_upper(c, s.device), float("-inf"))
     p = torch.softmax(s, -1)
-    values = torch.cat((v_mem, v_local), 1) if m else v_local  # [H_kv, M + L, D]
+    parts = tuple(v_mem) if isinstance(v_mem, (tuple, list)) else (v_mem,)
+    values = torch.cat((*parts, v_local), 1) if m else v_local  # [H_kv, M + L, D]
     out = torch.bmm(p, values.float()).to(out_dtype or q_local.dtype).view(h_q, c, d)
     if not with_mass:
         return out, None
