@@ -24,6 +24,11 @@ in float32 the casts between the model's dtype and attention's float32 are not t
 Ops on the host's tensors (a store's offsets, its write buffers) are counted too, though on a GPU
 they launch nothing: the count is an upper bound.
 
+`--scoring` counts the ops of scoring a memory's events (`selection.token_scores`, three a
+block) at the sizes of a long stream, a step's query and a question's 512 tokens, in a device's
+blocks against the CPU's, on the meta device (shapes only): on a GPU the blocks' launches, not
+their arithmetic, grow with the memory (`python -m benchmarks.host_syncs --scoring`).
+
 `--time` times the host instead: the same steps over the tiny model on one thread, whose kernels
 compute next to nothing, so a layer's microseconds are Python's and dispatch's, what a GPU waits
 on where a step's kernels are too small to hide them (`python -m benchmarks.host_syncs --time
@@ -217,6 +222,24 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
     return chunk, token
 
 
+def scoring_launches(events: int, dim: int, queries: int, device_blocks: bool = True) -> int:
+    """Ops of scoring `events` representative keys of `dim` floats (bfloat16) for `queries`
+    queries, in a device's blocks (else the CPU's), counted on the meta device."""
+    from emllm.memory import selection
+
+    meta = torch.device("meta")
+    rows = torch.empty(events, dim, dtype=torch.bfloat16, device=meta)
+    saved = selection.DEVICE_BLOCK_BYTES
+    if not device_blocks:
+        selection.DEVICE_BLOCK_BYTES = selection.SCORE_BLOCK_BYTES
+    try:
+        with Launches() as n:
+            selection.token_scores(events, dim, lambda a, b: rows[a:b], torch.empty(queries, dim, device=meta))
+    finally:
+        selection.DEVICE_BLOCK_BYTES = saved
+    return n.total
+
+
 def host_time(args, lo: int, hi: int) -> None:
     """`--time`: microseconds of the host a layer (the difference between lo and hi layers), the
     device step's against the plain model's, one JSON line each."""
@@ -250,6 +273,8 @@ def main() -> None:
     ap.add_argument("--time", action="store_true",
                     help="time the host a layer instead (tiny model, one thread, best of --repeat): the device step's "
                          "chunk and tokens against the plain model's")
+    ap.add_argument("--scoring", action="store_true",
+                    help="count the ops of scoring a long memory's events, a device's blocks against the CPU's")
     ap.add_argument("--repeat", type=int, default=5, help="runs of each depth for --time (the fastest counts)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                     help="the model's dtype for --launches (a GPU's runs in bfloat16: float32 counts no casts)")
@@ -261,6 +286,14 @@ def main() -> None:
             ap.error(f"--{'time' if args.time else 'launches'} needs two depths in --layers, e.g. 2,8")
     if args.time:
         host_time(args, lo, hi)
+        return
+    if args.scoring:  # events of ~15 tokens: 131k and 1M tokens; SmolLM2's dim (3 heads of 64), the 0.5B's (2)
+        for tokens, dim in ((131_072, 192), (1 << 20, 192), (1 << 20, 128)):
+            for queries in (1, 512):
+                events = tokens // 15
+                print(json.dumps({"tokens": tokens, "events": events, "dim": dim, "queries": queries,
+                                  "ops_device_blocks": scoring_launches(events, dim, queries),
+                                  "ops_cpu_blocks": scoring_launches(events, dim, queries, device_blocks=False)}))
         return
     if args.launches:
         n_tok = 16  # generated tokens a count (some close events, some do not): their mean

@@ -255,3 +255,26 @@ def test_a_steps_deferred_rows_come_back_from_the_host_and_the_device(tiny, tmp_
     assert [[t.device.type for t in ts] for ts in got] == [["cpu", "cpu"], ["cpu", "cpu"]]
     assert torch.equal(got[0][0], a) and torch.equal(got[0][1], b)
     assert torch.equal(got[1][0], b * 2) and torch.equal(got[1][1], a[1:])
+
+
+@pytest.mark.parametrize("t", [1, 512])
+def test_scores_on_cuda_in_its_large_blocks_are_the_cpus_bits(t):
+    """A device scores its events in blocks of `DEVICE_BLOCK_BYTES`, the CPU in blocks of ~4 MiB:
+    each score's bits depend on its row alone (`selection.scores_in_blocks`), so the same events
+    and queries give the same bits both ways, and on the device in blocks of any size."""
+    from emllm.memory import selection
+
+    g = torch.Generator().manual_seed(5)
+    events, dim = 20_000, 192  # several of the CPU's blocks, one of the device's for one query
+    rows = (torch.randn(events, dim, generator=g) * 3).to(torch.bfloat16)
+    q = torch.randn(t, dim, generator=g)
+    on_cpu = selection.token_scores(events, dim, lambda a, b: rows[a:b], q)
+    dev_rows = rows.to(CUDA)
+    on_dev = selection.token_scores(events, dim, lambda a, b: dev_rows[a:b], q.to(CUDA)).cpu()
+    assert torch.equal(on_dev, on_cpu)
+    small = pytest.MonkeyPatch()
+    small.setattr(selection, "DEVICE_BLOCK_BYTES", 1 << 20)  # other blocks on the device
+    try:
+        assert torch.equal(selection.token_scores(events, dim, lambda a, b: dev_rows[a:b], q.to(CUDA)).cpu(), on_cpu)
+    finally:
+        small.undo()

@@ -152,3 +152,28 @@ def test_an_answer_on_its_questions_memory_reads_nothing_a_layer():
     # a few a token, the step's own (its ids, its logits, whether events close): a step that
     # closes an event or not may differ by one
     assert answer2.total <= 24 * 4 and abs(answer8.total - answer2.total) <= 2
+
+
+@pytest.mark.parametrize("dim", [192, 128])
+def test_scoring_on_a_device_takes_a_few_blocks_however_many_events(monkeypatch, dim):
+    """Every event is scored in blocks, three ops each (`selection.token_scores`). On the CPU a
+    block is ~4 MiB (its caches); on a device each block costs its launches, so blocks are sized
+    by `DEVICE_BLOCK_BYTES`: a step's query scores a million tokens' events (66k; SmolLM2's dim
+    192, the 0.5B's 128) in one block, a question's 512 tokens in a few hundred ops, not thousands
+    of blocks. Counted on the meta device (shapes only, nothing computed)."""
+    from emllm.memory import selection
+
+    events, meta = 66_000, torch.device("meta")
+    rows = torch.empty(events, dim, dtype=torch.bfloat16, device=meta)
+
+    def ops(t: int) -> int:
+        with Launches() as n:
+            out = selection.token_scores(events, dim, lambda a, b: rows[a:b], torch.empty(t, dim, device=meta))
+        assert out.shape == (t, events)
+        return n.total
+
+    device = ops(1), ops(512)
+    monkeypatch.setattr(selection, "DEVICE_BLOCK_BYTES", selection.SCORE_BLOCK_BYTES)  # the CPU's blocks
+    cpu = ops(1), ops(512)
+    assert device[0] == 3 and cpu[0] >= 27  # one block of three ops, against 9 or 17 blocks
+    assert device[1] <= 400 and cpu[1] >= 12_000, (device, cpu)  # 512 queries: blocks of 512 or 1,024 events, not 16

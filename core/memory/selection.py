@@ -15,12 +15,18 @@ from torch import Tensor
 from emllm.memory.distinct import best_of_groups
 
 
-SCORE_BLOCK_BYTES = 4 << 20  # float32 bytes of representative keys scored per matrix-vector product
+SCORE_BLOCK_BYTES = 4 << 20  # float32 bytes of representative keys scored a block on the CPU (its caches)
+# float32 bytes of products a block on a device: there each block costs its kernels' launches, not
+# cache misses, and blocks of the CPU's size grow with the memory (a question's 512 tokens scored
+# 66k events in ~4,000 blocks of 16)
+DEVICE_BLOCK_BYTES = 256 << 20
 
 
-def score_block_rows(dim: int) -> int:
-    """Events per scoring block for vectors of `dim` floats: a power of two, about 4 MiB of float32."""
-    return 1 << max(6, (SCORE_BLOCK_BYTES // (4 * dim)).bit_length() - 1)
+def score_block_rows(dim: int, device: torch.device | None = None) -> int:
+    """Events per scoring block for vectors of `dim` floats: a power of two, about 4 MiB of float32
+    on the CPU (None), `DEVICE_BLOCK_BYTES` on another device."""
+    budget = SCORE_BLOCK_BYTES if device is None or device.type == "cpu" else DEVICE_BLOCK_BYTES
+    return 1 << max(6, (budget // (4 * dim)).bit_length() - 1)
 
 
 _WORK: dict[tuple[torch.device, int], Tensor] = {}
@@ -61,7 +67,7 @@ def score_error(dim: int) -> float:
 
 
 def scores_in_blocks(n: int, dim: int, block: Callable[[int, int], Tensor], query: Tensor) -> Tensor:
-    """Scores of events 0..n-1, a block of `score_block_rows(dim)` events at a time.
+    """Scores of events 0..n-1, a block of `score_block_rows(dim, query.device)` events at a time.
 
     block(start, stop) returns those events' representative keys [stop - start, dim] (float16,
     bfloat16 or float32; scored in float32). Each score is a product, then dim / g sums of
@@ -101,12 +107,12 @@ def token_scores(n: int, dim: int, block: Callable[[int, int], Tensor], queries:
 
     The scan's operations (`scores_in_blocks` is this for one query), on [T, m, dim] at once: each
     block of keys is read once for all T queries, and the blocks shrink with T so the products
-    stay ~4 MiB (faster than one query at a time; tests/test_surprise_memory.py checks the bits
-    against the scan's formula)."""
+    stay ~4 MiB on the CPU, `DEVICE_BLOCK_BYTES` on a device (faster than one query at a time;
+    tests/test_surprise_memory.py checks the bits against the scan's formula)."""
     q = queries.reshape(-1, dim).float()  # [T, dim]
     t = q.shape[0]
     out = torch.empty(t, n, dtype=torch.float32, device=q.device)
-    step = max(16, score_block_rows(dim) // max(t, 1))
+    step = max(16, score_block_rows(dim, q.device) // max(t, 1))
     g = score_groups(dim)
     for start in range(0, n, step):
         stop = min(n, start + step)
