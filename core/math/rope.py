@@ -47,7 +47,7 @@ class Rotary:
         rt = getattr(rotary_emb, "rope_type", "default")
         rt = str(rt.get(layer_type, "default") if isinstance(rt, dict) else rt)
         self.length_dependent = rt == "longrope" or "dynamic" in rt  # as transformers' dynamic_rope_update
-        self._cache: OrderedDict[tuple, tuple[Tensor, Tensor]] = OrderedDict()
+        self._cache: OrderedDict[tuple, tuple[Tensor, Tensor, Tensor]] = OrderedDict()  # cos, sin, signed sin
 
     @torch.no_grad()
     def _compute(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:

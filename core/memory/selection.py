@@ -17,8 +17,8 @@ from emllm.memory.distinct import best_of_groups
 
 SCORE_BLOCK_BYTES = 4 << 20  # float32 bytes of representative keys scored a block on the CPU (its caches)
 # float32 bytes of products a block on a device: there each block costs its kernels' launches, not
-# cache misses, and blocks of the CPU's size grow with the memory (a question's 512 tokens scored
-# 66k events in ~4,000 blocks of 16)
+# cache misses; in the CPU's blocks a step's launches grew with the memory, and a question's many
+# queries took blocks of a few events each
 DEVICE_BLOCK_BYTES = 256 << 20
 
 
