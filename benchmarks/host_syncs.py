@@ -242,22 +242,27 @@ def scoring_launches(events: int, dim: int, queries: int, device_blocks: bool = 
 
 def host_time(args, lo: int, hi: int) -> None:
     """`--time`: microseconds of the host a layer (the difference between lo and hi layers), the
-    device step's against the plain model's, one JSON line each."""
+    device step's against the plain model's, one JSON line each. The three are run in turn within
+    each repeat (lockstep: a change of the machine's load hits them alike), the fastest kept."""
     import json
 
     torch.set_num_threads(1)
     dtype, n_tok = getattr(torch, args.dtype), 32
-    for name, f in (("plain model (sdpa, KV cache)", lambda n: plain_launches(n, dtype=dtype, count=HostTime)),
-                    ("emllm (device step, store)",
-                     lambda n: step_reads(n, device_step=True, store=True, count=HostTime, answer_tokens=n_tok, dtype=dtype)),
-                    ("emllm, an answer on its question's memory (answer_retrieval question)",
-                     lambda n: step_reads(n, device_step=True, store=True, count=HostTime, question=True,
-                                          answer_tokens=n_tok, dtype=dtype))):
+    ways = (("plain model (sdpa, KV cache)", lambda n: plain_launches(n, dtype=dtype, count=HostTime)),
+            ("emllm (device step, store)",
+             lambda n: step_reads(n, device_step=True, store=True, count=HostTime, answer_tokens=n_tok, dtype=dtype)),
+            ("emllm, an answer on its question's memory (answer_retrieval question)",
+             lambda n: step_reads(n, device_step=True, store=True, count=HostTime, question=True,
+                                  answer_tokens=n_tok, dtype=dtype)))
+    runs: dict[tuple[str, int], list] = {(name, n): [] for name, _ in ways for n in (lo, hi)}
+    for _ in range(args.repeat):
+        for name, f in ways:
+            for n in (lo, hi):
+                runs[name, n].append(f(n))
+    for name, _ in ways:
         tokens = 1 if name.startswith("plain") else n_tok
-        best = {}
-        for n in (lo, hi):
-            runs = [f(n) for _ in range(args.repeat)]
-            best[n] = (min(c.total for c, _ in runs), min(t.total for _, t in runs) / tokens)
+        best = {n: (min(c.total for c, _ in runs[name, n]), min(t.total for _, t in runs[name, n]) / tokens)
+                for n in (lo, hi)}
         per = lambda i: round(1e6 * (best[hi][i] - best[lo][i]) / (hi - lo), 1)  # noqa: E731
         print(json.dumps({"what": name, "dtype": args.dtype, "chunk_us_per_layer": per(0), "token_us_per_layer": per(1)}),
               flush=True)
