@@ -177,3 +177,19 @@ def test_scoring_on_a_device_takes_a_few_blocks_however_many_events(monkeypatch,
     cpu = ops(1), ops(512)
     assert device[0] == 3 and cpu[0] >= 27  # one block of three ops, against 9 or 17 blocks
     assert device[1] <= 400 and cpu[1] >= 12_000, (device, cpu)  # 512 queries: blocks of 512 or 1,024 events, not 16
+
+
+def test_the_benchmark_prints_the_scoring_ops_of_a_devices_blocks_beside_the_cpus(monkeypatch, capsys):
+    """`python -m benchmarks.host_syncs --scoring`: a line a length, dim and query count."""
+    import json
+
+    from benchmarks import host_syncs
+
+    monkeypatch.setattr("sys.argv", ["host_syncs", "--scoring"])
+    host_syncs.main()
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 6 and {r["queries"] for r in rows} == {1, 512}
+    for r in rows:
+        assert r["ops_device_blocks"] < r["ops_cpu_blocks"]
+        if r["queries"] == 1:
+            assert r["ops_device_blocks"] == 3
