@@ -79,6 +79,20 @@ class StepInfo:
         return self._query_rope[key]
 
 
+class _Rows:
+    """A layer's rows [H, n, ...] held in `SlidingRows` under `slot`: reading gives their view
+    (valid until the next append), assigning holds a copy of the tensor given."""
+
+    def __init__(self, slot: str) -> None:
+        self.slot = slot
+
+    def __get__(self, obj: object, owner: type | None = None) -> Tensor:
+        return self if obj is None else getattr(obj, self.slot).view()  # type: ignore[return-value]
+
+    def __set__(self, obj: object, t: Tensor) -> None:
+        setattr(obj, self.slot, SlidingRows(t))
+
+
 @dataclass
 class LayerWindow:
     layer_idx: int
@@ -95,6 +109,7 @@ class LayerWindow:
         h, d = self.n_kv_heads, self.head_dim
         self.init_k, self.init_v = z(h, 0, d), z(h, 0, d)
         self.local_k, self.local_v = z(h, 0, d), z(h, 0, d)
+        self._rw: RotatedWindow | None = None  # the window rotated for steps of one token (none yet)
         self.local_mass = z(self.n_q_heads, 0, dt=torch.float32)
         self.rem_k, self.rem_v = z(h, 0, d), z(h, 0, d)
         self.rem_mass = z(self.n_q_heads, 0, dt=torch.float32)
@@ -110,42 +125,11 @@ class LayerWindow:
         # generated answer's tokens attend to (StepInfo.reuse_memory)
         self._kept: tuple[Tensor, Tensor, Tensor | None, list[tuple[Tensor, Tensor]]] | None = None
 
-    # the local window's keys and values live in sliding buffers (a step appends its rows and drops
-    # the evicted ones without copying the window); these are views of them
-    @property
-    def local_k(self) -> Tensor:
-        return self._lk.view()
-
-    @local_k.setter
-    def local_k(self, t: Tensor) -> None:
-        self._lk = SlidingRows(t)
-        self._rw: RotatedWindow | None = None  # the window rotated for steps of one token (none yet)
-
-    @property
-    def local_v(self) -> Tensor:
-        return self._lv.view()
-
-    @local_v.setter
-    def local_v(self, t: Tensor) -> None:
-        self._lv = SlidingRows(t)
-
-    # the remainder too: the window's evicted rows appended, an event's rows dropped from the front
-    # when it closes (no copy of what stays; a closed event's rows, views, are never written again)
-    @property
-    def rem_k(self) -> Tensor:
-        return self._rk.view()
-
-    @rem_k.setter
-    def rem_k(self, t: Tensor) -> None:
-        self._rk = SlidingRows(t)
-
-    @property
-    def rem_v(self) -> Tensor:
-        return self._rv.view()
-
-    @rem_v.setter
-    def rem_v(self, t: Tensor) -> None:
-        self._rv = SlidingRows(t)
+    # the local window's and the remainder's keys and values live in sliding buffers: a step
+    # appends the window's rows and drops the evicted ones, which join the remainder, and a closed
+    # event's rows leave it, all without copying what stays (a closed event's rows, views, are
+    # never written again); these are views of them
+    local_k, local_v, rem_k, rem_v = _Rows("_lk"), _Rows("_lv"), _Rows("_rk"), _Rows("_rv")
 
     _STATE = ("init_k", "init_v", "local_k", "local_v", "local_mass", "rem_k", "rem_v", "rem_mass", "contiguity",
               "query_sum")
@@ -187,6 +171,7 @@ class LayerWindow:
         if "query_sum" not in state:
             self.query_sum = torch.zeros_like(self.query_sum)
         self._held = self._kept = None  # events may have been forgotten (a reader's truncate): ids name others
+        self._rw = None  # (a window of other rows)
 
     # -- the attention call ------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scaling: float, st: StepInfo,
