@@ -27,7 +27,8 @@ they launch nothing: the count is an upper bound.
 `--scoring` counts the ops of scoring a memory's events (`selection.token_scores`, three a
 block) at the sizes of a long stream, a step's query and a question's 512 tokens, in a device's
 blocks against the CPU's, on the meta device (shapes only): on a GPU the blocks' launches, not
-their arithmetic, grow with the memory (`python -m benchmarks.host_syncs --scoring`).
+their arithmetic, grow with the memory (`python -m benchmarks.host_syncs --scoring`). With
+`--device cuda` it also times them there, both ways, and checks that they give the same bits.
 
 `--time` times the host instead: the same steps over the tiny model on one thread, whose kernels
 compute next to nothing, so a layer's microseconds are Python's and dispatch's, what a GPU waits
@@ -41,6 +42,7 @@ import time
 from collections import Counter
 
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _METHODS = ("cpu", "tolist")
@@ -240,6 +242,32 @@ def scoring_launches(events: int, dim: int, queries: int, device_blocks: bool = 
     return n.total
 
 
+def scoring_seconds(events: int, dim: int, queries: int, device: str, device_blocks: bool = True,
+                    repeat: int = 3) -> tuple[float, Tensor]:
+    """(the fastest of `repeat` runs' seconds, the scores) of `scoring_launches`' scoring, run on
+    `device` (random keys and queries, the same for every call of the same sizes)."""
+    from emllm.memory import selection
+
+    g = torch.Generator().manual_seed(events + dim + queries)
+    rows = torch.randn(events, dim, generator=g).to(device, torch.bfloat16)
+    q = torch.randn(queries, dim, generator=g).to(device)
+    sync = torch.cuda.synchronize if rows.device.type == "cuda" else (lambda: None)
+    saved = selection.DEVICE_BLOCK_BYTES
+    if not device_blocks:
+        selection.DEVICE_BLOCK_BYTES = selection.SCORE_BLOCK_BYTES
+    try:
+        best = float("inf")
+        for _ in range(repeat + 1):  # (the first: the work buffers' allocation)
+            sync()
+            t = time.perf_counter()
+            out = selection.token_scores(events, dim, lambda a, b: rows[a:b], q)
+            sync()
+            best = min(best, time.perf_counter() - t)
+    finally:
+        selection.DEVICE_BLOCK_BYTES = saved
+    return best, out
+
+
 def host_time(args, lo: int, hi: int) -> None:
     """`--time`: microseconds of the host a layer (the difference between lo and hi layers), the
     device step's against the plain model's, one JSON line each. The three are run in turn within
@@ -280,6 +308,8 @@ def main() -> None:
                          "chunk and tokens against the plain model's")
     ap.add_argument("--scoring", action="store_true",
                     help="count the ops of scoring a long memory's events, a device's blocks against the CPU's")
+    ap.add_argument("--device", default=None,
+                    help="with --scoring: also time the scoring on this device (e.g. cuda), both ways")
     ap.add_argument("--repeat", type=int, default=5, help="runs of each depth for --time (the fastest counts)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                     help="the model's dtype for --launches (a GPU's runs in bfloat16: float32 counts no casts)")
@@ -296,9 +326,15 @@ def main() -> None:
         for tokens, dim in ((131_072, 192), (1 << 20, 192), (1 << 20, 128)):
             for queries in (1, 512):
                 events = tokens // 15
-                print(json.dumps({"tokens": tokens, "events": events, "dim": dim, "queries": queries,
-                                  "ops_device_blocks": scoring_launches(events, dim, queries),
-                                  "ops_cpu_blocks": scoring_launches(events, dim, queries, device_blocks=False)}))
+                row = {"tokens": tokens, "events": events, "dim": dim, "queries": queries,
+                       "ops_device_blocks": scoring_launches(events, dim, queries),
+                       "ops_cpu_blocks": scoring_launches(events, dim, queries, device_blocks=False)}
+                if args.device:
+                    (fast, a), (slow, b) = (scoring_seconds(events, dim, queries, args.device, blocks)
+                                            for blocks in (True, False))
+                    row.update(device=args.device, s_device_blocks=round(fast, 5), s_cpu_blocks=round(slow, 5),
+                               same_bits=bool(torch.equal(a, b)))
+                print(json.dumps(row), flush=True)
         return
     if args.launches:
         n_tok = 16  # generated tokens a count (some close events, some do not): their mean

@@ -9,7 +9,7 @@
 #               gguf (SmolLM2's conversion) and, for the suite, the server and CLI stack of scripts/constraints.txt
 #   .gpu/home/  an emllm home whose models/smollm2 holds SmolLM2's config and tokenizer, no weights
 # and run there (the tool `device`): `bash scripts/gpu_check.sh [STEP...]` carrying .whl and .gpu/home;
-# steps: tests grid cli prof profile compile grid1b grid8b suite keep model gridreal (default: tests grid cli grid1b, in that order);
+# steps: tests grid cli prof profile compile scoring grid1b grid8b suite keep model gridreal (default: tests grid cli grid1b, in that order);
 # a task's device time (status's budget_left_s) covers the machine's start too: where it is short,
 # one call of the steps that matter most, e.g. COMPILE_S=200 `bash scripts/gpu_check.sh "tests grid compile"`;
 # GRID_LENGTHS, GRID_S and GRID_FORMAT set the speed grids' lengths, time limit and store format
@@ -99,6 +99,10 @@ grid1b() {
 grid8b() {
   timeout ${GRID_S:-150} python3 -m benchmarks.speed_grid --device cuda --dtype bfloat16 --config llama-3.1-8b --lengths ${GRID_LENGTHS:-4k,32k,256k} \
     --chunks 3 --decode 8 ${GRID_FORMAT:+--format $GRID_FORMAT} ${GRID_BUDGET:+--device-budget $GRID_BUDGET} --out "$OUT/speed-llama8b-gpu.jsonl" 2>&1 | grep -v Warning | tee "$OUT/speed-llama8b.log"
+}
+
+scoring() {  # scoring a long memory's events in a device's blocks against the CPU's, timed there (~30 s)
+  timeout ${SCORING_S:-120} python3 -m benchmarks.host_syncs --scoring --device cuda 2>&1 | grep -v Warning | tee "$OUT/scoring.jsonl"
 }
 
 compile() {  # torch.compile of the device step's pure functions against them as they are (issue 70, item 4)

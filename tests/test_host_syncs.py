@@ -193,3 +193,15 @@ def test_the_benchmark_prints_the_scoring_ops_of_a_devices_blocks_beside_the_cpu
         assert r["ops_device_blocks"] < r["ops_cpu_blocks"]
         if r["queries"] == 1:
             assert r["ops_device_blocks"] == 3
+
+
+def test_the_scoring_benchmark_times_blocks_that_give_the_same_bits(monkeypatch):
+    """`--scoring --device D` times a device's blocks against the CPU's there and checks their
+    bits; here on the CPU, its scores in blocks of 64 events equal those in one block."""
+    from benchmarks.host_syncs import scoring_seconds
+    from emllm.memory import selection
+
+    t1, one = scoring_seconds(3000, 192, 8, "cpu")  # 3,000 events: one block of the CPU's 4 MiB
+    monkeypatch.setattr(selection, "SCORE_BLOCK_BYTES", 64 * 192 * 4)
+    t2, many = scoring_seconds(3000, 192, 8, "cpu")  # (8 queries: blocks of 16 events)
+    assert one.shape == (8, 3000) and torch.equal(one, many) and t1 > 0 and t2 > 0
