@@ -38,8 +38,10 @@ on where a step's kernels are too small to hide them (`python -m benchmarks.host
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -173,7 +175,6 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
     an answer's that attend to its memory (profile answer_retrieval "question"); answer_tokens:
     how many generated tokens the second count holds (events close while answering); dtype: the
     model's."""
-    import contextlib
     import tempfile
     from pathlib import Path
 
@@ -224,21 +225,29 @@ def step_reads(layers: int, tokens: int = 400, device_step: bool | None = False,
     return chunk, token
 
 
-def scoring_launches(events: int, dim: int, queries: int, device_blocks: bool = True) -> int:
-    """Ops of scoring `events` representative keys of `dim` floats (bfloat16) for `queries`
-    queries, in a device's blocks (else the CPU's), counted on the meta device."""
+@contextlib.contextmanager
+def _blocks(device_blocks: bool) -> Iterator[None]:
+    """A device's scoring blocks as they are, or the CPU's in their place (device_blocks False)."""
     from emllm.memory import selection
 
-    meta = torch.device("meta")
-    rows = torch.empty(events, dim, dtype=torch.bfloat16, device=meta)
     saved = selection.DEVICE_BLOCK_BYTES
     if not device_blocks:
         selection.DEVICE_BLOCK_BYTES = selection.SCORE_BLOCK_BYTES
     try:
-        with Launches() as n:
-            selection.token_scores(events, dim, lambda a, b: rows[a:b], torch.empty(queries, dim, device=meta))
+        yield
     finally:
         selection.DEVICE_BLOCK_BYTES = saved
+
+
+def scoring_launches(events: int, dim: int, queries: int, device_blocks: bool = True) -> int:
+    """Ops of scoring `events` representative keys of `dim` floats (bfloat16) for `queries`
+    queries, in a device's blocks (else the CPU's), counted on the meta device."""
+    from emllm.memory.selection import token_scores
+
+    meta = torch.device("meta")
+    rows = torch.empty(events, dim, dtype=torch.bfloat16, device=meta)
+    with _blocks(device_blocks), Launches() as n:
+        token_scores(events, dim, lambda a, b: rows[a:b], torch.empty(queries, dim, device=meta))
     return n.total
 
 
@@ -246,25 +255,20 @@ def scoring_seconds(events: int, dim: int, queries: int, device: str, device_blo
                     repeat: int = 3) -> tuple[float, Tensor]:
     """(the fastest of `repeat` runs' seconds, the scores) of `scoring_launches`' scoring, run on
     `device` (random keys and queries, the same for every call of the same sizes)."""
-    from emllm.memory import selection
+    from emllm.memory.selection import token_scores
 
     g = torch.Generator().manual_seed(events + dim + queries)
     rows = torch.randn(events, dim, generator=g).to(device, torch.bfloat16)
     q = torch.randn(queries, dim, generator=g).to(device)
     sync = torch.cuda.synchronize if rows.device.type == "cuda" else (lambda: None)
-    saved = selection.DEVICE_BLOCK_BYTES
-    if not device_blocks:
-        selection.DEVICE_BLOCK_BYTES = selection.SCORE_BLOCK_BYTES
-    try:
-        best = float("inf")
+    best = float("inf")
+    with _blocks(device_blocks):
         for _ in range(repeat + 1):  # (the first: the work buffers' allocation)
             sync()
             t = time.perf_counter()
-            out = selection.token_scores(events, dim, lambda a, b: rows[a:b], q)
+            out = token_scores(events, dim, lambda a, b: rows[a:b], q)
             sync()
             best = min(best, time.perf_counter() - t)
-    finally:
-        selection.DEVICE_BLOCK_BYTES = saved
     return best, out
 
 
