@@ -122,7 +122,7 @@ def chat(
             if cmd in ("/quit", "/exit", "/q"):
                 break
             if cmd == "/help":
-                render.err.print(render.shown(HELP))
+                render.err.print(HELP, markup=False, highlight=False)  # (ours: its lines as written)
                 continue
             if cmd == "/undo":
                 try:

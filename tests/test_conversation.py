@@ -79,11 +79,12 @@ def test_chat_from_an_empty_store_and_ask_remember(tiny, tmp_path):
     folder, prof, _, _ = tiny
     env = {**os.environ, **cli_env(tmp_path)}
     r = subprocess.run([EMLLM, "chat", "--store", "talk", "-m", str(folder), "--profile", str(prof), "-n", "4"],
-                       input="hello there\n/undo\n/reread\nmy name is Ada\n/reread\n/retrieval\n/nope\n/quit\n", capture_output=True,
+                       input="/help\nhello there\n/undo\n/reread\nmy name is Ada\n/reread\n/retrieval\n/nope\n/quit\n", capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "new store" in r.stderr and "the last exchange is forgotten" in r.stderr and "unknown command /nope" in r.stderr
     assert "retrieval for 'my name is Ada'" in r.stderr
+    assert "\n  /undo        forget the last exchange" in r.stderr and "\\n" not in r.stderr  # (the help's lines as lines)
     assert r.stderr.index("re-read answers on") < r.stderr.index("re-read answers off")
     model, tok = load_tiny(folder)
     stream = _stream(tmp_path / "stores" / "talk")
