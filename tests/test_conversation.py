@@ -94,6 +94,8 @@ def test_chat_from_an_empty_store_and_ask_remember(tiny, tmp_path):
     r = run_in_process("ask", "and now?", "--store", "talk", "-n", "3", "--remember", home=tmp_path)
     assert r.returncode == 0, r.stderr
     assert len(_stream(tmp_path / "stores" / "talk")) > n and "and now?" in tok.decode(_stream(tmp_path / "stores" / "talk"))
+    with Store.open(tmp_path / "stores" / "talk") as st:  # counted, the undone one left out
+        assert [d["name"] for d in st.manifest["documents"]] == ["exchange 1", "exchange 2"]
     n = len(_stream(tmp_path / "stores" / "talk"))
     r = run_in_process("ask", "again?", "--store", "talk", "-n", "3", "--json", home=tmp_path)  # without --remember: unchanged
     assert json.loads(r.stdout)["tokens"] <= 3 and len(_stream(tmp_path / "stores" / "talk")) == n

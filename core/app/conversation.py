@@ -109,7 +109,8 @@ def remember_exchange(path: Path, model: Any, tok: Any, ids: list[int], kv_cache
     """Append an exchange's tokens (`exchange_ids`) to the store at `path` and commit them."""
     with Store.open(path, writable=True) as st:
         engine = open_engine(st, model, kv_cache_mb)
-        add_tokens(st, ids, {"name": f"exchange {st.info.rows.tokens}", "kind": "exchange"})
+        n = sum(d.kind == "exchange" for d in st.info.documents)  # (an undone exchange left the list)
+        add_tokens(st, ids, {"name": f"exchange {n + 1}", "kind": "exchange"})
         run_job(st, engine, commit_every)
 
 
