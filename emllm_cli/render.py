@@ -279,7 +279,7 @@ def store_summary(s: dict):
     peak = max(s["event_sizes"].values(), default=1) or 1
     for k, v in s["event_sizes"].items():
         h.add_row(k, str(v), "█" * round(30 * v / peak))
-    return Group(t, h)
+    return Group(t, h) if s["event_sizes"] else t
 
 
 _SHADES = " ░▒▓█"

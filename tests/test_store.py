@@ -409,6 +409,20 @@ def test_ingest_ask_inspect_through_the_executable(tiny, tmp_path):
     assert r.returncode == 0 and f"the store held this text already (as {doc})" in r.stderr, r.stderr
 
 
+def test_a_store_without_events_is_shown_and_inspected_as_such(tiny, tmp_path):
+    """A text that never left the window: `show` has no empty table of event sizes, and a query's
+    view says that nothing is retrieved instead of drawing an empty heatmap."""
+    folder, prof, _, _ = tiny
+    ingest_store(tmp_path / "stores" / "short", folder, prof, [("doc", words(3, 5))])
+    r = run_in_process("show", "short", home=tmp_path)
+    assert r.returncode == 0 and "events     0" in r.stdout and "event sizes" not in r.stdout, r.stdout
+    r = run_in_process("inspect", "short", "--query", QUESTION, home=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == (
+        "short holds no events yet: every token it has read is attended at each step, and nothing is retrieved"), r.stdout
+    r = run_in_process("inspect", "short", "--query", QUESTION, "--json", home=tmp_path)  # (JSON: the retrieval as it is)
+    assert r.returncode == 0 and json.loads(r.stdout)["retrieval"]["top_events"] == []
+
+
 def test_trace_is_deterministic(tiny, tmp_path):
     from emllm.app.trace import Trace
 
