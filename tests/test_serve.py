@@ -92,6 +92,9 @@ def test_chat_completions_through_the_openai_client(server, tiny):
     url, home = server
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list()] == ["book"]
+    assert client.models.retrieve("book").id == "book"
+    with pytest.raises(openai.NotFoundError, match="no store 'nope'"):
+        client.models.retrieve("nope")
     before = store_files(home / "stores" / "book")
     r = client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
                                        max_tokens=5, temperature=0)
@@ -146,7 +149,14 @@ def test_chat_completions_through_the_openai_client(server, tiny):
     req = urllib.request.Request(url + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as h:
         urllib.request.urlopen(req)
-    assert h.value.code == 400 and "error" in json.loads(h.value.read())
+    assert h.value.code == 400 and json.loads(h.value.read())["error"]["message"].startswith(
+        "the request body is not valid JSON: ")
+    with pytest.raises(openai.NotFoundError, match=r"no such endpoint: POST /v1/completions \(emllm serves"):
+        client.completions.create(model="book", prompt="x")  # (not served: OpenAI's error body all the same)
+    req = urllib.request.Request(url + "/v1/models", data=b"{}", headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as h:
+        urllib.request.urlopen(req)
+    assert h.value.code == 405 and json.loads(h.value.read())["error"]["message"].startswith("/v1/models does not take POST")
     # A body over the limit is refused from its Content-Length, before it is read: the answer comes
     # while the client could still be sending (whether the server then waits for the rest or
     # closes is the HTTP stack's choice; a client writing 2 MiB into a closed socket gets EPIPE).

@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import BaseHTTPMiddleware
 
 import emllm
@@ -131,8 +132,20 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":  # (its place is a character offset, not a field)
+            why = (first.get("ctx") or {}).get("error")
+            return _error(ApiError(400, "the request body is not valid JSON" + (f": {why}" if why else "")))
         where = ".".join(str(x) for x in first.get("loc", ())[1:])
         return _error(ApiError(400, f"{where}: {first.get('msg', 'invalid request')}", param=where or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # an unknown path or method: OpenAI's error body too, not Starlette's {"detail": ...}
+        what = {404: f"no such endpoint: {request.method} {request.url.path}",
+                405: f"{request.url.path} does not take {request.method}"}.get(e.status_code, str(e.detail))
+        return _error(ApiError(e.status_code, f"{what} (emllm serves GET /v1/models, POST /v1/chat/completions, "
+                                              "GET /health)" if e.status_code in (404, 405) else what,
+                               code="not_found" if e.status_code == 404 else None))
 
     @app.exception_handler(EmllmError)
     async def user_error(_request: Request, e: EmllmError) -> JSONResponse:
@@ -145,6 +158,13 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
     @app.get("/v1/models")
     def models() -> dict:
         return {"object": "list", "data": server.models()}
+
+    @app.get("/v1/models/{name}")
+    def model(name: str) -> dict:  # (the OpenAI client's models.retrieve)
+        for m in server.models():
+            if m["id"] == name:
+                return m
+        raise ApiError(404, f"no store {name!r}: GET /v1/models lists them", param="model", code="model_not_found")
 
     @app.post("/v1/chat/completions")
     def chat(req: ChatRequest):  # type: ignore[no-untyped-def]
