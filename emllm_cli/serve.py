@@ -21,6 +21,24 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _warm_newest_store(pool, log) -> bool:
+    """Open the store written last with its model, as its first request would: with no model
+    named, the one a server is likeliest to be asked for, and no other model loaded (or converted)
+    first only to be unloaded. False where there is no store it can open (said in a line)."""
+    import emllm
+
+    newest = next((s for s in emllm.list_stores() if s["status"] != "damaged"), None)
+    if newest is None:
+        return False
+    try:
+        with render.status(f"loading the model of {render.shown(newest['name'])}"):
+            pool.memory(newest["path"])
+    except emllm.EmllmError as e:
+        log(f"store {newest['name']}: {e}; loading {emllm.default_model()}")
+        return False
+    return True
+
+
 @guarded
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; other than loopback only with an API key."),
@@ -36,12 +54,14 @@ def serve(
     """Serve the stores under the emllm home through an OpenAI-compatible API: a request names a
     store as its model; its messages continue that store's memory (on a copy, unless the request
     sets "remember": true). Each store is answered by the model it was written with: -m (with
-    --profile, --dtype) is loaded at start, another store's model when a request first needs it.
+    --profile, --dtype) is loaded at start, else the model of the store written last (with the
+    store; the default model where there is none), another store's model when a request first
+    needs it.
 
     Examples:
 
     \b
-      emllm serve                                  # http://127.0.0.1:8080/v1, the embedded model
+      emllm serve                                  # http://127.0.0.1:8080/v1, the newest store's model loaded
       emllm serve --host 0.0.0.0 --api-key secret  # reachable from other machines, with a key
       emllm serve --reread                         # answers re-read, as `emllm ask` gives them
       emllm serve -m smollm2 --max-models 2        # SmolLM2 loaded at start; two models kept loaded
@@ -55,10 +75,13 @@ def serve(
     from emllm.serve.api import Server, create_app
 
     log = lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]")  # noqa: E731
-    with render.status(f"loading {render.shown(model or emllm.default_model())}"):
-        loaded = emllm.load(model, profile, dtype, log)
     pool = emllm.ModelPool(max_models, log)
-    pool.add(loaded)
+    if not (model or profile or dtype or os.environ.get("EMLLM_MODEL")) and _warm_newest_store(pool, log):
+        loaded = pool.models[-1]
+    else:
+        with render.status(f"loading {render.shown(model or emllm.default_model())}"):
+            loaded = emllm.load(model, profile, dtype, log)
+        pool.add(loaded)
     root = emllm.stores_dir()
     server = Server(root, pool, max_tokens=max_tokens, api_key=api_key, reread=reread)
     render.err.print(f"serving the stores under {render.shown(root)} at http://{host}:{port}/v1 "

@@ -32,13 +32,15 @@ def _stream(path) -> list[int]:
 
 
 @contextlib.contextmanager
-def _serve(home, folder, prof, *extra: str):
-    """`emllm serve` on a free port of 127.0.0.1 over the stores under `home`: its URL, the server
-    stopped when the block ends (a failing assertion included)."""
+def _serve(home, folder, prof, *extra: str, env: dict | None = None):
+    """`emllm serve` on a free port of 127.0.0.1 over the stores under `home` (`-m folder`, or no
+    model named where folder is None): its URL, the server stopped when the block ends (a failing
+    assertion included)."""
     port = _port()
-    env = {**os.environ, **cli_env(home)}
-    proc = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", str(folder), "--profile", str(prof), "--max-tokens", "64",
-                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, **cli_env(home), **(env or {})}
+    named = ["-m", str(folder), "--profile", str(prof)] if folder is not None else []
+    proc = subprocess.Popen([EMLLM, "serve", "--port", str(port), *named, "--max-tokens", "64", *extra], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -280,3 +282,35 @@ def test_a_store_of_another_model_is_answered_by_loading_that_model(tiny, tmp_pa
         assert ask("book").choices[0].finish_reason in ("stop", "length")
         assert _health(url)["models"] == [str(folder)]
     assert store_files(tmp_path / "stores" / "theirs") == before
+
+
+def test_with_no_model_named_the_newest_stores_model_is_loaded_at_start(tiny, tmp_path, monkeypatch):
+    """`emllm serve` with no model named (no -m, no EMLLM_MODEL) loads the model of the store
+    written last, not the default model,
+    and answers it without loading again; where that store's model cannot be found it says so in
+    a line and the default model is loaded instead (checked in process, without loading it)."""
+    import shutil
+
+    from emllm import ModelPool
+    from emllm_cli.serve import _warm_newest_store
+
+    folder, prof, other, other_tok = tiny
+    ingest_store(tmp_path / "stores" / "book", folder, prof, [("doc", words(6, 100))])
+    ingest_store(tmp_path / "stores" / "theirs", other, prof, [("doc", "The pass key is 71432. " + words(7, 100))])
+    with _serve(tmp_path, None, None, env={"EMLLM_MODEL": ""}) as url:  # (the tests' default unset)
+        assert _health(url)["models"] == [str(other)]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="theirs", messages=[{"role": "user", "content": "what is the pass key?"}],
+                                           max_tokens=4, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length") and _health(url)["models"] == [str(other)]
+    gone = tmp_path / "gone-model"
+    shutil.copytree(other_tok, gone)
+    ingest_store(tmp_path / "stores" / "orphan", gone, prof, [("doc", words(8, 40))])
+    shutil.rmtree(gone)
+    for k, v in cli_env(tmp_path, EMLLM_MODEL="").items():
+        monkeypatch.setenv(k, v)
+    said: list[str] = []
+    pool = ModelPool(1, said.append)
+    assert not _warm_newest_store(pool, said.append) and pool.models == []
+    assert len(said) == 1 and said[0].startswith("store orphan: ") and str(gone) in said[0] and said[0].endswith(
+        "; loading qwen2.5-coder-0.5b"), said
