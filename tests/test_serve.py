@@ -286,9 +286,9 @@ def test_a_store_of_another_model_is_answered_by_loading_that_model(tiny, tmp_pa
 
 def test_with_no_model_named_the_newest_stores_model_is_loaded_at_start(tiny, tmp_path, monkeypatch):
     """`emllm serve` with no model named (no -m, no EMLLM_MODEL) loads the model of the store
-    written last, not the default model,
-    and answers it without loading again; where that store's model cannot be found it says so in
-    a line and the default model is loaded instead (checked in process, without loading it)."""
+    written last, not the default model, and answers it without loading again; where that store's
+    model cannot be found it says so in a line and the default model is loaded instead (checked in
+    process, without loading it)."""
     import shutil
 
     from emllm import ModelPool
