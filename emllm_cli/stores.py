@@ -13,7 +13,8 @@ from .errors import UserError
 
 
 def store_path(name: str | None) -> Path:
-    """`--store` as given: a path when it looks like one or exists, else a name under the home."""
+    """`--store` as given: a path when it looks like one or is a store here, else a name under the
+    home (`emllm.store_path`)."""
     if name is None:
         raise ValueError("no store name")
     if not name.strip():

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -171,3 +172,31 @@ def test_names_with_escape_sequences_and_markup_reach_no_terminal_raw(tiny, tmp_
         assert not controls.search(r.stdout) and not controls.search(r.stderr), (args, r.stdout)
     shown = run("show", "s" + hostile.replace("/", ""), home=tmp_path, env={"COLUMNS": "400"}).stdout
     assert "\\x1b[2J\\x1b]0;owned\\x07\\x9b31m\\u202e[red]x[red]" in shown, shown  # markup shown, not applied
+
+
+def test_a_bare_name_is_a_store_under_the_home_unless_a_store_here_has_it(tiny, tmp_path, monkeypatch):
+    """`emllm ingest proj` run beside the folder it reads makes the store proj under the home (the
+    folder's name was taken for a path: "proj exists and is not an empty folder"), and `--store
+    proj` then finds it there; a store in the current folder is still found by its bare name."""
+    import emllm
+
+    folder, prof, _, _ = tiny
+    work = tmp_path / "work"
+    (work / "proj" / "src").mkdir(parents=True)
+    (work / "proj" / "src" / "a.py").write_text("def f():\n    return 41\n")
+    local = _store(tiny, work, "here")  # work/stores/here: a store in a folder of the current one
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("EMLLM_HOME", str(tmp_path / "home"))
+    home = tmp_path / "home" / "stores"
+    assert emllm.store_path("proj") == home / "proj" and emllm.store_path("./proj") == Path("./proj")
+    assert emllm.store_path("stores") == home / "stores" and emllm.store_path("stores/here") == Path("stores/here")
+    monkeypatch.chdir(local.parent)
+    assert emllm.store_path("here") == Path("here")  # (a store here: its path)
+    monkeypatch.chdir(work)
+    before = sorted(p.relative_to(work) for p in (work / "proj").rglob("*"))
+    r = run_in_process("ingest", "proj", "-m", str(folder), "--profile", str(prof), "--json", home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["store"] == str(home / "proj") and (home / "proj" / "manifest.json").is_file()
+    assert sorted(p.relative_to(work) for p in (work / "proj").rglob("*")) == before  # the folder read, not written
+    r = run_in_process("show", "proj", "--json", home=tmp_path / "home")
+    assert r.returncode == 0 and json.loads(r.stdout)["documents"][0]["name"].endswith("a.py"), r.stdout

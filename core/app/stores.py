@@ -18,12 +18,15 @@ from emllm.home import stores_dir
 
 
 def store_path(name: str) -> Path:
-    """A store as a user names it: a path when it looks like one or exists (followed where it is a
-    link: the user's), else a name under the home's stores folder (refused where that is a link)."""
+    """A store as a user names it: a path when it looks like one (a "/", a leading "." or "~") or
+    is a store in the current folder (followed where it is a link: the user's), else a name under
+    the home's stores folder (refused where that is a link). A bare name that is some other file
+    or folder here stays a name: `emllm ingest proj` run beside the folder proj makes the store
+    proj under the home, not in the folder it reads."""
     if not name.strip():  # Path("") is the current folder: never a store by accident
         raise UsageError("an empty store name")
     p = Path(name).expanduser()
-    if "/" in name or name.startswith(".") or p.exists():
+    if "/" in name or name.startswith((".", "~")) or is_store(p):
         return p  # a path the user typed: a link in it is theirs, and followed
     p = stores_dir() / name
     if p.is_symlink():  # a name never leads out of the home, whoever put the link there
