@@ -314,3 +314,25 @@ def test_with_no_model_named_the_newest_stores_model_is_loaded_at_start(tiny, tm
     assert not _warm_newest_store(pool, said.append) and pool.models == []
     assert len(said) == 1 and said[0].startswith("store orphan: ") and str(gone) in said[0] and said[0].endswith(
         "; loading qwen2.5-coder-0.5b"), said
+
+
+def test_a_stream_its_client_leaves_lets_the_next_request_be_answered(server):
+    """A client that leaves a stream after its first chunk: the answer stops and the store's turn
+    is let go, so the next request is answered (it waited for the garbage collector before)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    url, home = server
+    where = urlsplit(url)
+    before = store_files(home / "stores" / "book")
+    body = {"model": "book", "stream": True, "max_tokens": 64, "messages": [{"role": "user", "content": "tell me all"}]}
+    for _ in range(3):
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        conn.close()  # (gone after the first chunk)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    r = client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}], max_tokens=3)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert store_files(home / "stores" / "book") == before

@@ -23,12 +23,15 @@ Errors are OpenAI-style JSON bodies ({"error": {"message", "type", "code"}}) wit
 from __future__ import annotations
 
 import json
+import queue
 import re
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import AsyncIterator, Iterator
+
+import anyio
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +43,7 @@ from starlette.middleware.base import BaseHTTPMiddleware
 import emllm
 from emllm import SEED_LIMIT, EmllmError, Memory, ModelPool, StoreLockedError
 
+_END = object()  # a streamed answer's producer has finished
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a store's name: never a path
 
 
@@ -206,26 +210,50 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                               "total_tokens": end.get("prompt_tokens", 0) + end.get("completion_tokens", 0)},
                     **({"emllm": {"reread": {"passages": end["passages"]}}} if end.get("passages") is not None else {})}
 
-        gen = run()
-        try:
-            first = next(gen)  # errors (no store, another model) before the 200 of a stream
-        except StopIteration:
-            first = {"finish_reason": "stop"}
+        # A stream's answer is made by a thread of its own, which holds the store's turn (the lock)
+        # and stops at the next token once the response ends for any reason, a client gone
+        # included: a generator suspended at a yield under the lock, left to the garbage collector
+        # when its client went, kept every later request waiting.
+        items: queue.Queue = queue.Queue()
+        done = threading.Event()
 
-        def events() -> Iterator[str]:
+        def produce() -> None:
+            gen = run()
+            try:
+                for x in gen:
+                    if done.is_set():
+                        break  # (not remembered: the client did not take the answer)
+                    items.put(x)
+            except BaseException as e:  # noqa: BLE001 - handed to the response, raised there
+                items.put(e)
+            finally:
+                gen.close()
+                items.put(_END)
+
+        threading.Thread(target=produce, name=f"emllm-{rid}", daemon=True).start()
+        first = items.get()  # errors (no store, another model) before the 200 of a stream
+        if isinstance(first, BaseException):
+            done.set()
+            raise first
+
+        async def events() -> AsyncIterator[str]:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
-            yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-            x = first
-            while True:
-                if isinstance(x, dict):
-                    yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": x.get("finish_reason", "stop")}]})
-                    break
-                yield _sse({**base, "choices": [{"index": 0, "delta": {"content": x}, "finish_reason": None}]})
-                try:
-                    x = next(gen)
-                except StopIteration:
-                    x = {"finish_reason": "stop"}
-            yield "data: [DONE]\n\n"
+            try:
+                yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+                x = first
+                while True:
+                    if x is _END:
+                        x = {"finish_reason": "stop"}
+                    if isinstance(x, BaseException):
+                        raise x
+                    if isinstance(x, dict):
+                        yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": x.get("finish_reason", "stop")}]})
+                        break
+                    yield _sse({**base, "choices": [{"index": 0, "delta": {"content": x}, "finish_reason": None}]})
+                    x = await anyio.to_thread.run_sync(items.get)
+                yield "data: [DONE]\n\n"
+            finally:  # (a client gone: the response's task is cancelled here, and the answer stops)
+                done.set()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
