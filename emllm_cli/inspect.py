@@ -63,10 +63,6 @@ def inspect(
     n_layers = summary["layers"]
     if layer is not None and layer >= n_layers:
         raise UserError(f"--layer {layer}: the model has {n_layers} layers (0..{n_layers - 1})")
-    if not summary["events"] and not as_json:  # (an empty heatmap and table would say it less plainly)
-        render.out.print(f"{render.shown(path.name)} holds no events yet: every token it has read is attended at "
-                         "each step, and nothing is retrieved")
-        return
     with render.status(f"loading the model of {render.shown(path.name)}"):
         mem = emllm.open(path, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
     with mem, render.status("reading the query"):

@@ -283,6 +283,7 @@ def store_summary(s: dict):
 
 
 _SHADES = " ░▒▓█"
+NO_EVENTS = "no events yet: every token read is attended at each step, and nothing is retrieved"
 
 
 def retrieval_view(r: dict, tokens: int):
@@ -291,6 +292,8 @@ def retrieval_view(r: dict, tokens: int):
     from rich.console import Group
     from rich.text import Text
 
+    if not r["top_events"]:  # (a memory of no events: an empty heatmap and table would say it less plainly)
+        return Text(NO_EVENTS)
     bins = max(1, r["bins"])
     width = max(tokens, 1) / bins
     init_end, window_start = r.get("initial_tokens", 0), r.get("window_start", tokens)
