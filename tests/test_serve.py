@@ -336,3 +336,62 @@ def test_a_stream_its_client_leaves_lets_the_next_request_be_answered(server):
     r = client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}], max_tokens=3)
     assert r.choices[0].finish_reason in ("stop", "length")
     assert store_files(home / "stores" / "book") == before
+
+
+class _SlowAnswer:
+    """An answer of many pieces, each a moment apart, counting those made (`Memory.reply`'s stand-in)."""
+
+    made = 0
+
+    def __init__(self, *_a, **_k) -> None:
+        self.finish_reason, self.tokens, self.prompt_tokens, self.reread, self.passages = "length", 0, 1, False, []
+
+    def __iter__(self):
+        for _ in range(2000):
+            time.sleep(0.01)
+            type(self).made += 1
+            self.tokens += 1
+            yield " word"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_stops_when_its_client_leaves(tiny, tmp_path, monkeypatch, stream):
+    """A client that gives up on an answer, streamed or not: the answer stops at the next piece
+    and the store's turn goes to the next request (an answer of 2,000 pieces, counted, stands in
+    for a long generation; the server runs in this process)."""
+    import threading
+
+    import uvicorn
+
+    import emllm
+    from emllm.serve.api import Server, create_app
+
+    folder, prof, _, _ = tiny
+    ingest_store(tmp_path / "stores" / "book", folder, prof, [("doc", words(6, 60))])
+    pool = emllm.ModelPool(1)
+    port = _port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(Server(tmp_path / "stores", pool, max_tokens=4096)), host="127.0.0.1",
+                                        port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        while not srv.started:
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        pool.memory(tmp_path / "stores" / "book")  # (its model loaded before the stand-in answers)
+        monkeypatch.setattr(emllm.Memory, "reply", _SlowAnswer)
+        ask = lambda **k: client.chat.completions.create(  # noqa: E731
+            model="book", messages=[{"role": "user", "content": "tell me all"}], max_tokens=4000, **k)
+        if stream:
+            with ask(stream=True) as chunks:
+                next(iter(chunks))  # (the first chunk, then gone)
+        else:
+            with pytest.raises(openai.APITimeoutError):
+                ask(timeout=0.5)
+        _SlowAnswer.made = 0
+        monkeypatch.setattr(_SlowAnswer, "__iter__", lambda self: iter([" done"]))
+        assert ask().choices[0].message.content == "done"  # (answered once the other answer let the turn go)
+        assert _SlowAnswer.made < 1000, _SlowAnswer.made  # the abandoned answer stopped: 2,000 pieces were asked of it
+    finally:
+        srv.should_exit = True
+        thread.join(30)

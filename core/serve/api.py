@@ -35,10 +35,11 @@ import anyio
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import emllm
 from emllm import SEED_LIMIT, EmllmError, Memory, ModelPool, StoreLockedError
@@ -116,16 +117,29 @@ class Server:
 def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
     app = FastAPI(title="emllm", docs_url=None, redoc_url=None, openapi_url=None)
 
-    class Limits(BaseHTTPMiddleware):
-        async def dispatch(self, request: Request, call_next):  # type: ignore[no-untyped-def]
-            if server.api_key is not None and request.url.path != "/health":
-                if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
-                    return _error(ApiError(401, "a valid API key is needed (Authorization: Bearer ...)",
-                                           kind="authentication_error", code="invalid_api_key"))
-            size = request.headers.get("content-length")
-            if size is not None and (not size.isdigit() or int(size) > max_body):
-                return _error(ApiError(413, f"the request body is larger than {max_body} bytes"))
-            return await call_next(request)
+    class Limits:
+        """The key and the body's size, checked before a request reaches its endpoint. Plain ASGI
+        (not BaseHTTPMiddleware): the endpoint keeps the server's own `receive`, through which it
+        sees its client leave (`Request.is_disconnected`)."""
+
+        def __init__(self, app: ASGIApp) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http":
+                headers = Headers(scope=scope)
+                size = headers.get("content-length")
+                refused = None
+                if (server.api_key is not None and scope["path"] != "/health"
+                        and headers.get("authorization", "") != f"Bearer {server.api_key}"):
+                    refused = ApiError(401, "a valid API key is needed (Authorization: Bearer ...)",
+                                       kind="authentication_error", code="invalid_api_key")
+                elif size is not None and (not size.isdigit() or int(size) > max_body):
+                    refused = ApiError(413, f"the request body is larger than {max_body} bytes")
+                if refused is not None:
+                    await _error(refused)(scope, receive, send)
+                    return
+            await self.app(scope, receive, send)
 
     app.add_middleware(Limits)
 
@@ -171,7 +185,7 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         raise ApiError(404, f"no store {name!r}: GET /v1/models lists them", param="model", code="model_not_found")
 
     @app.post("/v1/chat/completions")
-    def chat(req: ChatRequest):  # type: ignore[no-untyped-def]
+    async def chat(req: ChatRequest, request: Request):  # type: ignore[no-untyped-def]
         limit = req.max_completion_tokens or req.max_tokens or min(256, server.max_tokens)
         if limit > server.max_tokens:
             raise ApiError(400, f"max_tokens {limit} is more than this server allows ({server.max_tokens})", param="max_tokens")
@@ -196,24 +210,10 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                        "prompt_tokens": answer.prompt_tokens,
                        "passages": [list(p) for p in answer.passages] if answer.reread else None}
 
-        if not req.stream:
-            parts, end = [], {}
-            for x in run():
-                if isinstance(x, dict):
-                    end = x
-                else:
-                    parts.append(x)
-            return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts).strip()},
-                                 "finish_reason": end.get("finish_reason", "stop")}],
-                    "usage": {"prompt_tokens": end.get("prompt_tokens", 0), "completion_tokens": end.get("completion_tokens", 0),
-                              "total_tokens": end.get("prompt_tokens", 0) + end.get("completion_tokens", 0)},
-                    **({"emllm": {"reread": {"passages": end["passages"]}}} if end.get("passages") is not None else {})}
-
-        # A stream's answer is made by a thread of its own, which holds the store's turn (the lock)
-        # and stops at the next token once the response ends for any reason, a client gone
-        # included: a generator suspended at a yield under the lock, left to the garbage collector
-        # when its client went, kept every later request waiting.
+        # The answer is made by a thread of its own, which holds the store's turn (the lock) and
+        # stops at the next token once the response ends for any reason, a client gone included:
+        # an answer left running, or suspended under the lock when its client went, kept every
+        # later request waiting.
         items: queue.Queue = queue.Queue()
         done = threading.Event()
 
@@ -230,27 +230,45 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 gen.close()
                 items.put(_END)
 
+        async def take() -> str | dict:
+            x = await anyio.to_thread.run_sync(items.get)
+            if isinstance(x, BaseException):
+                raise x
+            return {"finish_reason": "stop"} if x is _END else x
+
         threading.Thread(target=produce, name=f"emllm-{rid}", daemon=True).start()
-        first = items.get()  # errors (no store, another model) before the 200 of a stream
-        if isinstance(first, BaseException):
+        try:
+            first = await take()  # errors (no store, another model) before the 200 of a stream
+        except BaseException:
             done.set()
-            raise first
+            raise
+
+        if not req.stream:
+            parts, x = [], first
+            try:
+                while not isinstance(x, dict):
+                    parts.append(x)
+                    if await request.is_disconnected():
+                        return Response(status_code=499)  # (nobody reads it)
+                    x = await take()
+            finally:
+                done.set()
+            return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts).strip()},
+                                 "finish_reason": x.get("finish_reason", "stop")}],
+                    "usage": {"prompt_tokens": x.get("prompt_tokens", 0), "completion_tokens": x.get("completion_tokens", 0),
+                              "total_tokens": x.get("prompt_tokens", 0) + x.get("completion_tokens", 0)},
+                    **({"emllm": {"reread": {"passages": x["passages"]}}} if x.get("passages") is not None else {})}
 
         async def events() -> AsyncIterator[str]:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
             try:
                 yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
                 x = first
-                while True:
-                    if x is _END:
-                        x = {"finish_reason": "stop"}
-                    if isinstance(x, BaseException):
-                        raise x
-                    if isinstance(x, dict):
-                        yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": x.get("finish_reason", "stop")}]})
-                        break
+                while not isinstance(x, dict):
                     yield _sse({**base, "choices": [{"index": 0, "delta": {"content": x}, "finish_reason": None}]})
-                    x = await anyio.to_thread.run_sync(items.get)
+                    x = await take()
+                yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": x.get("finish_reason", "stop")}]})
                 yield "data: [DONE]\n\n"
             finally:  # (a client gone: the response's task is cancelled here, and the answer stops)
                 done.set()
