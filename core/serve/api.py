@@ -22,6 +22,7 @@ Errors are OpenAI-style JSON bodies ({"error": {"message", "type", "code"}}) wit
 
 from __future__ import annotations
 
+import hmac
 import json
 import queue
 import re
@@ -130,8 +131,9 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 headers = Headers(scope=scope)
                 size = headers.get("content-length")
                 refused = None
-                if (server.api_key is not None and scope["path"] != "/health"
-                        and headers.get("authorization", "") != f"Bearer {server.api_key}"):
+                given = headers.get("authorization", "").encode("latin-1")  # (the bytes sent: Starlette decodes latin-1)
+                if (server.api_key is not None and scope["path"] != "/health"  # (compared in constant time)
+                        and not hmac.compare_digest(given, f"Bearer {server.api_key}".encode("utf-8", "surrogateescape"))):
                     refused = ApiError(401, "a valid API key is needed (Authorization: Bearer ...)",
                                        kind="authentication_error", code="invalid_api_key")
                 elif size is not None and (not size.isdigit() or int(size) > max_body):
