@@ -174,6 +174,14 @@ def test_chat_completions_through_the_openai_client(server, tiny):
     resp = conn.getresponse()
     assert resp.status == 413 and "larger than" in json.loads(resp.read())["error"]["message"]
     conn.close()
+    # and one sent in chunks, with no length to check first, as it is read
+    conn = http.client.HTTPConnection(urlsplit(url).hostname, urlsplit(url).port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=iter([b"{" + b" " * (1 << 16)] * 40), encode_chunked=True,
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 413 and json.loads(resp.read())["error"]["message"] == (
+        "the request body is larger than 1048576 bytes")
+    conn.close()
     assert store_files(home / "stores" / "book") == before
 
 

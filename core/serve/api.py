@@ -34,13 +34,13 @@ from typing import AsyncIterator, Iterator
 
 import anyio
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import emllm
 from emllm import SEED_LIMIT, EmllmError, Memory, ModelPool, StoreLockedError
@@ -141,6 +141,7 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 if refused is not None:
                     await _error(refused)(scope, receive, send)
                     return
+                receive = _bounded(receive, max_body)  # (a body sent in chunks has no length to check first)
             await self.app(scope, receive, send)
 
     app.add_middleware(Limits)
@@ -163,9 +164,9 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         # an unknown path or method: OpenAI's error body too, not Starlette's {"detail": ...}
         what = {404: f"no such endpoint: {request.method} {request.url.path}",
                 405: f"{request.url.path} does not take {request.method}"}.get(e.status_code, str(e.detail))
-        return _error(ApiError(e.status_code, f"{what} (emllm serves GET /v1/models, POST /v1/chat/completions, "
-                                              "GET /health)" if e.status_code in (404, 405) else what,
-                               code="not_found" if e.status_code == 404 else None))
+        if e.status_code in (404, 405):
+            what += " (emllm serves GET /v1/models, GET /v1/models/NAME, POST /v1/chat/completions, GET /health)"
+        return _error(ApiError(e.status_code, what, code="not_found" if e.status_code == 404 else None))
 
     @app.exception_handler(EmllmError)
     async def user_error(_request: Request, e: EmllmError) -> JSONResponse:
@@ -278,6 +279,22 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
+
+
+def _bounded(receive: Receive, limit: int) -> Receive:
+    """`receive`, refusing (413) a body that grows past `limit` bytes as it is read."""
+    seen = 0
+
+    async def bounded() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:  # (FastAPI's body reading passes an HTTPException on as it is)
+                raise HTTPException(413, f"the request body is larger than {limit} bytes")
+        return message
+
+    return bounded
 
 
 def _sse(doc: dict) -> str:
