@@ -33,7 +33,7 @@ def ask(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
     reread: bool = typer.Option(None, "--reread/--no-reread", show_default=False, help="How the answer is read. --reread, the default (emllm.REREAD_QUESTIONS): the question is read against the memory, then the passages (~128 tokens each) that the most layers retrieved and those whose words best match the question are read again with it as one ordinary prompt of emllm's attention span, the best matches last; costs one more forward over that span. --no-reread: emllm's own answer, the paper's method, each answer token attending to the events its layers retrieve. The store is not changed either way (docs/benchmarks.md compares them)."),
 ) -> None:
-    """Answer from a stored document. The store is not changed: every question sees the same memory.
+    """Answer from a stored document. The store is not changed (unless --remember): every question sees the same memory.
 
     Examples:
 
