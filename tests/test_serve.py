@@ -146,6 +146,8 @@ def test_chat_completions_through_the_openai_client(server, tiny):
             client.chat.completions.create(model=bad, messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}], max_tokens=100000)
+    with pytest.raises(openai.BadRequestError, match="one choice a request"):
+        client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}], n=2)
     with pytest.raises(openai.BadRequestError, match="last message"):
         client.chat.completions.create(model="book", messages=[{"role": "assistant", "content": "x"}])
     req = urllib.request.Request(url + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"})

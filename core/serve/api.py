@@ -71,6 +71,7 @@ class ChatRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)  # choices: one (more are refused, not dropped)
     top_k: int | None = Field(default=None, ge=0)  # beyond OpenAI's fields, as llama.cpp's server takes them
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     remember: bool = False  # emllm's own: append this exchange to the store
@@ -192,6 +193,8 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         limit = req.max_completion_tokens or req.max_tokens or min(256, server.max_tokens)
         if limit > server.max_tokens:
             raise ApiError(400, f"max_tokens {limit} is more than this server allows ({server.max_tokens})", param="max_tokens")
+        if req.n != 1:
+            raise ApiError(400, f"n {req.n}: emllm answers with one choice a request", param="n")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
