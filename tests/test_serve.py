@@ -364,11 +364,9 @@ class _SlowAnswer:
             yield " word"
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_an_answer_stops_when_its_client_leaves(tiny, tmp_path, monkeypatch, stream):
-    """A client that gives up on an answer, streamed or not: the answer stops at the next piece
-    and the store's turn goes to the next request (an answer of 2,000 pieces, counted, stands in
-    for a long generation; the server runs in this process)."""
+@contextlib.contextmanager
+def _in_process(tiny, tmp_path, monkeypatch):
+    """A server in this process over a store "book" whose answers are `_SlowAnswer`s: its URL."""
     import threading
 
     import uvicorn
@@ -387,9 +385,21 @@ def test_an_answer_stops_when_its_client_leaves(tiny, tmp_path, monkeypatch, str
     try:
         while not srv.started:
             time.sleep(0.05)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         pool.memory(tmp_path / "stores" / "book")  # (its model loaded before the stand-in answers)
         monkeypatch.setattr(emllm.Memory, "reply", _SlowAnswer)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_stops_when_its_client_leaves(tiny, tmp_path, monkeypatch, stream):
+    """A client that gives up on an answer, streamed or not: the answer stops at the next piece
+    and the store's turn goes to the next request (an answer of 2,000 pieces, counted, stands in
+    for a long generation; the server runs in this process)."""
+    with _in_process(tiny, tmp_path, monkeypatch) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         ask = lambda **k: client.chat.completions.create(  # noqa: E731
             model="book", messages=[{"role": "user", "content": "tell me all"}], max_tokens=4000, **k)
         if stream:
@@ -402,6 +412,26 @@ def test_an_answer_stops_when_its_client_leaves(tiny, tmp_path, monkeypatch, str
         monkeypatch.setattr(_SlowAnswer, "__iter__", lambda self: iter([" done"]))
         assert ask().choices[0].message.content == "done"  # (answered once the other answer let the turn go)
         assert _SlowAnswer.made < 1000, _SlowAnswer.made  # the abandoned answer stopped: 2,000 pieces were asked of it
-    finally:
-        srv.should_exit = True
-        thread.join(30)
+
+
+@pytest.mark.slow
+def test_requests_waiting_their_turn_hold_no_worker_thread(tiny, tmp_path, monkeypatch):
+    """More requests waiting for one long answer than the server has worker threads (40): /health
+    and /v1/models are still answered, and the waiting ones are answered in turn."""
+    import concurrent.futures
+
+    with _in_process(tiny, tmp_path, monkeypatch) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        ask = lambda: client.chat.completions.create(  # noqa: E731
+            model="book", messages=[{"role": "user", "content": "x"}], max_tokens=4000).choices[0].message.content
+        _SlowAnswer.made = 0
+        with concurrent.futures.ThreadPoolExecutor(48) as pool:
+            long = pool.submit(ask)  # (2,000 pieces, a moment apart: the others wait their turn)
+            while _SlowAnswer.made == 0:
+                time.sleep(0.01)
+            monkeypatch.setattr(_SlowAnswer, "__iter__", lambda self: iter([" short"]))
+            waiting = [pool.submit(ask) for _ in range(45)]
+            time.sleep(0.5)
+            assert _health(url)["status"] == "ok" and [m.id for m in client.models.list()] == ["book"]
+            assert not long.done() and all(not w.done() for w in waiting)
+            assert long.result() == ("word " * 2000).strip() and [w.result() for w in waiting] == ["short"] * 45

@@ -22,17 +22,15 @@ Errors are OpenAI-style JSON bodies ({"error": {"message", "type", "code"}}) wit
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
-import queue
 import re
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import AsyncIterator, Iterator
-
-import anyio
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -220,8 +218,17 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         # stops at the next token once the response ends for any reason, a client gone included:
         # an answer left running, or suspended under the lock when its client went, kept every
         # later request waiting.
-        items: queue.Queue = queue.Queue()
+        # Its pieces reach the response through the event loop's queue: a request waiting its turn
+        # holds no worker thread (/health and /v1/models stay answered however many wait).
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
         done = threading.Event()
+
+        def put(x: object) -> None:
+            try:
+                loop.call_soon_threadsafe(items.put_nowait, x)
+            except RuntimeError:  # (the loop is closed: the server is stopping)
+                done.set()
 
         def produce() -> None:
             gen = run()
@@ -229,15 +236,15 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 for x in gen:
                     if done.is_set():
                         break  # (not remembered: the client did not take the answer)
-                    items.put(x)
+                    put(x)
             except BaseException as e:  # noqa: BLE001 - handed to the response, raised there
-                items.put(e)
+                put(e)
             finally:
                 gen.close()
-                items.put(_END)
+                put(_END)
 
         async def take() -> str | dict:
-            x = await anyio.to_thread.run_sync(items.get)
+            x = await items.get()
             if isinstance(x, BaseException):
                 raise x
             return {"finish_reason": "stop"} if x is _END else x
