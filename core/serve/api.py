@@ -2,6 +2,7 @@
 
     GET  /health                   {"status": "ok", "models": [the models loaded]}
     GET  /v1/models                the stores, as models
+    GET  /v1/models/NAME           one store, as a model
     POST /v1/chat/completions      a request's messages continue its store's stream, on a copy:
                                    the store is unchanged unless the request sets "remember": true
                                    (then its last exchange is appended and committed; one writer
@@ -16,7 +17,8 @@
 Each store is answered by the model it was written with: a loaded one of the same weights and
 dtype, else its own, loaded then (`emllm.ModelPool`: at most `max_models` stay loaded, the least
 recently used unloaded first). Requests are answered one at a time (the engine is
-single-threaded); concurrent ones wait their turn.
+single-threaded); concurrent ones wait their turn, and an answer whose client leaves stops at its
+next token.
 Errors are OpenAI-style JSON bodies ({"error": {"message", "type", "code"}}) with a 4xx status.
 """
 
