@@ -69,17 +69,17 @@ def ollama_blob(ref: str) -> Path:
     if not parts or len(parts) > 3 or any(x in (".", "..") for x in parts) or "/" in tag or tag in (".", ".."):
         raise ModelNotFoundError(f"ollama:{ref}: not an ollama model name (e.g. ollama:llama3.2 or ollama:llama3.2:1b)")
     parts = ["registry.ollama.ai", "library"][: 3 - len(parts)] + parts
-    manifest = root / "manifests" / Path(*parts) / (tag or "latest")
+    manifest_path = root / "manifests" / Path(*parts) / (tag or "latest")
     try:
-        layers = json.loads(manifest.read_text()).get("layers", [])
+        layers = json.loads(manifest_path.read_text()).get("layers", [])
         digest = next(x["digest"] for x in layers if x.get("mediaType") == _OLLAMA_MODEL)
     except FileNotFoundError:
-        raise ModelNotFoundError(f"ollama has no model {ref!r} (no {manifest}); emllm never downloads: "
+        raise ModelNotFoundError(f"ollama has no model {ref!r} (no {manifest_path}); emllm never downloads: "
                                  f"ollama pull {ref}") from None
     except (OSError, ValueError, StopIteration, KeyError, TypeError, AttributeError) as e:
-        raise ModelNotFoundError(f"{manifest}: not an ollama manifest with a model layer ({type(e).__name__})") from None
+        raise ModelNotFoundError(f"{manifest_path}: not an ollama manifest with a model layer ({type(e).__name__})") from None
     if not isinstance(digest, str) or not re.fullmatch(r"sha256[:-][0-9a-f]{64}", digest):
-        raise ModelNotFoundError(f"{manifest}: its model layer's digest {str(digest)[:80]!r} is not a sha256")
+        raise ModelNotFoundError(f"{manifest_path}: its model layer's digest {str(digest)[:80]!r} is not a sha256")
     blob = root / "blobs" / digest.replace(":", "-")
     if not blob.is_file():
         raise ModelNotFoundError(f"ollama's model {ref!r} names {blob}, which is missing: ollama pull {ref}")

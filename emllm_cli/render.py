@@ -292,8 +292,9 @@ def retrieval_view(r: dict, tokens: int):
     from rich.console import Group
     from rich.text import Text
 
-    if not r["top_events"]:  # (a memory of no events: an empty heatmap and table would say it less plainly)
-        return Text(NO_EVENTS)
+    if not r["top_events"] and not any(x > 0 for row in r["coverage"] for x in row):
+        # (a memory of no events: an empty heatmap and table would say it less plainly)
+        return Text(f"retrieval for {r['query']!r}: {NO_EVENTS}")
     bins = max(1, r["bins"])
     width = max(tokens, 1) / bins
     init_end, window_start = r.get("initial_tokens", 0), r.get("window_start", tokens)

@@ -417,8 +417,9 @@ def test_a_store_without_events_is_shown_and_inspected_as_such(tiny, tmp_path):
     r = run_in_process("show", "short", home=tmp_path)
     assert r.returncode == 0 and "events     0" in r.stdout and "event sizes" not in r.stdout, r.stdout
     r = run_in_process("inspect", "short", "--query", QUESTION, home=tmp_path)
-    assert r.returncode == 0 and r.stdout.strip() == (
-        "no events yet: every token read is attended at each step, and nothing is retrieved"), r.stdout
+    assert r.returncode == 0 and r.stdout.strip() == (f"retrieval for {QUESTION!r}: "
+                                                      "no events yet: every token read is attended at each step, "
+                                                      "and nothing is retrieved"), r.stdout
     r = run_in_process("inspect", "short", "--query", QUESTION, "--json", home=tmp_path)  # (JSON: the retrieval as it is)
     assert r.returncode == 0 and json.loads(r.stdout)["retrieval"]["top_events"] == []
 
