@@ -7,6 +7,7 @@ The packages are found with `importlib.util.find_spec`, never imported. The firs
 the parts, checks the result's size and sha256, dequantises it with transformers and saves a
 plain safetensors folder under the models directory; a crash at any moment leaves either no
 folder or a whole one under the model's name, and processes started together convert it once.
+A user's own GGUF file (llama.cpp's, ollama's) is converted the same way (`gguf_folder`).
 """
 
 from __future__ import annotations
@@ -138,40 +139,48 @@ def embedded_folder(key: str, log: Callable[[str], None] | None = None) -> Path:
     if _converted(target):
         return target
     paths = _part_paths(m)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Another process may be converting it now (a server and an ingest started together): wait for
-    # it and take its folder, rather than convert again and replace the folder it is loading.
-    with FileLock(target.parent / f".{key}.lock"):
-        if _converted(target):
-            return target
-        if log:
-            log(f"converting {m.filename} to safetensors under {target} (once)")
-        _convert_into(m, paths, target)
-    return target
 
-
-def _converted(target: Path) -> bool:
-    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
-
-
-def _convert_into(m: EmbeddedModel, paths: list[Path], target: Path) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+    def make(folder: Path, tmp: Path) -> None:
         if len(paths) == 1 and m.size is None:
             gguf = paths[0]
         else:
             gguf = tmp / "gguf" / m.filename
             gguf.parent.mkdir()
             _assemble(m, paths, gguf)
-        folder = tmp / "model"
         _convert(gguf, folder, m.save_dtype)
         source = {"gguf": m.filename, "packages": list(m.requirements), "sha256": m.sha256}
         (folder / "emllm-source.json").write_text(json.dumps(source) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(folder, target)  # a crash mid-conversion never leaves a half folder under the name
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    return _once(target, make, f"converting {m.filename} to safetensors under {target} (once)", log)
+
+
+def _converted(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
+def _once(target: Path, make: Callable[[Path, Path], None], saying: str, log: Callable[[str], None] | None) -> Path:
+    """`target`, made once: make(folder, tmp) writes the model into `folder` (tmp: a scratch folder
+    beside it), which is then renamed to `target`. A crash at any moment leaves no half folder
+    under the name; another process converting the same model now (a server and an ingest started
+    together) is waited for, and its folder taken, not replaced while it loads."""
+    if _converted(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.parent / f".{target.name}.lock"):
+        if _converted(target):
+            return target
+        if log:
+            log(saying)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            folder = tmp / "model"
+            make(folder, tmp)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(folder, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 GGUF_MAGIC = b"GGUF"
@@ -195,28 +204,17 @@ def gguf_folder(path: Path, log: Callable[[str], None] | None = None) -> Path:
         raise ModelNotFoundError(f"{path} is not a GGUF file (a model is a GGUF file or a folder with config.json)")
     key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
     target = models_dir() / "gguf" / f"{store_name_for(str(path))[:80]}-{key}"  # (its name made safe)
-    if _converted(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(target.parent / f".{target.name}.lock"):
-        if _converted(target):
-            return target
-        if log:
-            log(f"converting {path.name} to {GGUF_SAVE_DTYPE} safetensors under {target} (once)")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+
+    def make(folder: Path, _tmp: Path) -> None:
         try:
-            folder = tmp / "model"
-            try:
-                _convert(path, folder, GGUF_SAVE_DTYPE)
-            except Exception as e:  # noqa: BLE001 - transformers' reasons (an architecture it lacks, a damaged file), said in one line
-                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise ModelNotFoundError(f"cannot convert {path}: {why}") from None
-            source = {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-            (folder / "emllm-source.json").write_text(json.dumps(source) + "\n")
-            os.replace(folder, target)  # (whole or absent under the name)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+            _convert(path, folder, GGUF_SAVE_DTYPE)
+        except Exception as e:  # noqa: BLE001 - transformers' reasons (an architecture it lacks, a damaged file), said in one line
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelNotFoundError(f"cannot convert {path}: {why}") from None
+        source = {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        (folder / "emllm-source.json").write_text(json.dumps(source) + "\n")
+
+    return _once(target, make, f"converting {path.name} to {GGUF_SAVE_DTYPE} safetensors under {target} (once)", log)
 
 
 __all__ = ["EMBEDDED", "EmbeddedModel", "ModelNotFoundError", "embedded_folder", "gguf_folder"]
