@@ -103,14 +103,14 @@ def ingest(
         with render.status(f"loading the model of {render.shown(path.name)} and opening it"):
             mem = emllm.open(path, writable=True, model=model, profile=profile, log=log, dtype=dtype)
 
-    with mem:
+    with mem, _terminate_as_interrupt() as stopped:
         if docs:
             try:
                 duplicates = mem.add(*docs, check_space=True, kv_cache_mb=kv_cache_mb)
             except KeyboardInterrupt:
                 what = "the store was not created" if plan.mode == "create" else "the store is unchanged"
-                render.err.print(f"emllm: interrupted before the text was saved: {what}; run the same command again")
-                raise typer.Exit(130) from None
+                render.err.print(f"emllm: {stopped.how} before the text was saved: {what}; run the same command again")
+                raise typer.Exit(stopped.code) from None
             for doc_name, was in duplicates:  # allowed (it may be meant), but rarely what one wants
                 render.err.print(f"[yellow]note:[/yellow] {render.shown(doc_name)}: the store held this text already "
                                  f"(as {render.shown(was)}); it was added again")
@@ -127,9 +127,9 @@ def ingest(
                 report = mem.resume(commit_every=commit_every, progress=show, kv_cache_mb=kv_cache_mb)
         except KeyboardInterrupt:
             j = mem.job
-            render.err.print(f"emllm: interrupted: the store keeps {j.done} of {j.tokens} tokens of this job; "
+            render.err.print(f"emllm: {stopped.how}: the store keeps {j.done} of {j.tokens} tokens of this job; "
                              f"finish with: emllm ingest --resume --store {render.shown(store)} (or the same command again)")
-            raise typer.Exit(130) from None
+            raise typer.Exit(stopped.code) from None
     summary = report.summary
     if as_json:
         render.print_json({**summary, "left_out": left_out, "unchanged": unchanged})
@@ -143,6 +143,34 @@ def ingest(
         render.err.print(f"[green]stored[/green] {render.shown(where)}, {summary['tokens_per_second']:.0f} tok/s)")
     else:  # an append shorter than what completes a chunk: nothing for the model to read yet
         render.err.print(f"[green]stored[/green] {render.shown(where)}; {pending} tokens wait for the next append or question)")
+
+
+class _Stopped:
+    how, code = "interrupted", 130  # Ctrl-C's; SIGTERM's once it came
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (a service stopped, `kill`, a container's end) stops an ingest as Ctrl-C does: the
+    store keeps its last commit and a line says how to finish; exit code 143. The handler before
+    is put back after (a library's caller, a test, keeps its own)."""
+    import signal
+
+    stopped = _Stopped()
+
+    def on_term(_signum: int, _frame: object) -> None:
+        stopped.how, stopped.code = "terminated", 143
+        raise KeyboardInterrupt
+
+    try:
+        before = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # (not the main thread: signals stay as they are)
+        yield stopped
+        return
+    try:
+        yield stopped
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _left_out(files: list[dict]) -> str:

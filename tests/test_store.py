@@ -457,7 +457,9 @@ def _env(home: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_cleanly_and_resume_completes(tiny, tmp_path):
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_ctrl_c_stops_cleanly_and_resume_completes(tiny, tmp_path, sig, code, said):
+    """Ctrl-C, and SIGTERM (a service stopped), end an ingest with a line saying how to finish it."""
     folder, prof, _, _ = tiny
     doc = tmp_path / "doc.txt"
     doc.write_text(words(10, 8000))  # long enough that the interrupt lands mid-job on a loaded machine (3000 once finished first)
@@ -468,10 +470,10 @@ def test_ctrl_c_stops_cleanly_and_resume_completes(tiny, tmp_path):
                          # the child gets Ctrl-C as from a terminal
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert _wait_for_commit(store, p, 1), "finished before the interrupt"
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err
-    assert "--resume" in err and "Traceback" not in err
+    assert p.returncode == code, err
+    assert f"emllm: {said}: the store keeps" in err and "--resume" in err and "Traceback" not in err
     with Store.open(store) as st:
         assert not st.manifest["job"]["complete"]
         done0 = st.manifest["job"]["done"]
