@@ -177,7 +177,8 @@ def events_view(text: str, doc: dict):
         mark = f"▌{s:.1f} " if s is not None else "▌"
         t.append(mark, style="bold magenta" if s is not None and s > 8 else "magenta")
         t.append(text[c0:c1], style=styles[ev["index"] % 2])
-    t.append(f"\n\n{len(doc['events'])} events, {doc['tokens']} tokens, method {doc['method']}", style="dim")
+    k = len(doc["events"])
+    t.append(f"\n\n{k} event{'s' * (k != 1)}, {doc['tokens']} tokens, method {doc['method']}", style="dim")
     return t
 
 
@@ -188,8 +189,11 @@ def metrics_table(table: dict, tokens: int) -> Table:
     t.add_column("modularity ×10³ (↑)", justify="right")
     t.add_column("conductance (↓)", justify="right")
     t.add_column("intra/inter (↑)", justify="right")
+    cell = lambda v, scale, digits: "n/a" if v is None else f"{scale * v:+.{digits}f}"  # noqa: E731
     for m, d in table.items():
-        t.add_row(m, f"{1e3 * d['modularity']:+.3f}", f"{d['conductance']:+.4f}", f"{d['intra_inter']:+.4f}")
+        t.add_row(m, cell(d["modularity"], 1e3, 3), cell(d["conductance"], 1, 4), cell(d["intra_inter"], 1, 4))
+    if any(v is None for d in table.values() for v in d.values()):
+        t.caption = "n/a: no stretch of a chunk's tokens holds two events (the text is too short)"
     return t
 
 

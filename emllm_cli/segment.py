@@ -73,7 +73,7 @@ def segment(
     n_tokens = next(iter(docs.values()))["tokens"]
     name = loaded.given or loaded.name
     if method == "all":
-        table = {m: {k: d["metrics"][k] - d["random_metrics"][k] for k in d["metrics"]} for m, d in docs.items()}
+        table = {m: d["difference_to_random"] for m, d in docs.items()}
         if as_json or out:
             payload = {"model": name, "tokens": n_tokens, "difference_to_random": table,
                        "methods": {m: {"events": len(d["events"]), **d["metrics"]} for m, d in docs.items()},
@@ -88,8 +88,7 @@ def segment(
     else:
         render.out.print(render.events_view(text, doc))
         if with_metrics:  # computed: shown, not dropped
-            render.out.print(render.metrics_table({method: {k: doc["metrics"][k] - doc["random_metrics"][k]
-                                                            for k in doc["metrics"]}}, n_tokens))
+            render.out.print(render.metrics_table({method: doc["difference_to_random"]}, n_tokens))
 
 
 def _check_writable(out: Path) -> None:

@@ -169,9 +169,33 @@ def test_segment_stdin_and_metrics_json(tmp_path, smollm2):
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert set(doc["difference_to_random"]) == {"F", "S", "SM", "SC", "FM", "FC"}
+    f, fm = doc["methods"]["F"], doc["methods"]["FM"]  # same number of events, boundaries moved
+    assert fm["events"] == f["events"] and fm["modularity"] > f["modularity"]
     for m, d in doc["methods"].items():
         for k in ("modularity", "conductance", "intra_inter"):
             assert doc["difference_to_random"][m][k] == pytest.approx(d[k] - doc["random"][m][k])
+    json.loads(r.stdout, parse_constant=_no_constants)
+
+
+def _no_constants(name: str):
+    raise AssertionError(f"{name} in JSON")
+
+
+@pytest.mark.slow
+def test_segment_metrics_of_a_text_too_short_for_them(tmp_path, smollm2):
+    # One event: no stretch to score. The JSON said NaN (not JSON: jq and JSON.parse refuse it)
+    # and the table "+nan".
+    src = tmp_path / "short.txt"
+    src.write_text("The cat sat on the mat. It was a sunny day.\n", encoding="utf-8")
+    r = run("segment", str(src), "--method", "F", "--metrics", "--json", home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout, parse_constant=_no_constants)
+    assert len(doc["events"]) == 1
+    assert doc["metrics"] == doc["random_metrics"] == doc["difference_to_random"] == dict.fromkeys(
+        ("modularity", "conductance", "intra_inter"))
+    r = run("segment", str(src), "--method", "F", "--metrics", home=tmp_path)
+    assert r.returncode == 0 and "nan" not in r.stdout and r.stdout.count("n/a") == 4, r.stdout  # 3 cells, the caption
+    assert "1 event," in r.stdout and "too short" in r.stdout
 
 
 @pytest.mark.slow

@@ -473,7 +473,8 @@ def segment(text: str, model: Model, methods: list[str] | tuple[str, ...] = ("S"
     """The event boundaries of `text` by each of `methods` (F, S, SM, SC, FM, FC, random: fixed
     blocks or surprise, refined by modularity or conductance), one document each (`document.events_doc`);
     gamma: the surprise threshold (None: the profile's). metrics: each document also scores its
-    segmentation ("metrics") against a random one with as many events ("random_metrics").
+    segmentation ("metrics") against a random one with as many events ("random_metrics"), and
+    the difference ("difference_to_random"; a metric is None where the text is too short for it).
     progress(tokens read, tokens): as the model reads the text."""
     import torch
 
@@ -502,6 +503,7 @@ def segment(text: str, model: Model, methods: list[str] | tuple[str, ...] = ("S"
             rand = document.random_like(len(ids), starts.numel(), prof.min_block, seed)
             docs[m]["metrics"] = document.metrics(a, starts, prof.chunk_size)
             docs[m]["random_metrics"] = document.metrics(a, rand, prof.chunk_size)
+            docs[m]["difference_to_random"] = document.difference(docs[m]["metrics"], docs[m]["random_metrics"])
     return docs
 
 

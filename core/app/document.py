@@ -8,6 +8,7 @@ stretches of `chunk_size` tokens, as the engine does while streaming (A is chunk
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from emllm.math.segmentation import (
     modularity,
     random_starts,
     refine,
+    refined_max_block,
     surprise_starts,
 )
 
@@ -76,15 +78,19 @@ def boundaries(a: Analysis, method: str, min_block: int, max_block: int, chunk: 
         lo, hi = b[i], b[j]
         local = torch.tensor(b[i:j]) - lo
         adj = key_adjacency(a.keys[:, :, lo:hi])
-        r = refine(adj, local, metric, min_block=min_block, max_block=max_block)
-        r = enforce_block_sizes(r, hi - lo, min_block, max_block)
+        cap = refined_max_block(method, max_block)
+        r = refine(adj, local, metric, min_block=min_block, max_block=cap)
+        r = enforce_block_sizes(r, hi - lo, min_block, cap)
         out.append(r + lo)
         i = j
     return torch.cat(out)
 
 
-def metrics(a: Analysis, starts: Tensor, chunk: int) -> dict[str, float]:
-    """Modularity, conductance and intra/inter similarity, averaged over chunk-sized stretches."""
+def metrics(a: Analysis, starts: Tensor, chunk: int) -> dict[str, float | None]:
+    """Modularity, conductance and intra/inter similarity, averaged over chunk-sized stretches.
+
+    A metric no stretch defines (none holds two events, or every intra/inter ratio divides by
+    zero) is None: there is nothing to average, and JSON has no NaN."""
     mods, cons, iis = [], [], []
     s = starts.tolist()
     for lo, hi in _stretches(a.ids.numel(), chunk):
@@ -95,11 +101,18 @@ def metrics(a: Analysis, starts: Tensor, chunk: int) -> dict[str, float]:
         adj = key_adjacency(a.keys[:, :, lo:hi]).double()
         mods.append(modularity(adj, local))
         cons.append(conductance(adj, local))
-        v = intra_inter_similarity(adj, local)
-        if v == v:
-            iis.append(v)
-    mean = lambda x: sum(x) / len(x) if x else float("nan")  # noqa: E731
-    return {"modularity": mean(mods), "conductance": mean(cons), "intra_inter": mean(iis)}
+        iis.append(intra_inter_similarity(adj, local))
+    return {"modularity": _mean(mods), "conductance": _mean(cons), "intra_inter": _mean(iis)}
+
+
+def _mean(values: list[float]) -> float | None:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else None
+
+
+def difference(method: dict[str, float | None], random: dict[str, float | None]) -> dict[str, float | None]:
+    """Each metric of a segmentation less a random one's (paper Table 2); None where either is."""
+    return {k: None if v is None or random[k] is None else v - random[k] for k, v in method.items()}
 
 
 def char_ranges(offsets: list[tuple[int, int]], starts: list[int], text_len: int) -> list[tuple[int, int]]:

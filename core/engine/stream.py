@@ -30,7 +30,7 @@ from emllm.memory.passages import event_spans
 from emllm.memory.selection import Selection
 from emllm.models import device_of, input_device
 from emllm.math.rope import Rotary
-from emllm.math.segmentation import enforce_block_sizes, key_adjacency, refine, surprise_starts
+from emllm.math.segmentation import enforce_block_sizes, key_adjacency, refine, refined_max_block, surprise_starts
 from emllm.math import surprise as surprise_math
 from emllm.math.surprise import Head, boundary_flags, probe_positions, shortlist_surprise, token_surprise
 from emllm.engine.sampling import Chooser, greedy
@@ -390,10 +390,11 @@ class Engine:
         a = key_adjacency(keys)
         metric = "modularity" if pr.segmentation.endswith("M") else "conductance"
         # Every event of the stretch is closed, so all of them (the last one, [starts[-2], n),
-        # included) must stay in [min_block, max_block]: refine only moves a boundary where both
+        # included) must stay in [min_block, cap]: refine only moves a boundary where both
         # events it changes stay in bounds. enforce_block_sizes is then a no-op safety net.
-        inner = refine(a, starts[:-1], metric, min_block=pr.min_block, max_block=pr.max_block)
-        inner = enforce_block_sizes(inner, n, pr.min_block, pr.max_block)
+        cap = refined_max_block(pr.segmentation, pr.max_block)
+        inner = refine(a, starts[:-1], metric, min_block=pr.min_block, max_block=cap)
+        inner = enforce_block_sizes(inner, n, pr.min_block, cap)
         return torch.cat((inner, starts[-1:]))
 
     # -- state -------------------------------------------------------------------------------

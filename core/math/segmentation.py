@@ -96,6 +96,17 @@ def enforce_block_sizes(starts: Tensor, n: int, min_block: int, max_block: int) 
     return surprise_starts(flags, min_block, max_block)
 
 
+def refined_max_block(method: str, max_block: int) -> int:
+    """The longest event refinement may leave for a segmentation method.
+
+    Surprise events (SM, SC) keep max_block. Fixed blocks (FM, FC) are all max_block long, and a
+    boundary only moves left, growing the next event: held to max_block, no boundary could ever
+    move and FM, FC would equal F. They may grow to twice max_block, the window the authors' code
+    lets a refined event span.
+    """
+    return 2 * max_block if method.startswith("F") else max_block
+
+
 def random_starts(n: int, k: int, generator: torch.Generator, min_block: int = 1) -> Tensor:
     """k events of at least min_block tokens each, uniformly at random among all such splits.
 
