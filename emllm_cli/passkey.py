@@ -26,7 +26,7 @@ def _lengths(value: str) -> list[int]:
     from emllm.evals.passkey import parse_length
 
     try:
-        return [parse_length(x) for x in _items(value, "lengths", "4k,16k")]
+        return list(dict.fromkeys(parse_length(x) for x in _items(value, "lengths", "4k,16k")))  # each once
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
 
@@ -39,7 +39,7 @@ def _depths(value: str) -> list[float]:
         raise typer.BadParameter(f"not a list of numbers: {value!r} (e.g. 0,0.5,1)") from None
     if not d or any(not 0 <= x <= 1 for x in d):
         raise typer.BadParameter("depths must lie in [0, 1], e.g. 0,0.25,0.5,0.75,1")
-    return d
+    return list(dict.fromkeys(d))  # a cell named twice is one cell (its trials were counted twice)
 
 
 @guarded
@@ -72,7 +72,7 @@ def passkey(
     """
     import emllm
     from emllm.evals import results_log
-    from emllm.evals.passkey import read_plan, run_grid
+    from emllm.evals.passkey import check_lengths, read_plan, run_grid
     from emllm.evals.scratch import TrunkStores
 
     ls, ds = lengths, depths  # parsed by the option callbacks (bad values: usage error, exit 2)
@@ -82,6 +82,10 @@ def passkey(
     with render.status(f"loading {render.shown(model or emllm.default_model())}"):
         src = emllm.load(model, profile, dtype, log)
     mdl, tok, name = src.model, src.tokenizer, src.given
+    try:
+        check_lengths(tok, ls)
+    except emllm.UsageError as e:
+        raise typer.BadParameter(str(e), param_hint="'--lengths'") from None
     methods = ["emllm"] + (["reread"] if reread else []) + (["baseline"] if baseline else [])
     n_trials = len(ls) * len(ds) * trials * len(methods)
     if memory_dir and not resume and (memory_dir / TrunkStores.KEPT).exists():

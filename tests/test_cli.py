@@ -89,6 +89,19 @@ def test_passkey_json(tmp_path, smollm2):  # smollm2: the converted model exists
             assert x["needle_where"] is None
 
 
+@pytest.mark.slow
+def test_passkey_cells_named_twice_and_lengths_without_haystack(tmp_path, smollm2):
+    # A length or depth named twice ran its cells twice and scored both rows with 2/2 trials;
+    # 10 tokens "found" the key in a 69-token prompt that had no filler.
+    r = run("passkey", "-l", "0.5k,512", "-d", "1,1.0", "-t", "1", "--json", home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["lengths"] == [512] and doc["depths"] == [1.0] and len(doc["results"]) == 1
+    r = run("passkey", "-l", "10,1k", "-t", "1", home=tmp_path)
+    assert r.returncode == 2 and "10 tokens hold no haystack" in r.stderr and "is 69 tokens" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 @pytest.fixture
 def bad_files(tmp_path):
     (tmp_path / "dir").mkdir()

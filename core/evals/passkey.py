@@ -12,6 +12,7 @@ from typing import Callable, Collection
 
 import torch
 
+from emllm.errors import UsageError
 from emllm.models import cache_kwargs, input_device, leading_ids
 from emllm.evals.recall import RecallProbe, needle_recall
 
@@ -103,6 +104,20 @@ def build_prompt(tok, length: int, depth: float, rng: random.Random) -> Prompt:
     at = min(at, len(hay))
     document = head + hay[:at] + needle + hay[at:]
     return Prompt(document, question, key, len(head) + at, len(needle))
+
+
+def shortest_prompt(tok) -> int:
+    """Tokens of a passkey prompt without filler: a length below it has no haystack to hide in."""
+    p = build_prompt(tok, 0, 0.0, random.Random(0))
+    return len(p.document) + len(p.question)
+
+
+def check_lengths(tok, lengths: Collection[int]) -> None:
+    """Refuse a length too short to hold a haystack (its prompt would be longer than asked)."""
+    short = shortest_prompt(tok)
+    if lengths and min(lengths) < short:
+        raise UsageError(f"{min(lengths)} tokens hold no haystack: a passkey prompt without filler is {short} "
+                         "tokens with this model's tokenizer")
 
 
 def score(answer: str, key: str) -> bool:
@@ -222,6 +237,7 @@ def run_grid(
 
     With a factory that shares prefixes, cells run in the order of their needle's position (all
     haystacks begin with the same filler), so the filler before the needles is read once."""
+    check_lengths(tok, lengths)
     results = []
     methods = ["emllm"] + (["reread"] if reread else []) + (["baseline"] if baseline else [])
     cells = [(length, depth, t, build_prompt(tok, length, depth, random.Random(f"{seed}/{length}/{depth}/{t}")))
