@@ -51,3 +51,33 @@ def test_a_reader_sees_what_a_writer_committed_since_its_last_answer(store):
         assert reader.info.rows.tokens > tokens  # (its store opened again: the old one holds the old rows)
         with emllm.open(store) as fresh:  # what a reader opened now answers
             assert after == fresh.answer(QUESTION, 6, reread=False).text
+
+
+def test_a_writer_answers_between_ingests_as_a_reader_would(store):
+    # A writable memory's questions ran a writer's engine: every token a question read went into
+    # the store's files, the next ingest's commit was refused ("keys and values written for a
+    # stream of ...") and the store no longer opened.
+    more = ("more", "The pass key is 55123. " + words(12, 200))
+    with emllm.open(store) as reader:
+        want_before = reader.answer(QUESTION, 6, reread=False).text
+    with emllm.open(store, writable=True) as mem:
+        assert mem.answer(QUESTION, 6, reread=False).text == want_before
+        mem.retrieval(QUESTION)
+        mem.ingest(more)
+        after = mem.answer(QUESTION, 6, reread=False).text
+        tokens = mem.info.rows.tokens
+    assert emllm.verify_store(store)["problems"] == []
+    with emllm.open(store) as reader:
+        assert reader.info.rows.tokens == tokens
+        assert reader.answer(QUESTION, 6, reread=False).text == after
+
+
+def test_a_store_with_nothing_read_yet_is_not_asked(tiny, tmp_path):
+    folder, prof, _, _ = tiny
+    with emllm.create(tmp_path / "new", str(folder), profile=str(prof)) as mem:
+        with pytest.raises(emllm.UsageError, match="holds nothing yet: ingest into it first"):
+            mem.ask(QUESTION, max_new_tokens=4)
+        mem.ingest(("doc", words(11, 300)))  # the store is as it was: the ingest commits
+        mem.ask(QUESTION, max_new_tokens=4, reread=False)  # (the tiny model may answer nothing)
+        assert mem.info.rows.tokens > 0
+    assert emllm.verify_store(tmp_path / "new")["problems"] == []

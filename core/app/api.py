@@ -252,6 +252,7 @@ class Memory:
         self._ready: tuple[int, Session, dict, bool] | None = None
         self._epoch = 0  # questions begun: an answer reads only while its question is the last begun
         self._queued: tuple[Any, int] | None = None  # documents `add` queued: their engine, the stream's length before
+        self._reader: tuple[int, Store] | None = None  # a writable memory's questions' store: (its commit, a reader)
 
     # -- what it is -------------------------------------------------------------------------
     @property
@@ -365,7 +366,7 @@ class Memory:
         opts = sampling if sampling is not None else self._sampling(sampling_options)
         current = None
         if trace or kv_cache_mb is not None:  # a session of its own: the trace sees the pending tail read too
-            session = Session(self._store, self.model, self.tokenizer, kv_cache_mb)
+            session = Session(self._questions_store(), self.model, self.tokenizer, kv_cache_mb)
         else:
             session, current = self._session()
         session.reread = REREAD_QUESTIONS if reread is None else reread
@@ -417,7 +418,7 @@ class Memory:
         if layer is not None and layer not in g.with_memory:
             raise UsageError(f"layer {layer} attends within a sliding window and holds no memory (layers with "
                              f"memory: {', '.join(map(str, g.with_memory))})")
-        return retrieval_report(self._store, self.model, self.tokenizer, query, layer, top)
+        return retrieval_report(self._questions_store(), self.model, self.tokenizer, query, layer, top)
 
     def _sampling(self, given: dict) -> Sampling:
         return sampling(self._model, **given)
@@ -438,10 +439,30 @@ class Memory:
         if mtime != self._opened and not self._writable:  # another process committed: see its commit
             self._reopen()
             mtime = self._opened
-        session = Session(self._store, self.model, self.tokenizer)
+        session = Session(self._questions_store(), self.model, self.tokenizer)
         session.feed_pending()
         self._ready = (mtime, session, session.engine.snapshot(), session.turn_start)
         return session, current
+
+    def _questions_store(self) -> Store:
+        """The store as a question reads it: this memory's, or where that is a writer's, a reader's
+        of its last commit. (A writer's engine writes every token it reads into the files: a
+        question's tokens were taken for the stream's, and the next commit was refused.)"""
+        if not self._writable:
+            return self._store
+        mtime = self._manifest_mtime()
+        if mtime == -1:
+            raise UsageError(f"{self.path} holds nothing yet: ingest into it first (a conversation from nothing: "
+                             "create it with publish=True)")
+        if self._reader is None or self._reader[0] != mtime:
+            self._close_reader()
+            self._reader = (mtime, Store.open(self.path))
+        return self._reader[1]
+
+    def _close_reader(self) -> None:
+        if self._reader is not None:
+            self._reader[1].close()
+            self._reader = None
 
     def _manifest_mtime(self) -> int:
         """When the store last committed (-1: not published yet)."""
@@ -459,6 +480,7 @@ class Memory:
 
     def close(self) -> None:
         self._ready = None
+        self._close_reader()
         self._store.close()
 
     def __enter__(self) -> "Memory":
