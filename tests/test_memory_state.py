@@ -81,3 +81,30 @@ def test_a_store_with_nothing_read_yet_is_not_asked(tiny, tmp_path):
         mem.ask(QUESTION, max_new_tokens=4, reread=False)  # (the tiny model may answer nothing)
         assert mem.info.rows.tokens > 0
     assert emllm.verify_store(tmp_path / "new")["problems"] == []
+
+
+def test_an_ingest_stopped_part_way_resumes_in_the_same_memory(tiny, tmp_path):
+    # The stopped job's rows past its last commit stayed counted by the memory's store: resuming
+    # through it was refused ("keys and values written for a stream of ..."). It now continues
+    # from the commit, as a new process would, to the store an uninterrupted ingest writes.
+    folder, prof, _, _ = tiny
+    doc = ("doc", words(11, 1200))
+    with emllm.create(tmp_path / "whole", str(folder), profile=str(prof)) as mem:
+        mem.ingest(doc, commit_every=2)
+        want = mem.ask(QUESTION, max_new_tokens=6, reread=False)
+    calls = []
+
+    def stop(p) -> None:
+        calls.append(p)
+        if len(calls) == 3:  # after the first commit (every 2 chunks), a chunk past it
+            raise KeyboardInterrupt
+
+    with emllm.create(tmp_path / "stopped", str(folder), profile=str(prof)) as mem:
+        with pytest.raises(KeyboardInterrupt):
+            mem.ingest(doc, commit_every=2, progress=stop)
+        assert 0 < mem.job.done < mem.job.tokens
+        mem.resume(commit_every=2)
+        assert mem.job.complete and mem.ask(QUESTION, max_new_tokens=6, reread=False) == want
+    for name in ("tokens.i32", "events.i32", "layers/00.k", "layers/01.v", "layers/01.r"):
+        assert (tmp_path / "stopped" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    assert emllm.verify_store(tmp_path / "stopped")["problems"] == []

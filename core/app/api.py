@@ -341,7 +341,12 @@ class Memory:
         job = st.info.job
         done0, was_complete = (job.done, job.complete) if job is not None else (0, True)
         t0 = time.perf_counter()
-        ing.run_job(st, engine, commit_every, progress)
+        try:
+            ing.run_job(st, engine, commit_every, progress)
+        except BaseException:  # (Ctrl-C, a full disk): the next `resume` continues from the last commit
+            self._ready = None
+            self._store = st.reopened()
+            raise
         self._ready = None
         summary = ing.run_summary(st, before, done0, was_complete, queued is not None, time.perf_counter() - t0)
         return IngestReport(summary, nothing_to_resume=queued is None and was_complete)

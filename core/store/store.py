@@ -183,6 +183,22 @@ class Store:
             self._lock_fd = None
         self.folder.close()
 
+    def reopened(self) -> "Store":
+        """A writer's store as its last commit left it, the lock handed over: for a job stopped part
+        way in this process (its files hold rows past the commit, which this handle counts as its
+        own: a job continued through it would commit them as the stream's)."""
+        assert self.writable and self._unpublished is None
+        lock_fd, self._lock_fd = self._lock_fd, None
+        self.close()
+        try:
+            folder = Folder(self.path)
+            st = type(self)(self.path, read_manifest(self.path, folder), True, lock_fd, folder)
+            st._check_files()
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        return st
+
     def __enter__(self) -> "Store":
         return self
 
