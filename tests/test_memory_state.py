@@ -108,3 +108,13 @@ def test_an_ingest_stopped_part_way_resumes_in_the_same_memory(tiny, tmp_path):
     for name in ("tokens.i32", "events.i32", "layers/00.k", "layers/01.v", "layers/01.r"):
         assert (tmp_path / "stopped" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
     assert emllm.verify_store(tmp_path / "stopped")["problems"] == []
+
+
+def test_a_closed_memory_says_so(store):
+    mem = emllm.open(store, writable=True)
+    mem.close()
+    for use in (lambda: mem.ask(QUESTION, max_new_tokens=4), lambda: mem.ingest(("more", "text")),
+                lambda: mem.summary(), lambda: mem.retrieval(QUESTION)):
+        with pytest.raises(emllm.UsageError, match="this memory is closed"):  # (was OSError: bad file descriptor)
+            use()
+    mem.close()  # twice: nothing to do

@@ -253,6 +253,7 @@ class Memory:
         self._epoch = 0  # questions begun: an answer reads only while its question is the last begun
         self._queued: tuple[Any, int] | None = None  # documents `add` queued: their engine, the stream's length before
         self._reader: tuple[int, Store] | None = None  # a writable memory's questions' store: (its commit, a reader)
+        self._closed = False
 
     # -- what it is -------------------------------------------------------------------------
     @property
@@ -292,7 +293,7 @@ class Memory:
         return self._store.info.stream is not None and self._store.info.stream.chat
 
     def summary(self) -> dict:
-        return store_summary(self._store)
+        return store_summary(self._open_store())
 
     # -- ingesting --------------------------------------------------------------------------
     def ingest(self, *docs: str | tuple[str, str | TextSource], commit_every: int = 4,
@@ -351,7 +352,13 @@ class Memory:
         summary = ing.run_summary(st, before, done0, was_complete, queued is not None, time.perf_counter() - t0)
         return IngestReport(summary, nothing_to_resume=queued is None and was_complete)
 
+    def _open_store(self) -> Store:
+        if self._closed:  # (its files' descriptors are closed: reading them failed with EBADF)
+            raise UsageError(f"{self.path}: this memory is closed; open the store again")
+        return self._store
+
     def _writable_store(self) -> Store:
+        self._open_store()
         if not self._writable:
             raise UsageError(f"{self.path} is open for reading: open it with writable=True to ingest into it")
         return self._store
@@ -397,6 +404,7 @@ class Memory:
     def remember(self, answer: Answer, commit_every: int = 4) -> None:
         """Append an answered exchange (its turns, the answer, the chat template's framing) to the
         stream and commit it: later questions recall it. The store must not have another writer."""
+        self._open_store()
         ids = answer.exchange_ids()
         writable, path = self._writable, self.path
         self._ready = None
@@ -454,7 +462,8 @@ class Memory:
         of its last commit. (A writer's engine writes every token it reads into the files: a
         question's tokens were taken for the stream's, and the next commit was refused.)"""
         if not self._writable:
-            return self._store
+            return self._open_store()
+        self._open_store()
         mtime = self._manifest_mtime()
         if mtime == -1:
             raise UsageError(f"{self.path} holds nothing yet: ingest into it first (a conversation from nothing: "
@@ -487,6 +496,7 @@ class Memory:
         self._ready = None
         self._close_reader()
         self._store.close()
+        self._closed = True
 
     def __enter__(self) -> "Memory":
         return self
