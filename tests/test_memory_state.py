@@ -118,3 +118,19 @@ def test_a_closed_memory_says_so(store):
         with pytest.raises(emllm.UsageError, match="this memory is closed"):  # (was OSError: bad file descriptor)
             use()
     mem.close()  # twice: nothing to do
+
+
+def test_a_writable_memory_holds_a_conversation(store):
+    # Its conversation's writes wanted the lock the memory itself held: "being written by another
+    # emllm process".
+    with emllm.open(store, writable=True) as mem:
+        n = len(mem.info.documents)
+        with mem.conversation() as talk:
+            talk.say_all(QUESTION, max_new_tokens=4)
+            talk.say_all("and then?", max_new_tokens=4)
+            assert [d.name for d in mem.info.documents[n:]] == ["exchange 1", "exchange 2"]
+            talk.undo()
+        assert [d.name for d in mem.info.documents[n:]] == ["exchange 1"]
+        mem.ingest(("more", words(12, 100)))  # the memory writes again after the conversation's writes
+        assert [d.name for d in mem.info.documents[n:]] == ["exchange 1", "more"]
+    assert emllm.verify_store(store)["problems"] == []

@@ -17,6 +17,7 @@ Paths are folders; `emllm.store_path(name)` is where the CLI keeps a named store
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -406,21 +407,31 @@ class Memory:
         stream and commit it: later questions recall it. The store must not have another writer."""
         self._open_store()
         ids = answer.exchange_ids()
-        writable, path = self._writable, self.path
+        with self._unlocked(always=True):
+            remember_exchange(self.path, self.model, self.tokenizer, ids, commit_every=commit_every)
+
+    @contextlib.contextmanager
+    def _unlocked(self, always: bool = False) -> Iterator[None]:
+        """This memory's store closed while another handle writes it: a writer's lock is free then
+        (always: a reader's too, opened again to see the commit)."""
+        if self._closed or not (self._writable or always):
+            yield
+            return
         self._ready = None
         self._store.close()
         try:
-            remember_exchange(path, self.model, self.tokenizer, ids, commit_every=commit_every)
+            yield
         finally:
-            self._store = Store.open(path, writable=writable)
+            self._store = Store.open(self.path, writable=self._writable)
             self._opened = self._manifest_mtime()
 
     def conversation(self, remember: bool = True, reread: bool | None = None, commit_every: int = 4) -> Conversation:
         """Exchanges with this store, each remembered as it completes (or none, remember=False), with
         `undo` of the last. reread None: REREAD_CONVERSATION; the conversation's `reread` may change
-        between exchanges."""
+        between exchanges. It opens the store for each exchange: it outlives this memory's `close`
+        (which frees a writer's lock for others between exchanges, as `emllm chat` does)."""
         return Conversation(self.path, self.model, self.tokenizer, remember=remember, commit_every=commit_every,
-                            reread=REREAD_CONVERSATION if reread is None else reread)
+                            reread=REREAD_CONVERSATION if reread is None else reread, unlocked=self._unlocked)
 
     def retrieval(self, query: str, layer: int | None = None, top: int = 8) -> dict:
         """What each layer retrieves for `query` read as a question (coverage per layer, the most

@@ -10,10 +10,11 @@ back it lies. Without remembering, the store is never changed.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 from emllm.app.ask import Session
 from emllm.app.ingest import add_tokens, run_job
@@ -29,8 +30,12 @@ class Conversation:
     """Exchanges with the store at `path` (its model already loaded and checked by the caller)."""
 
     def __init__(self, path: Path, model: Any, tok: Any, remember: bool = True, kv_cache_mb: int | None = None,
-                 commit_every: int = 4, reread: bool = False) -> None:
+                 commit_every: int = 4, reread: bool = False,
+                 unlocked: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> None:
+        """unlocked: a context in which the store's writer lock is free for this conversation's writes
+        (a writable `Memory`'s, which holds it otherwise)."""
         self.path, self.model, self.tok = Path(path), model, tok
+        self._unlocked = unlocked
         self.remember, self.kv_cache_mb, self.commit_every = remember, kv_cache_mb, commit_every
         self.reread = reread  # answer as `ask --reread` does (`app.reread`); may change between exchanges
         self.last_passages: list[tuple[int, int]] = []  # with reread: the stream spans the last answer read again
@@ -67,10 +72,11 @@ class Conversation:
         mark = None
         with Store.open(self.path) as st:
             can_mark = not st.info.has_sketch
-        if can_mark:  # for undo: what the store was before this exchange (a few MB)
-            mark = self._tmp / f"mark-{len(self._marks)}"
-            save_mark(self.path, mark)
-        remember_exchange(self.path, self.model, self.tok, ids, self.kv_cache_mb, self.commit_every)
+        with self._unlocked():
+            if can_mark:  # for undo: what the store was before this exchange (a few MB)
+                mark = self._tmp / f"mark-{len(self._marks)}"
+                save_mark(self.path, mark)
+            remember_exchange(self.path, self.model, self.tok, ids, self.kv_cache_mb, self.commit_every)
         self.exchanges += 1
         self._marks.append(mark)
 
@@ -81,7 +87,8 @@ class Conversation:
         mark = self._marks[-1]
         if mark is None:
             raise StoreError("this store keeps a sketch (it is large): its exchanges cannot be undone")
-        cut_back(self.path, mark)  # the rows past it become an uncommitted tail, dropped by the next write
+        with self._unlocked():
+            cut_back(self.path, mark)  # the rows past it become an uncommitted tail, dropped by the next write
         self._marks.pop()
         shutil.rmtree(mark, ignore_errors=True)
         self.exchanges -= 1
