@@ -134,3 +134,4 @@ def test_a_writable_memory_holds_a_conversation(store):
         mem.ingest(("more", words(12, 100)))  # the memory writes again after the conversation's writes
         assert [d.name for d in mem.info.documents[n:]] == ["exchange 1", "more"]
     assert emllm.verify_store(store)["problems"] == []
+

@@ -516,10 +516,12 @@ class Memory:
         self.close()
 
 
-def segment(text: str, model: Model, methods: list[str] | tuple[str, ...] = ("S",), gamma: float | None = None,
-            seed: int = 0, metrics: bool = False, progress: Callable[[int, int], None] | None = None) -> dict[str, dict]:
+def segment(text: str, model: str | Model | None = None, methods: str | list[str] | tuple[str, ...] = ("S",),
+            gamma: float | None = None, seed: int = 0, metrics: bool = False,
+            progress: Callable[[int, int], None] | None = None) -> dict[str, dict]:
     """The event boundaries of `text` by each of `methods` (F, S, SM, SC, FM, FC, random: fixed
-    blocks or surprise, refined by modularity or conductance), one document each (`document.events_doc`);
+    blocks or surprise, refined by modularity or conductance; one method may be given as a string)
+    as `model` (a `Model`, or what `load` takes) reads it, one document each (`document.events_doc`);
     gamma: the surprise threshold (None: the profile's). metrics: each document also scores its
     segmentation ("metrics") against a random one with as many events ("random_metrics"), and
     the difference ("difference_to_random"; a metric is None where the text is too short for it).
@@ -529,9 +531,11 @@ def segment(text: str, model: Model, methods: list[str] | tuple[str, ...] = ("S"
     from emllm.app import document
     from emllm.engine.stream import Engine
 
+    methods = [methods] if isinstance(methods, str) else list(methods)
     unknown = [m for m in methods if m not in document.METHODS]
     if unknown or not methods:
         raise UsageError(f"{unknown[0] if unknown else ''!r}: choose one of {', '.join(document.METHODS)}")
+    model = model if isinstance(model, Model) else load(model)
     tok = model.tokenizer
     if not getattr(tok, "is_fast", False):
         raise UsageError(f"the tokenizer of {model.name} has no fast (Rust) version: segment needs its character offsets")

@@ -1,0 +1,23 @@
+"""The library's functions outside a store, called as a program calls them."""
+
+from __future__ import annotations
+
+import pytest
+
+import emllm
+
+from .helpers import words
+
+
+def test_segment_takes_a_model_by_name_and_one_method_as_a_string(tiny):
+    # A model's name failed ("'str' object has no attribute 'tokenizer'"), and "SM" was read as
+    # the methods "S" and "M".
+    folder, prof, _, _ = tiny
+    text = words(11, 300)
+    loaded = emllm.load(str(folder), profile=str(prof))
+    want = emllm.segment(text, loaded, ["SM"])
+    assert emllm.segment(text, loaded, "SM") == want
+    with pytest.raises(emllm.UsageError, match="'XX': choose one of"):
+        emllm.segment(text, "no-such-model-is-loaded-before-the-check", "XX")
+    got = emllm.segment(text, str(folder), "F")  # by name: the profile guessed for the folder
+    assert got["F"]["tokens"] == want["SM"]["tokens"] and got["F"]["events"]
