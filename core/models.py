@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from emllm.config import Profile, ProfileError, builtin_profile_names, device_memory_setting, load_profile
 from emllm.embedded import ModelNotFoundError, embedded_folder, gguf_folder
+from emllm.errors import UsageError
 
 # The smallest embedded model that answers questions about a document (docs/benchmarks.md,
 # "Which model"); $EMLLM_MODEL replaces it.
@@ -174,7 +175,7 @@ def compute_dtype(dtype: str = "auto", device: str = "cpu"):  # -> torch.dtype
     if dtype == "float16":  # a store computed in float16 (on a GPU) opens in it; not offered as a choice
         return torch.float16
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+        raise UsageError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     if dtype == "auto":
         return torch.bfloat16 if native_bf16(device) else torch.float32
     return getattr(torch, dtype)

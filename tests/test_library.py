@@ -21,3 +21,8 @@ def test_segment_takes_a_model_by_name_and_one_method_as_a_string(tiny):
         emllm.segment(text, "no-such-model-is-loaded-before-the-check", "XX")
     got = emllm.segment(text, str(folder), "F")  # by name: the profile guessed for the folder
     assert got["F"]["tokens"] == want["SM"]["tokens"] and got["F"]["events"]
+
+
+def test_a_bad_dtype_is_an_error_the_user_can_fix():
+    with pytest.raises(emllm.EmllmError, match="unknown dtype 'float8': use one of auto, float32, bfloat16"):
+        emllm.load("smollm2", dtype="float8")  # (refused before any weights are read)
