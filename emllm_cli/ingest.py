@@ -18,7 +18,7 @@ from .stores import complete_store_names, store_path
 
 @guarded
 def ingest(
-    paths: list[str] = typer.Argument(None, metavar="PATH", help="Text files or folders to ingest in order (- for stdin). A folder is read as a code base: its text files in the order of their paths, each opening with a line that names it; .gitignore rules are honoured, hidden, binary and empty files left out."),
+    paths: list[str] = typer.Argument(None, metavar="PATH", help="Text files or folders to ingest in order (- for stdin). A folder is read as a code base: its text files in the order of their paths, each opening with a line that names it; .gitignore rules are honoured, hidden, binary and empty files and links left out."),
     model: str = ModelOpt,
     profile: str = ProfileOpt,
     dtype: str = DtypeOpt,
@@ -178,5 +178,6 @@ def _left_out(files: list[dict]) -> str:
     by: dict[str, list[str]] = {}
     for f in files:
         by.setdefault(f["why"], []).append(f["name"])
-    return "left out: " + "; ".join(f"{len(names)} {why} ({', '.join(names[:3])}{', …' if len(names) > 3 else ''})"
+    return "left out: " + "; ".join(f"{len(names)} {why}{'s' * (why == 'link' and len(names) > 1)} "
+                                    f"({', '.join(names[:3])}{', …' if len(names) > 3 else ''})"
                                     for why, names in by.items())

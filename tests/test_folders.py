@@ -74,14 +74,21 @@ def test_a_folders_files_are_those_git_lists_in_its_order(tmp_path, sub):
         assert "src/gen/code.py" not in [n for n, _ in got] and "src/top.txt" in [n for n, _ in got]
 
 
-def test_links_to_folders_are_not_followed_and_other_files_are_not_read(tmp_path):
+def test_links_are_not_followed_and_other_files_are_not_read(tmp_path):
     root = tmp_path / "proj"
     (root / "d").mkdir(parents=True)
     (root / "d" / "f.txt").write_text("f\n")
     (root / "d" / "loop").symlink_to(root)  # a cycle, were links followed
-    (root / "link.txt").symlink_to(root / "d" / "f.txt")  # a link to a file is read, as the file
+    (root / "link.txt").symlink_to(root / "d" / "f.txt")
+    secret = tmp_path / "id_rsa"
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    (root / "key.txt").symlink_to(secret)  # out of the folder: it was read into the store
+    (root / "ignored.txt").symlink_to(secret)
+    (root / ".gitignore").write_text("ignored.txt\n")
     os.mkfifo(root / "pipe")  # would block a reader
-    assert [n for n, _ in folder_files(root)] == ["proj/d/f.txt", "proj/link.txt"]
+    told = []
+    assert [n for n, _ in folder_files(root, lambda name, why: told.append((name, why)))] == ["proj/d/f.txt"]
+    assert sorted(told) == [("proj/d/loop", "link"), ("proj/key.txt", "link"), ("proj/link.txt", "link")]
 
 
 def test_a_folder_opens_its_files_named_and_leaves_out_what_holds_no_text(tmp_path):

@@ -5,7 +5,8 @@ Files are picked as ripgrep picks them by default: the `.gitignore` files of the
 folders below it and of those above it up to its git work tree's top, and the work tree's
 `.git/info/exclude`, with git's rules (a deeper file's patterns take precedence; nothing is picked
 below an ignored folder); hidden files and folders (a leading dot) skipped; binary and empty files
-skipped (`open_documents` says which); links to folders not followed. They are read in the order
+skipped (`open_documents` says which); links not followed (ripgrep's default: a link to a file
+outside the folder would put that file in the store). They are read in the order
 of their paths, as `git ls-files` lists them, and each opens with a line naming it,
 `==> proj/src/main.py <==` (as `head` and `tail` name the files they print), so the model reads
 which file says what.
@@ -64,10 +65,11 @@ def _ignored(path: str, is_dir: bool, specs: list[tuple[str, pathspec.GitIgnoreS
     return False
 
 
-def folder_files(folder: str | Path) -> list[tuple[str, Path]]:
+def folder_files(folder: str | Path, skipped: Callable[[str, str], None] | None = None) -> list[tuple[str, Path]]:
     """(name, path) of each file to read in `folder`, in the order of their paths. name: the
     folder's own name, then the file's path inside it, joined by "/" (the stream's and the
-    store's name for it)."""
+    store's name for it). Links are not followed (told to `skipped(name, "link")`): one to a
+    file outside the folder (a key, a password file) would be read into the store, and served."""
     top = os.path.abspath(folder)
     label = os.path.basename(top) or "root"
     found: list[tuple[str, Path]] = []
@@ -84,14 +86,18 @@ def folder_files(folder: str | Path) -> list[tuple[str, Path]]:
             if e.name.startswith("."):
                 continue
             try:
+                link = e.is_symlink()
                 is_dir = e.is_dir(follow_symlinks=False)
-                is_file = not is_dir and e.is_file()  # a regular file, or a link to one
+                is_file = e.is_file(follow_symlinks=False)
             except OSError:
                 continue
-            if not (is_dir or is_file) or _ignored(e.path, is_dir, specs):
+            if not (is_dir or is_file or link) or _ignored(e.path, is_dir, specs):
                 continue
             inner = f"{rel}/{e.name}" if rel else e.name
-            if is_dir:
+            if link:
+                if skipped is not None:
+                    skipped(f"{label}/{inner}", "link")
+            elif is_dir:
                 walk(e.path, inner, specs)
             else:
                 found.append((inner, Path(e.path)))
@@ -114,7 +120,7 @@ def open_documents(paths: list[str], warn: Callable[[str], None] | None = None,
             docs.append((p if p != "-" else "stdin", TextSource.open(p, warn)))
             continue
         n = len(docs)
-        for name, f in folder_files(p):
+        for name, f in folder_files(p, skipped):
             try:
                 docs.append((name, TextSource.open(str(f), warn, header=header(name))))
             except InputError as e:
