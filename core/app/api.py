@@ -472,9 +472,9 @@ class Memory:
         """The store as a question reads it: this memory's, or where that is a writer's, a reader's
         of its last commit. (A writer's engine writes every token it reads into the files: a
         question's tokens were taken for the stream's, and the next commit was refused.)"""
+        store = self._open_store()
         if not self._writable:
-            return self._open_store()
-        self._open_store()
+            return store
         mtime = self._manifest_mtime()
         if mtime == -1:
             raise UsageError(f"{self.path} holds nothing yet: ingest into it first (a conversation from nothing: "
