@@ -120,6 +120,27 @@ def test_a_folder_opens_its_files_named_and_leaves_out_what_holds_no_text(tmp_pa
     assert e.value.kind == "binary"
 
 
+@pytest.mark.parametrize("codec", ["utf-16-le", "utf-16-be"])
+def test_utf16_text_with_its_byte_order_mark_is_read_as_text(tmp_path, codec):
+    # Windows tools write UTF-16: its NUL bytes made it "a binary file", left out of a folder.
+    text = "Café notes\nThe key is under the mat. 日本語\n" * 3000  # pieces of 64 KiB cut characters
+    f = tmp_path / "notes.txt"
+    f.write_bytes("\ufeff".encode(codec) + text.encode(codec))
+    src = TextSource.open(str(f))
+    assert "".join(src.pieces()) == text and src.chars == len(text)
+    plain = tmp_path / "plain.txt"
+    plain.write_text(text, encoding="utf-8")
+    same = TextSource.open(str(plain))
+    list(same.pieces())
+    assert src.sha256 == same.sha256  # the text's, whatever its encoding
+    (tmp_path / "bom-only.txt").write_bytes("\ufeff".encode(codec))
+    with pytest.raises(InputError, match="is empty"):
+        TextSource.open(str(tmp_path / "bom-only.txt"))
+    (tmp_path / "nul.bin").write_bytes(b"ab\x00cd")  # NUL bytes without a mark: still binary
+    with pytest.raises(InputError, match="binary"):
+        TextSource.open(str(tmp_path / "nul.bin"))
+
+
 def test_a_regular_file_is_not_held_open_until_read(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("x " * 100000)

@@ -1,7 +1,7 @@
 """Text read as a stream: files, FIFOs and stdin in pieces, tokenized piece by piece.
 
-Memory does not grow with the input: a piece is read, decoded (UTF-8, incrementally), checked
-and tokenized, and only its tokens go on. Pieces are tokenized apart only where the tokenizer cuts
+Memory does not grow with the input: a piece is read, decoded (UTF-8, or UTF-16 after its byte
+order mark; incrementally), checked and tokenized, and only its tokens go on. Pieces are tokenized apart only where the tokenizer cuts
 anyway (between a word and the newlines before a line that starts with a non-space character),
 and only for tokenizers checked to give the same ids cut there as whole (byte-level BPE does; a
 tokenizer that adds a prefix space to every call does not, and gets the whole text at once).
@@ -53,6 +53,7 @@ class TextSource:
     chars: int = 0
     path: str | None = None  # the file's path ("-": stdin)
     header: str = ""  # text read before the file's own (a folder's file: its name), not in sha256 or chars
+    encoding: str = "utf-8"  # or "utf-16", where the text opens with its byte order mark
     _used: bool = field(default=False, repr=False)
 
     @classmethod
@@ -91,10 +92,15 @@ class TextSource:
         except OSError as e:
             stream.close()
             raise InputError(f"{name}: cannot read: {e.strerror}") from None
-        if b"\x00" in first:
+        encoding = _encoding(first)
+        if encoding == "utf-16":  # (its NUL bytes are half its ASCII characters)
+            if not first[2:]:
+                stream.close()
+                raise InputError(f"{name}: is empty: nothing to read", "empty")
+        elif b"\x00" in first:
             stream.close()
             raise InputError(f"{name}: looks like a binary file (NUL bytes); give a text file", "binary")
-        if not first.strip():
+        elif not first.strip():
             rest = first
             while rest and not rest.strip():  # a file of blanks longer than a piece
                 rest = stream.read(PIECE)
@@ -107,8 +113,8 @@ class TextSource:
             first += rest
         if path != "-" and stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
             stream.close()
-            return cls(name, None, b"", warn, path=path, header=header)
-        return cls(name, stream, first, warn, path=path, header=header)
+            return cls(name, None, b"", warn, path=path, header=header, encoding=encoding)
+        return cls(name, stream, first, warn, path=path, header=header, encoding=encoding)
 
     def _reopen(self) -> None:
         """Open the regular file again, at its first piece (checked again: it may have changed)."""
@@ -119,7 +125,10 @@ class TextSource:
             if self.stream is not None:
                 self.stream.close()
             raise InputError(f"{self.name}: cannot read: {e.strerror}") from None
-        if (nul := self.first.find(b"\x00")) >= 0:
+        if _encoding(self.first) != self.encoding:
+            self.stream.close()
+            raise InputError(f"{self.name}: changed since it was checked (its encoding is not the same); read it again")
+        if self.encoding == "utf-8" and (nul := self.first.find(b"\x00")) >= 0:
             self.stream.close()
             raise InputError(f"{self.name}: NUL bytes at byte {nul}: a binary file; give a text file", "binary")
 
@@ -138,7 +147,7 @@ class TextSource:
 
         handler = f"emllm-replace-{id(self)}"
         codecs.register_error(handler, replace)
-        dec = codecs.getincrementaldecoder("utf-8")(errors=handler)
+        dec = codecs.getincrementaldecoder(self.encoding)(errors=handler)  # (utf-16 drops its byte order mark)
         h = hashlib.sha256()
         data, at = self.first, 0
         try:
@@ -148,7 +157,7 @@ class TextSource:
                 final = not data
                 text = dec.decode(data, final=final)
                 if bad and self.warn is not None:
-                    self.warn(f"{self.name} is not valid UTF-8 (byte {bad[0]}); "
+                    self.warn(f"{self.name} is not valid {self.encoding.upper()} (byte {bad[0]}); "
                               "undecodable bytes were replaced with U+FFFD")
                     self.warn = None
                 if text:
@@ -162,7 +171,7 @@ class TextSource:
                     data = self.stream.read(PIECE)
                 except OSError as e:
                     raise InputError(f"{self.name}: cannot read: {e.strerror}") from None
-                if (nul := data.find(b"\x00")) >= 0:
+                if self.encoding == "utf-8" and (nul := data.find(b"\x00")) >= 0:
                     raise InputError(f"{self.name}: NUL bytes at byte {at + nul}: a binary file; give a text file", "binary")
         finally:
             self.stream.close()
@@ -172,6 +181,11 @@ class TextSource:
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
+
+
+def _encoding(first: bytes) -> str:
+    """UTF-16 where the text opens with its byte order mark (as Windows tools write it), else UTF-8."""
+    return "utf-16" if first.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) else "utf-8"
 
 
 def file_sha256(path: str) -> str | None:
