@@ -125,6 +125,12 @@ def test_chat_completions_through_the_openai_client(server, tiny):
                                                  max_tokens=5, temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == r.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    with_usage = list(client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
+                                                     max_tokens=5, temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.model_dump(include={"prompt_tokens", "completion_tokens"}) == \
+        r.usage.model_dump(include={"prompt_tokens", "completion_tokens"})  # (the stream ended without it)
+    assert all(c.usage is None for c in with_usage[:-1]) and all(c.usage is None for c in chunks)
     sampled = [client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
                                               max_tokens=5, temperature=1.0, seed=4,
                                               extra_body={"top_k": 20, "repetition_penalty": 1.2}).choices[0].message.content

@@ -61,10 +61,15 @@ class Message(BaseModel):
     content: str | list[dict] | None = None
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = False  # a last chunk with the request's usage (its choices empty)
+
+
 class ChatRequest(BaseModel):
     model: str
     messages: list[Message] = Field(min_length=1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -271,12 +276,15 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
             return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts).strip()},
                                  "finish_reason": x.get("finish_reason", "stop")}],
-                    "usage": {"prompt_tokens": x.get("prompt_tokens", 0), "completion_tokens": x.get("completion_tokens", 0),
-                              "total_tokens": x.get("prompt_tokens", 0) + x.get("completion_tokens", 0)},
+                    "usage": _usage(x),
                     **({"emllm": {"reread": {"passages": x["passages"]}}} if x.get("passages") is not None else {})}
 
+        usage = req.stream_options is not None and req.stream_options.include_usage
+
         async def events() -> AsyncIterator[str]:
-            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
+            # (with include_usage, OpenAI's chunks say "usage": null until the last, which has no choices)
+            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                    **({"usage": None} if usage else {})}
             try:
                 yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
                 x = first
@@ -284,6 +292,8 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                     yield _sse({**base, "choices": [{"index": 0, "delta": {"content": x}, "finish_reason": None}]})
                     x = await take()
                 yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": x.get("finish_reason", "stop")}]})
+                if usage:
+                    yield _sse({**base, "choices": [], "usage": _usage(x)})
                 yield "data: [DONE]\n\n"
             finally:  # (a client gone: the response's task is cancelled here, and the answer stops)
                 done.set()
@@ -291,6 +301,12 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
+
+
+def _usage(end: dict) -> dict:
+    """OpenAI's usage of a request from its answer's end."""
+    p, c = end.get("prompt_tokens", 0), end.get("completion_tokens", 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 def _bounded(receive: Receive, limit: int) -> Receive:
