@@ -16,8 +16,9 @@ from .stores import complete_store_names, existing_store, store_path
 def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
     """List the stores under the emllm home: status, model, format, tokens, size, last update.
 
-    An incomplete store has an ingest that stopped before its end (`emllm ingest --resume`); a
-    damaged one is refused when opened (the error says why).
+    A store being written has an ingest under way in another process; an incomplete one has an
+    ingest that stopped before its end (`emllm ingest --resume`); a damaged one is refused when
+    opened (the error says why).
     """
     rows = emllm.list_stores()
     if as_json:

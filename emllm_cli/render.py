@@ -241,7 +241,7 @@ def stores_table(rows: list[dict]) -> Table:
     for c, j in (("name", "left"), ("status", "left"), ("model", "left"), ("format", "left"), ("tokens", "right"),
                  ("events", "right"), ("size", "right"), ("updated", "left")):
         t.add_column(c, justify=j)
-    colour = {"complete": "green", "incomplete": "yellow", "damaged": "red"}
+    colour = {"complete": "green", "writing": "cyan", "incomplete": "yellow", "damaged": "red"}
     for r in rows:
         status = f"[{colour.get(r['status'], 'white')}]{r['status']}[/]"
         t.add_row(shown(r["name"]), status, shown(r["model"] or "-"), shown(r.get("format") or "-"), str(r["tokens"]),
@@ -267,7 +267,9 @@ def store_summary(s: dict):
                             "(the others attend within a sliding window)")
     t.add_row("profile", f"{shown(s['profile']['name'])}: {shown(s['profile']['segmentation'])}, n_local {s['profile']['n_local']}, "
               f"n_mem {s['profile']['n_mem']}, chunk {s['profile']['chunk_size']}")
-    t.add_row("tokens", f"{s['tokens']}" + ("" if s["complete"] else "  [yellow](ingest unfinished: --resume)[/yellow]"))
+    unfinished = "  [cyan](an ingest is writing it now)[/cyan]" if s.get("writing") else \
+        "  [yellow](ingest unfinished: --resume)[/yellow]"
+    t.add_row("tokens", f"{s['tokens']}" + ("" if s["complete"] else unfinished))
     t.add_row("events", f"{s['events']}" + (f" (mean {s['mean_event_size']} tokens)" if s["mean_event_size"] else
                                                " (the text still fits the model's window)"))
     docs = s["documents"]

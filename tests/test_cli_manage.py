@@ -65,6 +65,19 @@ def test_list_show_mv_rm(tiny, tmp_path):
     assert rows["s"]["status"] == "complete" and rows["partial"]["status"] == "incomplete"
     assert rows["s"]["format"] == "float32" and rows["s"]["model"] == str(tiny[0]) and rows["s"]["bytes"] > 0
     assert run_in_process("ls", home=tmp_path).stdout.count("incomplete") == 1
+    # an ingest under way (its writer's lock held) is told from one that stopped; seeing it never
+    # refuses a writer that starts meanwhile
+    fd = os.open(inc / "lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        rows = {x["name"]: x for x in json.loads(run_in_process("list", "--json", home=tmp_path).stdout)["stores"]}
+        assert rows["partial"]["status"] == "writing" and rows["s"]["status"] == "complete"
+        assert "an ingest is writing it now" in run_in_process("show", "partial", home=tmp_path).stdout
+        assert json.loads(run_in_process("show", "partial", "--json", home=tmp_path).stdout)["writing"] is True
+    finally:
+        os.close(fd)
+    assert json.loads(run_in_process("show", "partial", "--json", home=tmp_path).stdout)["writing"] is False
+    assert "ingest unfinished: --resume" in run_in_process("show", "partial", home=tmp_path).stdout
     r = run_in_process("show", "s", "--json", home=tmp_path)
     assert r.returncode == 0 and json.loads(r.stdout)["tokens"] > 0
     # rm asks; without a terminal and without --yes it refuses, and removes nothing
@@ -200,3 +213,24 @@ def test_a_bare_name_is_a_store_under_the_home_unless_a_store_here_has_it(tiny, 
     assert sorted(p.relative_to(work) for p in (work / "proj").rglob("*")) == before  # the folder read, not written
     r = run_in_process("show", "proj", "--json", home=tmp_path / "home")
     assert r.returncode == 0 and json.loads(r.stdout)["documents"][0]["name"].endswith("a.py"), r.stdout
+
+
+def test_a_writer_waits_out_a_look_at_its_lock(tmp_path):
+    import threading
+
+    from emllm.store.files import FolderLocked, folder_written, lock_folder
+
+    assert not folder_written(tmp_path)  # no lock file: nothing is created to look
+    assert not (tmp_path / "lock").exists()
+    (tmp_path / "lock").touch()
+    look = os.open(tmp_path / "lock", os.O_RDONLY)
+    fcntl.flock(look, fcntl.LOCK_SH)  # `list` looking, held far longer than it is
+    threading.Timer(0.05, os.close, (look,)).start()
+    w = lock_folder(tmp_path)  # waits for the look to end instead of refusing
+    try:
+        assert folder_written(tmp_path)
+        with pytest.raises(FolderLocked, match="being written by another emllm process"):
+            lock_folder(tmp_path)
+    finally:
+        os.close(w)
+    assert not folder_written(tmp_path)

@@ -73,8 +73,11 @@ def _manifests() -> list[tuple[Path, Any]]:
 
 def list_stores() -> list[dict]:
     """One row per store under the home, most recently updated first: name, path, status
-    (complete, incomplete: an ingest stopped before its end, damaged: refused when opened, with
-    "error" saying why), model, dtype, format, tokens, events, bytes, updated."""
+    (complete; writing: an ingest under way in another process; incomplete: an ingest stopped
+    before its end; damaged: refused when opened, with "error" saying why), model, dtype, format,
+    tokens, events, bytes, updated."""
+    from emllm.store.files import folder_written
+
     rows = []
     for path, m in _manifests():
         if isinstance(m, str):
@@ -83,7 +86,8 @@ def list_stores() -> list[dict]:
                          "error": m})
             continue
         rows.append({
-            "name": path.name, "path": str(path), "status": "complete" if m.complete else "incomplete",
+            "name": path.name, "path": str(path),
+            "status": "complete" if m.complete else "writing" if folder_written(path) else "incomplete",
             "model": m.model, "dtype": m.geometry.dtype, "format": m.kv_format, "tokens": m.rows.tokens + m.pending,
             "events": m.rows.events, "bytes": folder_bytes(path), "updated": m.updated,
         })
@@ -92,12 +96,15 @@ def list_stores() -> list[dict]:
 
 def summary(path: Path) -> dict:
     """What the store at `path` holds (opened read-only, validated): identity, profile, sizes,
-    event sizes, documents, bytes on disk (`report.store_summary`)."""
+    event sizes, documents, bytes on disk (`report.store_summary`); and whether an ingest is
+    writing it now ("writing": another process's, its job not complete)."""
     from emllm.app.report import store_summary
     from emllm.store import Store
+    from emllm.store.files import folder_written
 
     with Store.open(Path(path)) as st:
-        return store_summary(st)
+        out = store_summary(st)
+    return {**out, "writing": not out["complete"] and folder_written(Path(path))}
 
 
 def verify_store(path: Path, progress: Callable[[int, int], None] | None = None) -> dict:

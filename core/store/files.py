@@ -14,6 +14,7 @@ import errno
 import fcntl
 import os
 import stat
+import time
 from pathlib import Path
 
 from emllm.errors import EmllmError
@@ -189,14 +190,39 @@ def lock_folder(path: Path) -> int:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise UnsafePath(f"{path / 'lock'} is not a regular file: the store is refused")
+    for attempt in range(LOCK_TRIES):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                raise
+        time.sleep(0.01)  # (`folder_written` holds the lock shared for an instant: never a writer's refusal)
+    os.close(fd)
+    raise FolderLocked(f"{path} is being written by another emllm process; wait for it to finish")
+
+
+LOCK_TRIES = 20  # of a writer's lock, 10 ms apart
+
+
+def folder_written(path: Path) -> bool:
+    """Whether a writer holds the store's lock now, seen without blocking or creating anything: the
+    lock taken shared for an instant (a writer that starts then waits for it, `lock_folder`)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(path / "lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # no lock file (never written since it was made), or not ours to open
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
     except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+    finally:
         os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise FolderLocked(f"{path} is being written by another emllm process; wait for it to finish") from None
-        raise
-    return fd
 
 
 class FolderLocked(OSError):
