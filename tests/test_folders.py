@@ -4,6 +4,7 @@ of files holds one open at a time."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import subprocess
@@ -136,6 +137,13 @@ def test_utf16_text_with_its_byte_order_mark_is_read_as_text(tmp_path, codec):
     (tmp_path / "bom-only.txt").write_bytes("\ufeff".encode(codec))
     with pytest.raises(InputError, match="is empty"):
         TextSource.open(str(tmp_path / "bom-only.txt"))
+    bom8 = tmp_path / "bom8.txt"  # UTF-8's mark is no part of the text either
+    bom8.write_bytes(codecs.BOM_UTF8 + text.encode())
+    src8 = TextSource.open(str(bom8))
+    assert "".join(src8.pieces()) == text and src8.sha256 == same.sha256
+    (tmp_path / "bom8-only.txt").write_bytes(codecs.BOM_UTF8 + b"\n ")
+    with pytest.raises(InputError, match="is empty"):
+        TextSource.open(str(tmp_path / "bom8-only.txt"))
     (tmp_path / "nul.bin").write_bytes(b"ab\x00cd")  # NUL bytes without a mark: still binary
     with pytest.raises(InputError, match="binary"):
         TextSource.open(str(tmp_path / "nul.bin"))

@@ -53,7 +53,7 @@ class TextSource:
     chars: int = 0
     path: str | None = None  # the file's path ("-": stdin)
     header: str = ""  # text read before the file's own (a folder's file: its name), not in sha256 or chars
-    encoding: str = "utf-8"  # or "utf-16", where the text opens with its byte order mark
+    encoding: str = "utf-8"  # "utf-8-sig" or "utf-16" where the text opens with a byte order mark
     _used: bool = field(default=False, repr=False)
 
     @classmethod
@@ -100,8 +100,8 @@ class TextSource:
         elif b"\x00" in first:
             stream.close()
             raise InputError(f"{name}: looks like a binary file (NUL bytes); give a text file", "binary")
-        elif not first.strip():
-            rest = first
+        elif not first.removeprefix(codecs.BOM_UTF8).strip():
+            rest = first.removeprefix(codecs.BOM_UTF8)
             while rest and not rest.strip():  # a file of blanks longer than a piece
                 rest = stream.read(PIECE)
                 if b"\x00" in rest:
@@ -128,7 +128,7 @@ class TextSource:
         if _encoding(self.first) != self.encoding:
             self.stream.close()
             raise InputError(f"{self.name}: changed since it was checked (its encoding is not the same); read it again")
-        if self.encoding == "utf-8" and (nul := self.first.find(b"\x00")) >= 0:
+        if self.encoding != "utf-16" and (nul := self.first.find(b"\x00")) >= 0:
             self.stream.close()
             raise InputError(f"{self.name}: NUL bytes at byte {nul}: a binary file; give a text file", "binary")
 
@@ -157,7 +157,7 @@ class TextSource:
                 final = not data
                 text = dec.decode(data, final=final)
                 if bad and self.warn is not None:
-                    self.warn(f"{self.name} is not valid {self.encoding.upper()} (byte {bad[0]}); "
+                    self.warn(f"{self.name} is not valid {self.encoding[:6].upper()} (byte {bad[0]}); "
                               "undecodable bytes were replaced with U+FFFD")
                     self.warn = None
                 if text:
@@ -171,7 +171,7 @@ class TextSource:
                     data = self.stream.read(PIECE)
                 except OSError as e:
                     raise InputError(f"{self.name}: cannot read: {e.strerror}") from None
-                if self.encoding == "utf-8" and (nul := data.find(b"\x00")) >= 0:
+                if self.encoding != "utf-16" and (nul := data.find(b"\x00")) >= 0:
                     raise InputError(f"{self.name}: NUL bytes at byte {at + nul}: a binary file; give a text file", "binary")
         finally:
             self.stream.close()
@@ -184,8 +184,11 @@ class TextSource:
 
 
 def _encoding(first: bytes) -> str:
-    """UTF-16 where the text opens with its byte order mark (as Windows tools write it), else UTF-8."""
-    return "utf-16" if first.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) else "utf-8"
+    """UTF-16 where the text opens with its byte order mark (as Windows tools write it), else UTF-8,
+    less its byte order mark where it has one (the mark is no part of the text)."""
+    if first.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "utf-16"
+    return "utf-8-sig" if first.startswith(codecs.BOM_UTF8) else "utf-8"
 
 
 def file_sha256(path: str) -> str | None:
