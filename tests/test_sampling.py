@@ -28,6 +28,23 @@ def test_the_processors_apply_as_transformers_defines_them():
         Sampling(top_p=0)
 
 
+def test_openai_penalties_subtract_from_the_logits_of_the_answers_tokens():
+    logits = torch.tensor([0.0, 5.0, 4.5, 3.2, -2.0])
+    # presence: 0.6 off token 1 once it is in the answer, however often: 4.4 < 4.5
+    assert Sampling(presence_penalty=0.6).chooser()([1, 1, 1], logits) == 2
+    assert Sampling(presence_penalty=0.6).chooser()([], logits) == 1
+    # frequency: 0.3 per time: once 4.7 (still first), twice 4.4 (token 2 first)
+    assert Sampling(frequency_penalty=0.3).chooser()([1], logits) == 1
+    assert Sampling(frequency_penalty=0.3).chooser()([1, 1], logits) == 2
+    # the question's tokens are not the answer's: no penalty for them (unlike repetition_penalty)
+    assert Sampling(frequency_penalty=2.0).chooser(context=[1, 1])([], logits) == 1
+    # negative: encourages; both add up: 3.2 + 2 * 0.5 + 0.4 = 4.6 < 5.0, 3.2 + 3 * 0.5 + 0.4 = 5.1
+    assert Sampling(presence_penalty=-0.4, frequency_penalty=-0.5).chooser()([3, 3], logits) == 1
+    assert Sampling(presence_penalty=-0.4, frequency_penalty=-0.5).chooser()([3, 3, 3], logits) == 3
+    with pytest.raises(ValueError, match=r"frequency_penalty must lie in \[-2, 2\], got 2.5"):
+        Sampling(frequency_penalty=2.5)
+
+
 def test_the_model_generation_config_gives_the_defaults():
     class Gen:
         do_sample, temperature, top_p, top_k, repetition_penalty = True, 0.6, 0.95, 40, 1.1

@@ -136,6 +136,16 @@ def test_chat_completions_through_the_openai_client(server, tiny):
                                               extra_body={"top_k": 20, "repetition_penalty": 1.2}).choices[0].message.content
                for _ in range(2)]
     assert sampled[0] == sampled[1]  # a seed: the same answer
+    penalised = client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
+                                               max_tokens=5, temperature=0, frequency_penalty=2, presence_penalty=2)
+    with Store.open(home / "stores" / "book") as st:  # as the library answers with them
+        from emllm.app.ask import Session
+        from emllm.engine.sampling import Sampling
+
+        want = Session(st, model, tok).answer_text("who hid the key?", 5, Sampling(frequency_penalty=2, presence_penalty=2))
+        assert penalised.choices[0].message.content == "".join(want).strip()
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}], frequency_penalty=2.5)
     with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
         client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}],
                                        extra_body={"repetition_penalty": -1})

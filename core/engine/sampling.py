@@ -28,6 +28,10 @@ class Sampling:
     top_k: int = 0  # 0: no limit
     repetition_penalty: float = 1.0  # over the answer's tokens and the question's (`context`)
     seed: int | None = None  # None: a fresh one per answer
+    # OpenAI's, over the answer's tokens: subtracted from the logit of each token it holds, once
+    # (presence) and once per time it holds it (frequency)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and self.temperature < float("inf")):
@@ -40,6 +44,9 @@ class Sampling:
             raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty}")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:  # (OpenAI's bounds)
+                raise ValueError(f"{name} must lie in [-2, 2], got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:
@@ -77,12 +84,16 @@ class Sampling:
         gen = torch.Generator()
         gen.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,))))
         prefix = list(context or [])
+        penalised = self.presence_penalty != 0 or self.frequency_penalty != 0
 
         def choose(answer: list[int], logits: Tensor) -> int:
             # on the CPU, whatever device computed the logits: the generator and the ids are the
             # CPU's, and a seed then picks the same tokens on every device (a GPU's logits: one
             # row of V floats copied per token)
             scores = logits.float().reshape(1, -1).cpu()  # [1, V]
+            if penalised and answer:
+                counts = torch.bincount(torch.tensor(answer), minlength=scores.shape[1])[: scores.shape[1]]  # [V]
+                scores = scores - (self.frequency_penalty * counts + self.presence_penalty * (counts > 0))
             if len(procs):
                 ids = torch.tensor([prefix + answer], dtype=torch.long)  # [1, n]
                 scores = procs(ids, scores.clone())

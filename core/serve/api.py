@@ -12,7 +12,8 @@
                                    unset: the server's default, `emllm serve --reread`, else false).
                                    "stream": true sends server-sent
                                    events. Sampling: temperature, top_p, seed, stop, max_tokens,
-                                   and (as llama.cpp's server) top_k, repetition_penalty.
+                                   presence_penalty, frequency_penalty, and (as llama.cpp's
+                                   server) top_k, repetition_penalty.
 
 Each store is answered by the model it was written with: a loaded one of the same weights and
 dtype, else its own, loaded then (`emllm.ModelPool`: at most `max_models` stay loaded, the least
@@ -79,6 +80,8 @@ class ChatRequest(BaseModel):
     n: int = Field(default=1, ge=1)  # choices: one (more are refused, not dropped)
     top_k: int | None = Field(default=None, ge=0)  # beyond OpenAI's fields, as llama.cpp's server takes them
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     remember: bool = False  # emllm's own: append this exchange to the store
     reread: bool | None = None  # emllm's own: answer by re-reading the passages the memory chose (`ask --reread`); unset: the server's default
 
@@ -211,7 +214,8 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 mem = server.memory(req.model)
                 # (bounds checked, unset values from the generation config of the store's model)
                 sampling = emllm.sampling(mem.loaded, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                          top_k=req.top_k, repetition_penalty=req.repetition_penalty)
+                                          top_k=req.top_k, repetition_penalty=req.repetition_penalty,
+                                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
                 answer = mem.reply(messages, limit, stop, reread=server.reread if req.reread is None else req.reread,
                                    sampling=sampling)
                 yield from answer
