@@ -35,6 +35,7 @@ from emllm.app.trace import Trace
 from emllm.config import Profile, ProfileMismatchError
 from emllm.engine.sampling import Sampling
 from emllm.errors import UsageError
+from emllm.home import stores_dir
 from emllm.store import Identity, Store, StoreError, is_store, read_info
 from emllm.store.manifest import MANIFEST, Job, Manifest
 
@@ -591,6 +592,10 @@ def open(path: str | Path, writable: bool = False, model: str | Model | None = N
     the same weights (a moved folder), or a `Model` already loaded (checked, not reloaded);
     `profile` and `dtype`, if given, must be the store's."""
     path = Path(path)
+    if not is_store(path) and not path.exists() and len(path.parts) == 1 and is_store(stores_dir() / path):
+        # (the CLI's store names are the home's: a program's paths are its own)
+        raise StoreError(f"no store at {path} here; the store {str(path)!r} under the emllm home is "
+                         f"emllm.open(emllm.store_path({str(path)!r}))")
     if not isinstance(model, Model):
         o = open_store(path, writable=writable, model=model, profile=profile, log=log, dtype=dtype)
         name = o.store.info.model
