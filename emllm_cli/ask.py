@@ -11,7 +11,7 @@ import emllm
 
 from . import render
 from .errors import UserError, guarded
-from .options import (RepetitionPenaltyOpt, SeedOpt, StopOpt, TemperatureOpt, TopKOpt, TopPOpt,
+from .options import (RepetitionPenaltyOpt, SeedOpt, StopOpt, StoreModelOpt, TemperatureOpt, TopKOpt, TopPOpt,
                       sampling_of)
 from .stores import complete_store_names, existing_store
 
@@ -31,6 +31,7 @@ def ask(
     stop: list[str] = StopOpt,
     remember: bool = typer.Option(False, "--remember", help="Append this exchange (question and answer) to the store, as `emllm chat` does."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
+    model: str = StoreModelOpt,
     reread: bool = typer.Option(None, "--reread/--no-reread", show_default=False, help="How the answer is read. --reread, the default (emllm.REREAD_QUESTIONS): the question is read against the memory, then the passages (~128 tokens each) that the most layers retrieved and those whose words best match the question are read again with it as one ordinary prompt of emllm's attention span, the best matches last; costs one more forward over that span. --no-reread: emllm's own answer, the paper's method, each answer token attending to the events its layers retrieve. The store is not changed either way (docs/benchmarks.md compares them)."),
 ) -> None:
     """Answer from a stored document. The store is not changed (unless --remember): every question sees the same memory.
@@ -50,7 +51,7 @@ def ask(
     path = existing_store(store)
     t0 = time.perf_counter()
     with render.status(f"loading the model of {render.shown(path.name)} and opening it"):
-        mem = emllm.open(path, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
+        mem = emllm.open(path, model=model, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
     with mem:
         opts = sampling_of(mem.loaded, temperature, top_p, top_k, repetition_penalty, seed)
         with render.status("reading the question"):

@@ -19,6 +19,8 @@ def inspect(
     layer: int = typer.Option(None, "--layer", min=0, help="With --query: the events one layer retrieved."),
     top: int = typer.Option(None, "--top", min=1, help="With --query: how many retrieved events to preview (default 8)."),
     as_json: bool = typer.Option(False, "--json", help="Print everything as one JSON document."),
+    model: str = typer.Option(None, "--model", "-m", help="With --query: the store's model where it no longer is "
+                              "where the store says (a moved folder or GGUF file); checked against the store."),
     verify: bool = typer.Option(False, "--verify", help="Read every byte the store has committed and check it against "
                                 "its digest; exit 1 if any differs. (Opening a store checks only each file's last bytes.)"),
 ) -> None:
@@ -33,9 +35,10 @@ def inspect(
       emllm inspect book --query "who hid the key?" --layer 12
       emllm inspect book --verify                    # every byte against its digest
     """
-    if query is None and (layer is not None or top is not None):  # they would be ignored without a word
-        raise typer.BadParameter("needs --query (it shows part of a query's retrieval)",
-                                 param_hint="--layer" if layer is not None else "--top")
+    if query is None and (layer is not None or top is not None or model is not None):  # ignored without a word
+        raise typer.BadParameter("needs --query (it shows part of a query's retrieval)" if model is None else
+                                 "needs --query (the model reads the query; without one none is loaded)",
+                                 param_hint="--layer" if layer is not None else "--top" if top is not None else "--model")
     if query is not None and not query.strip():
         raise typer.BadParameter("the query is empty", param_hint="--query")
     top = 8 if top is None else top
@@ -64,7 +67,7 @@ def inspect(
     if layer is not None and layer >= n_layers:
         raise UserError(f"--layer {layer}: the model has {n_layers} layers (0..{n_layers - 1})")
     with render.status(f"loading the model of {render.shown(path.name)}"):
-        mem = emllm.open(path, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
+        mem = emllm.open(path, model=model, log=lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]"))
     with mem, render.status("reading the query"):
         retrieval = mem.retrieval(query, layer, top)
     if as_json:

@@ -11,6 +11,11 @@ ModelOpt = typer.Option(
     "pulled (ollama:llama3.2), or a hub id already in the HF cache. "
     "Default: $EMLLM_MODEL, else qwen2.5-coder-0.5b (embedded).",
 )
+StoreModelOpt = typer.Option(
+    None, "--model", "-m",
+    help="The store's model where it no longer is where the store says (a model folder or GGUF file moved): its "
+    "new path or name, checked against the weights the store was written with. Default: the store's.",
+)
 ProfileOpt = typer.Option(None, "--profile", "-p", help="Built-in profile name or a .yaml file; default: the model's.")
 
 

@@ -234,3 +234,22 @@ def test_a_writer_waits_out_a_look_at_its_lock(tmp_path):
     finally:
         os.close(w)
     assert not folder_written(tmp_path)
+
+
+def test_a_stores_moved_model_is_named_where_it_is_now(tiny, tmp_path):
+    import shutil
+
+    folder, prof, other, _ = tiny
+    model = tmp_path / "my-model"
+    shutil.copytree(folder, model)
+    ingest_store(tmp_path / "stores" / "book", model, prof, [("doc", words(11, 300))])
+    model.rename(tmp_path / "moved")
+    for cmd in (["ask", QUESTION, "-n", "3"], ["inspect", "book", "--query", QUESTION]):
+        r = run_in_process(*cmd, *(["--store", "book"] if cmd[0] == "ask" else []), home=tmp_path)
+        # (it said: unknown model '...': give a profile alias (...), and ask had no way to name it)
+        assert r.returncode == 1 and f"the store's model {model} is not there (moved or deleted)" in r.stderr, r.stderr
+        r = run_in_process(*cmd, *(["--store", "book"] if cmd[0] == "ask" else []), "-m", str(tmp_path / "moved"),
+                           home=tmp_path)
+        assert r.returncode == 0, r.stderr
+    r = run_in_process("ask", QUESTION, "--store", "book", "-m", str(other), home=tmp_path)  # other weights: refused
+    assert r.returncode == 1 and "config differs" in r.stderr

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from emllm import models
 from emllm.config import Profile, ProfileMismatchError
 from emllm.engine.stream import Engine, check_supported, repr_heads, sliding_layers
-from emllm.models import ModelSource, config_hash, leading_ids
+from emllm.models import ModelNotFoundError, ModelSource, config_hash, leading_ids
 from emllm.store import Geometry, Identity, Store, StoreError, StoredEvents, tokenizer_hash, weights_hash, weights_sample
 
 
@@ -189,7 +189,16 @@ def open_store(path: Path, writable: bool = False, model: str | None = None, pro
     st = Store.open(path, writable=writable)
     try:
         name = st.info.model
-        src = models.resolve(model or name, log=log)
+        try:
+            src = models.resolve(model or name, log=log)
+        except ModelNotFoundError as e:
+            if model is not None:
+                raise
+            if "/" not in name:  # an alias or a hub id: what to install or fetch says the rest
+                raise ModelNotFoundError(f"{path}: the store's model: {e}") from None
+            raise ModelNotFoundError(f"{path}: the store's model {name} is not there (moved or deleted): name it where "
+                                     "it is now (--model PATH; emllm.open(..., model=PATH)), checked against the "
+                                     "weights the store was written with") from None
         prof = store_profile(st)
         if profile is not None and models.load_profile(profile) != prof:
             raise ProfileMismatchError(f"the store uses profile {prof.name!r}; a store keeps one profile")
