@@ -149,6 +149,23 @@ def test_utf16_text_with_its_byte_order_mark_is_read_as_text(tmp_path, codec):
         TextSource.open(str(tmp_path / "nul.bin"))
 
 
+def test_a_file_named_twice_is_read_once(tmp_path, monkeypatch):
+    # `emllm ingest *.md README.md`: the file was read twice into the stream, without a word
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "a.md").write_text("alpha\n")
+    (root / "b.md").write_text("beta\n")
+    monkeypatch.chdir(tmp_path)
+    told = []
+    docs = open_documents(["proj/a.md", "./proj/a.md", "proj", "proj/b.md", "proj"],
+                          skipped=lambda name, why: told.append((name, why)))
+    assert [n for n, _ in docs] == ["proj/a.md", "proj/b.md"]
+    assert told == [("./proj/a.md", "named twice"), ("proj/a.md", "named twice"), ("proj/b.md", "named twice"),
+                    ("proj/a.md", "named twice"), ("proj/b.md", "named twice")]
+    for _, src in docs:
+        src.close()
+
+
 def test_a_regular_file_is_not_held_open_until_read(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("x " * 100000)

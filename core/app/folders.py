@@ -113,20 +113,38 @@ def open_documents(paths: list[str], warn: Callable[[str], None] | None = None,
     a file ("-": stdin) is one document, named by its path (InputError when it cannot be read as
     text); a folder is its files (`folder_files`), each opening with its `header`, those that are
     binary, empty or unreadable left out and told to `skipped(name, why)`; a folder with none
-    left is an InputError. warn: told of text that is not valid UTF-8, when it is read."""
+    left is an InputError. A file named twice (`*.md README.md`, a folder and a file in it) is
+    read once, where it is named first, and told to `skipped(name, "named twice")`. warn: told of
+    text that is not valid UTF-8, when it is read."""
     docs: list[tuple[str, TextSource]] = []
+    seen: set[str] = set()
+
+    def again(name: str, f: str) -> bool:
+        key = os.path.realpath(f)
+        if key in seen:
+            if skipped is not None:
+                skipped(name, "named twice")
+            return True
+        seen.add(key)
+        return False
+
     for p in paths:
         if p == "-" or not os.path.isdir(p):
-            docs.append((p if p != "-" else "stdin", TextSource.open(p, warn)))
+            if p == "-" or not again(p, p):
+                docs.append((p if p != "-" else "stdin", TextSource.open(p, warn)))
             continue
-        n = len(docs)
+        texts = 0  # (a folder whose files were all named before holds text: it is not refused)
         for name, f in folder_files(p, skipped):
+            if again(name, str(f)):
+                texts += 1
+                continue
             try:
                 docs.append((name, TextSource.open(str(f), warn, header=header(name))))
+                texts += 1
             except InputError as e:
                 if skipped is not None:
                     skipped(name, e.kind)
-        if len(docs) == n:
+        if not texts:
             raise InputError(f"{p}: no text files to read in this folder (hidden, git-ignored, binary and empty "
                              "files are left out)")
     return docs
