@@ -296,3 +296,25 @@ def test_a_store_writer_fed_token_by_token_computes_as_a_resumed_stream_would(ti
         for t in range(3):
             eng.step(ids[t : t + 1])
         assert all(w._rw is not None and w._rw.a > 0 for w in eng.windows)
+
+
+def test_a_manifest_is_never_written_over_rows_it_does_not_count(tiny, tmp_path):
+    # A writer whose files held rows past its last commit (a question's, before the fix of a
+    # writable Memory's questions) queued a job: the manifest's digests sealed those rows while its
+    # counts did not, and the store was refused at its next open ("ends in bytes that differ").
+    import torch
+
+    from emllm import verify_store
+    from emllm.store import Store, StoreError
+
+    folder, prof, _, _ = tiny
+    path = tmp_path / "s"
+    ingest_store(path, folder, prof, [("doc", words(11, 300))])
+    with Store.open(path, writable=True) as st:
+        k = st.layer_files[0][0]
+        k.append(torch.zeros((1, *k.row), dtype=k.dtype))  # a row no commit counts
+        with pytest.raises(StoreError, match=r"layers/00.k hold rows the manifest does not count"):
+            st.set_job(torch.arange(5), [{"name": "more", "start": 0, "tokens": 5, "kind": "text"}])
+    assert verify_store(path)["problems"] == []
+    with Store.open(path) as st:  # as it was
+        assert st.info.job.complete and [d.name for d in st.info.documents] == ["doc"]

@@ -799,6 +799,10 @@ class Store:
         return sum(rf.rows * rf.row_bytes for rf in self.all_files())
 
     def _write_manifest(self) -> None:
+        past = self._rows_past_manifest()
+        if past:  # its digests would seal rows the manifest does not count: the next open refuses the store
+            raise StoreError(f"{self.path}: {', '.join(past)} hold rows the manifest does not count (written since "
+                             "the last commit); nothing written: open the store again to continue from that commit")
         self._info = None
         if self.digests is not None:  # the bytes this manifest commits, hashed and their records synced
             self.manifest["digests"] = self.digests.seal(self.all_files())
@@ -806,6 +810,16 @@ class Store:
         self.folder.write_atomic(MANIFEST, (json.dumps(self.manifest, indent=1) + "\n").encode())
         if self._unpublished is not None:
             self._publish()
+
+    def _rows_past_manifest(self) -> list[str]:
+        """The stream's files whose rows are not those the manifest counts (`rows`, as __init__
+        reads them): rows a writer appended since its last commit, which only a commit may count."""
+        rows = self.manifest["rows"]
+        kv = rows["kv_tokens"] if self.all_tokens else rows["event_tokens"]
+        want = [(self.tokens, rows["tokens"]), (self.surprise, rows["tokens"]), (self.flags, rows["tokens"]),
+                (self.events, rows["events"])]
+        want += [x for k, v, r in self.layer_files for x in ((k, kv), (v, kv), (r, rows["events"]))]
+        return [rf.name for rf, n in want if rf.rows != n]
 
     def _drop_old_sketch(self) -> None:
         """A version-2 sketch (outlier lists) is not used: the manifest stops naming it first,
