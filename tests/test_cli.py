@@ -157,7 +157,7 @@ TEXT = ("The old lighthouse keeper climbed the stairs every night. Ünïcödé �
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["S", "SM", "F"])
+@pytest.mark.parametrize("method", ["S", "SM", "F", "FM"])
 def test_segment_json_round_trips_and_slices_text(tmp_path, smollm2, method):
     src = tmp_path / "doc.txt"
     src.write_text(TEXT, encoding="utf-8")
@@ -171,7 +171,8 @@ def test_segment_json_round_trips_and_slices_text(tmp_path, smollm2, method):
     assert ev[0]["tokens"][0] == 0 and ev[-1]["tokens"][1] == doc["tokens"]
     assert all(e1["tokens"][1] == e2["tokens"][0] for e1, e2 in zip(ev, ev[1:]))
     sizes = [e["tokens"][1] - e["tokens"][0] for e in ev]
-    assert max(sizes) <= doc["parameters"]["max_block"] and min(sizes[:-1]) >= doc["parameters"]["min_block"]
+    assert max(sizes) <= doc["parameters"]["max_event"] and min(sizes[:-1]) >= doc["parameters"]["min_block"]
+    assert doc["parameters"]["max_event"] == doc["parameters"]["max_block"] * (2 if method == "FM" else 1)
 
 
 @pytest.mark.slow

@@ -141,5 +141,6 @@ def events_doc(model: str, method: str, prof, text: str, ids: list[int], offsets
                        "preview": text[c0:c1][:PREVIEW]})
     return {"model": model, "method": method,
             "parameters": {"gamma": prof.gamma, "tau": prof.surprise_window, "min_block": prof.min_block,
-                           "max_block": prof.max_block, "chunk_size": prof.chunk_size, "n_local": prof.n_local},
+                           "max_block": prof.max_block, "max_event": refined_max_block(method, prof.max_block),
+                           "chunk_size": prof.chunk_size, "n_local": prof.n_local},
             "tokens": len(ids), "characters": len(text), "events": events}

@@ -97,14 +97,14 @@ def enforce_block_sizes(starts: Tensor, n: int, min_block: int, max_block: int) 
 
 
 def refined_max_block(method: str, max_block: int) -> int:
-    """The longest event refinement may leave for a segmentation method.
+    """The longest event a segmentation method leaves (F, S: max_block).
 
     Surprise events (SM, SC) keep max_block. Fixed blocks (FM, FC) are all max_block long, and a
     boundary only moves left, growing the next event: held to max_block, no boundary could ever
     move and FM, FC would equal F. They may grow to twice max_block, the window the authors' code
     lets a refined event span.
     """
-    return 2 * max_block if method.startswith("F") else max_block
+    return 2 * max_block if method in ("FM", "FC") else max_block
 
 
 def random_starts(n: int, k: int, generator: torch.Generator, min_block: int = 1) -> Tensor:
