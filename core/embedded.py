@@ -213,8 +213,25 @@ def gguf_folder(path: Path, log: Callable[[str], None] | None = None) -> Path:
             raise ModelNotFoundError(f"cannot convert {path}: {why}") from None
         source = {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
         (folder / "emllm-source.json").write_text(json.dumps(source) + "\n")
+        if log is not None:  # kept, not removed: the only copy of the weights the stores written with them need
+            for old in _older_conversions(path, target):
+                log(f"an older conversion of {path.name} (before the file changed) is kept at {old}: stores "
+                    "written with it open with --model that folder; remove it when none needs it")
 
     return _once(target, make, f"converting {path.name} to {GGUF_SAVE_DTYPE} safetensors under {target} (once)", log)
+
+
+def _older_conversions(path: Path, current: Path) -> list[Path]:
+    """The conversions of the GGUF file at `path` made before it changed (other than `current`)."""
+    out = []
+    for meta in sorted((current.parent).glob("*/emllm-source.json")):
+        try:
+            same = json.loads(meta.read_text()).get("gguf") == str(path)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if same and meta.parent != current:
+            out.append(meta.parent)
+    return out
 
 
 __all__ = ["EMBEDDED", "EmbeddedModel", "ModelNotFoundError", "embedded_folder", "gguf_folder"]

@@ -171,7 +171,10 @@ def test_a_gguf_file_is_converted_once_to_the_weights_of_the_embedded_conversion
 
     assert emllm.load(str(src)).name == str(src)  # (as a store records it: the file, not the folder)
     os.utime(src, ns=(0, 0))  # a changed file: converted again, into a folder of its own
-    assert models.resolve(str(src), log=said.append).path != got.path and len(said) == 2
+    assert models.resolve(str(src), log=said.append).path != got.path and len(said) == 3
+    # the first conversion is kept (the weights of the stores written with it), and said so
+    assert said[2].startswith(f"an older conversion of my model.gguf (before the file changed) is kept at {got.path}")
+    assert got.path.is_dir()
 
 
 def test_a_file_that_is_not_a_readable_gguf_is_a_clear_error(tmp_path, monkeypatch):
