@@ -59,8 +59,10 @@ def ask(
                                 kv_cache_mb=kv_cache_mb)
         if answer.unfinished:
             done, total = answer.unfinished
-            render.err.print(f"[yellow]note:[/yellow] the store's last ingest is unfinished ({done} of {total} tokens read: "
-                             "being written, or interrupted); answering from its last commit")
+            why = "being written now" if answer.being_written else \
+                f"interrupted: `emllm ingest --resume --store {path}` finishes it"
+            render.err.print(f"[yellow]note:[/yellow] the store's last ingest is unfinished ({done} of {total} tokens read, "
+                             f"{render.shown(why)}); answering from its last commit")
         first = None
         parts: list[str] = []
         try:

@@ -116,8 +116,11 @@ def test_a_reader_answers_from_the_last_commit_while_a_writer_holds_the_store(ti
         os.close(lock)
     assert r.returncode == 0, r.stderr
     assert "answering from its last commit" in r.stderr and json.loads(r.stdout)["tokens"] <= 3
-    assert i.returncode == 0 and json.loads(i.stdout)["complete"] is False
+    assert "being written now" in r.stderr  # (it said "being written, or interrupted")
+    assert i.returncode == 0 and json.loads(i.stdout)["complete"] is False and json.loads(i.stdout)["writing"] is True
     assert store_files(path) == before
+    r = run("ask", "what is it?", "--store", "s", "-n", "3", home=tmp_path)  # nobody writes it now
+    assert r.returncode == 0 and "interrupted: `emllm ingest --resume --store" in r.stderr, r.stderr
 
 
 def test_special_tokens_in_a_document_are_text(tiny, tmp_path):

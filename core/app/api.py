@@ -37,6 +37,7 @@ from emllm.engine.sampling import Sampling
 from emllm.errors import UsageError
 from emllm.home import stores_dir
 from emllm.store import Identity, Store, StoreError, is_store, read_info
+from emllm.store.files import folder_written
 from emllm.store.manifest import MANIFEST, Job, Manifest
 
 # The re-read's defaults, decided here only (docs/benchmarks.md measures both readings): a question
@@ -110,6 +111,8 @@ class Answer:
         self.tokens = 0
         # the last commit of a store whose ingest is unfinished: (tokens read, tokens of the job)
         self.unfinished: tuple[int, int] | None = session.unfinished
+        # ... and whether another process is writing it now (else the ingest was interrupted)
+        self.being_written = session.unfinished is not None and folder_written(session.store.path)
 
     def __iter__(self) -> Iterator[str]:
         if self._parts is not None:
