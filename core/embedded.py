@@ -224,7 +224,7 @@ def gguf_folder(path: Path, log: Callable[[str], None] | None = None) -> Path:
 def _older_conversions(path: Path, current: Path) -> list[Path]:
     """The conversions of the GGUF file at `path` made before it changed (other than `current`)."""
     out = []
-    for meta in sorted((current.parent).glob("*/emllm-source.json")):
+    for meta in sorted(current.parent.glob("*/emllm-source.json")):
         try:
             same = json.loads(meta.read_text()).get("gguf") == str(path)
         except (OSError, ValueError, AttributeError):

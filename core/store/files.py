@@ -190,7 +190,7 @@ def lock_folder(path: Path) -> int:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise UnsafePath(f"{path / 'lock'} is not a regular file: the store is refused")
-    for attempt in range(LOCK_TRIES):
+    for _ in range(LOCK_TRIES):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return fd
