@@ -2,9 +2,10 @@
 
 Memory does not grow with the input: a piece is read, decoded (UTF-8, or UTF-16 after its byte
 order mark; incrementally), checked and tokenized, and only its tokens go on. Pieces are
-tokenized apart only where the tokenizer cuts anyway (between a word and the newlines before a line that starts with a non-space character),
-and only for tokenizers checked to give the same ids cut there as whole (byte-level BPE does; a
-tokenizer that adds a prefix space to every call does not, and gets the whole text at once).
+tokenized apart only where the tokenizer cuts anyway (between a word and the newlines before a
+line that starts with a non-space character), and only for tokenizers checked to give the same
+ids cut there as whole (byte-level BPE does; a tokenizer that adds a prefix space to every call
+does not, and gets the whole text at once).
 """
 
 from __future__ import annotations
