@@ -321,3 +321,13 @@ def test_a_manifest_is_never_written_over_rows_it_does_not_count(tiny, tmp_path)
     assert verify_store(path)["problems"] == []
     with Store.open(path) as st:  # as it was
         assert st.info.job.complete and [d.name for d in st.info.documents] == ["doc"]
+    # a commit of keys and values the stream does not match changes nothing, on disk or in the
+    # handle (it wrote the next state file and took it for the manifest's first)
+    with Store.open(path, writable=True) as st:
+        before, files = json.dumps(st.manifest, sort_keys=True), sorted(p.name for p in path.iterdir())
+        k = st.layer_files[0][0]
+        k.append(torch.zeros((1, *k.row), dtype=k.dtype))
+        with pytest.raises(StoreError, match="keys and values written for a stream of"):
+            st.commit({}, {"tokens": 0, "events": 0}, 0, False)
+        assert json.dumps(st.manifest, sort_keys=True) == before and sorted(p.name for p in path.iterdir()) == files
+    assert verify_store(path)["problems"] == []

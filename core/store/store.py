@@ -436,6 +436,10 @@ class Store:
         from safetensors.torch import save
 
         self.flush_deferred()
+        kv = self.layer_files[0][0].rows
+        if self.all_tokens and kv != self.tokens.rows:  # (before anything is written or changed)
+            raise StoreError(f"{self.path}: {kv} tokens' keys and values written for a stream of "
+                             f"{self.tokens.rows}: not committed")
         self.tidy()
         self.update_sketch()
         for rf in self.all_files():
@@ -451,11 +455,7 @@ class Store:
         if job_done is not None:
             self.manifest["job"] = {**self.manifest["job"], "done": job_done, "complete": job_complete}
         rows = self.manifest["rows"]
-        kv = self.layer_files[0][0].rows
         if self.all_tokens:
-            if kv != self.tokens.rows:
-                raise StoreError(f"{self.path}: {kv} tokens' keys and values written for a stream of "
-                                 f"{self.tokens.rows}: not committed")
             new = self.events.read_copy(rows["events"], self.events.rows)
             rows = {"tokens": self.tokens.rows, "events": self.events.rows,
                     "event_tokens": rows["event_tokens"] + int(new.long().sum()), "kv_tokens": kv}
