@@ -134,9 +134,10 @@ def test_utf16_text_with_its_byte_order_mark_is_read_as_text(tmp_path, codec):
     same = TextSource.open(str(plain))
     list(same.pieces())
     assert src.sha256 == same.sha256  # the text's, whatever its encoding
-    (tmp_path / "bom-only.txt").write_bytes("\ufeff".encode(codec))
-    with pytest.raises(InputError, match="is empty"):
-        TextSource.open(str(tmp_path / "bom-only.txt"))
+    for blank in ("", " \n\t\n"):
+        (tmp_path / "blank.txt").write_bytes(("\ufeff" + blank).encode(codec))
+        with pytest.raises(InputError, match="is empty"):
+            TextSource.open(str(tmp_path / "blank.txt"))
     bom8 = tmp_path / "bom8.txt"  # UTF-8's mark is no part of the text either
     bom8.write_bytes(codecs.BOM_UTF8 + text.encode())
     src8 = TextSource.open(str(bom8))

@@ -95,7 +95,7 @@ class TextSource:
             raise InputError(f"{name}: cannot read: {e.strerror}") from None
         encoding = _encoding(first)
         if encoding == "utf-16":  # (its NUL bytes are half its ASCII characters)
-            if not first[2:]:
+            if len(first) < PIECE and not first.decode("utf-16", errors="replace").strip():  # (the whole file)
                 stream.close()
                 raise InputError(f"{name}: is empty: nothing to read", "empty")
         elif b"\x00" in first:
