@@ -146,7 +146,7 @@ def open_documents(paths: list[str], warn: Callable[[str], None] | None = None,
                     skipped(name, e.kind)
         if not texts:
             raise InputError(f"{p}: no text files to read in this folder (hidden, git-ignored, binary and empty "
-                             "files are left out)")
+                             "files and links are left out)")
     return docs
 
 
