@@ -95,6 +95,8 @@ def ask(
             "store": str(path), "question": question, "answer": "".join(parts).strip(), "tokens": answer.tokens,
             "seconds_to_first_token": round(first or 0.0, 3), "seconds": round(time.perf_counter() - t0, 3),
             **({"retrieval": answer.retrieval} if answer.retrieval is not None else {}),
+            **({"unfinished": {"done": answer.unfinished[0], "tokens": answer.unfinished[1],
+                               "being_written": answer.being_written}} if answer.unfinished else {}),
             **({"reread": {"passages": [list(p) for p in answer.passages],
                            "tokens": sum(e - s for s, e in answer.passages)}} if reread_used else {}),
         })

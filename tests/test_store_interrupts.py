@@ -117,6 +117,7 @@ def test_a_reader_answers_from_the_last_commit_while_a_writer_holds_the_store(ti
     assert r.returncode == 0, r.stderr
     assert "answering from its last commit" in r.stderr and json.loads(r.stdout)["tokens"] <= 3
     assert "being written now" in r.stderr  # (it said "being written, or interrupted")
+    assert json.loads(r.stdout)["unfinished"]["being_written"] is True
     assert i.returncode == 0 and json.loads(i.stdout)["complete"] is False and json.loads(i.stdout)["writing"] is True
     assert store_files(path) == before
     r = run("ask", "what is it?", "--store", "s", "-n", "3", home=tmp_path)  # nobody writes it now
