@@ -8,6 +8,7 @@ import emllm
 
 from . import render
 from .errors import UserError, guarded
+from .options import StoreModelOpt
 from .stores import complete_store_names, existing_store
 
 
@@ -19,8 +20,7 @@ def inspect(
     layer: int = typer.Option(None, "--layer", min=0, help="With --query: the events one layer retrieved."),
     top: int = typer.Option(None, "--top", min=1, help="With --query: how many retrieved events to preview (default 8)."),
     as_json: bool = typer.Option(False, "--json", help="Print everything as one JSON document."),
-    model: str = typer.Option(None, "--model", "-m", help="With --query: the store's model where it no longer is "
-                              "where the store says (a moved folder or GGUF file); checked against the store."),
+    model: str = StoreModelOpt,
     verify: bool = typer.Option(False, "--verify", help="Read every byte the store has committed and check it against "
                                 "its digest; exit 1 if any differs. (Opening a store checks only each file's last bytes.)"),
 ) -> None:

@@ -190,14 +190,7 @@ class Store:
         assert self.writable and self._unpublished is None
         lock_fd, self._lock_fd = self._lock_fd, None
         self.close()
-        try:
-            folder = Folder(self.path)
-            st = type(self)(self.path, read_manifest(self.path, folder), True, lock_fd, folder)
-            st._check_files()
-        except BaseException:
-            os.close(lock_fd)
-            raise
-        return st
+        return type(self)._validated(self.path, True, lock_fd)
 
     def __enter__(self) -> "Store":
         return self
@@ -318,7 +311,11 @@ class Store:
             raise StoreError(f"no store at {path}")
         if not is_store(path):
             raise StoreError(f"{path} is not an emllm store (no {MANIFEST})")
-        lock_fd = lock_store(path) if writable else None
+        return cls._validated(path, writable, lock_store(path) if writable else None)
+
+    @classmethod
+    def _validated(cls, path: Path, writable: bool, lock_fd: int | None) -> "Store":
+        """`open`'s reading and checks, a writer's lock taken already (closed if they fail)."""
         for attempt in range(3):
             st = manifest = None
             try:
