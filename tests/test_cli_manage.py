@@ -253,3 +253,18 @@ def test_a_stores_moved_model_is_named_where_it_is_now(tiny, tmp_path):
         assert r.returncode == 0, r.stderr
     r = run_in_process("ask", QUESTION, "--store", "book", "-m", str(other), home=tmp_path)  # other weights: refused
     assert r.returncode == 1 and "config differs" in r.stderr
+
+
+def test_a_stores_hub_model_missing_from_the_cache_is_not_called_moved(tiny, tmp_path):
+    # A hub id holds a "/" as a path does: its absence was told as a folder "moved or deleted".
+    folder, prof, _, _ = tiny
+    path = tmp_path / "stores" / "book"
+    ingest_store(path, folder, prof, [("doc", words(11, 100))])
+    m = json.loads((path / "manifest.json").read_text())
+    m["model"] = "someone/not-in-the-cache"
+    m["identity"]["model"] = m["model"]
+    m["checksum"] = checksum(m)
+    (path / "manifest.json").write_text(json.dumps(m))
+    r = run_in_process("ask", QUESTION, "--store", "book", "-n", "2", home=tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1 and "the store's model: model 'someone/not-in-the-cache' is not in the Hugging Face cache" in r.stderr, r.stderr
+    assert "moved or deleted" not in r.stderr

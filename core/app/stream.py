@@ -194,7 +194,7 @@ def open_store(path: Path, writable: bool = False, model: str | None = None, pro
         except ModelNotFoundError as e:
             if model is not None:
                 raise
-            if "/" not in name:  # an alias or a hub id: what to install or fetch says the rest
+            if not Path(name).is_absolute():  # an alias, a hub id (org/name): what to install or fetch says the rest
                 raise ModelNotFoundError(f"{path}: the store's model: {e}") from None
             raise ModelNotFoundError(f"{path}: the store's model {name} is not there (moved or deleted): name it where "
                                      "it is now (--model PATH; emllm.open(..., model=PATH)), checked against the "
