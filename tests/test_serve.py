@@ -171,6 +171,15 @@ def test_chat_completions_through_the_openai_client(server, tiny):
         urllib.request.urlopen(req)
     assert h.value.code == 400 and json.loads(h.value.read())["error"]["message"].startswith(
         "the request body is not valid JSON: ")
+    # `curl -d '{...}'` (the --help's example) labels its JSON a form: read as JSON all the same
+    body = json.dumps({"model": "book", "messages": [{"role": "user", "content": "who hid the key?"}],
+                       "max_tokens": 5, "temperature": 0}).encode()
+    for headers in ({}, {"Content-Type": "text/plain"}):  # (urllib's default: application/x-www-form-urlencoded)
+        with urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", data=body, headers=headers)) as resp:
+            assert json.loads(resp.read())["choices"][0]["message"]["content"] == r.choices[0].message.content
+    with pytest.raises(urllib.error.HTTPError) as h:
+        urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", data=b"[1]"))
+    assert h.value.code == 400 and json.loads(h.value.read())["error"]["message"] == "the request body: Input should be an object"
     with pytest.raises(openai.NotFoundError, match=r"no such endpoint: POST /v1/completions \(emllm serves"):
         client.completions.create(model="book", prompt="x")  # (not served: OpenAI's error body all the same)
     req = urllib.request.Request(url + "/v1/models", data=b"{}", headers={"Content-Type": "application/json"})

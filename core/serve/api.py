@@ -38,7 +38,7 @@ from typing import AsyncIterator, Iterator
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -166,7 +166,8 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
             why = (first.get("ctx") or {}).get("error")
             return _error(ApiError(400, "the request body is not valid JSON" + (f": {why}" if why else "")))
         where = ".".join(str(x) for x in first.get("loc", ())[1:])
-        return _error(ApiError(400, f"{where}: {first.get('msg', 'invalid request')}", param=where or None))
+        return _error(ApiError(400, f"{where or 'the request body'}: {first.get('msg', 'invalid request')}",
+                               param=where or None))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -197,7 +198,8 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         raise ApiError(404, f"no store {name!r}: GET /v1/models lists them", param="model", code="model_not_found")
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest, request: Request):  # type: ignore[no-untyped-def]
+    async def chat(request: Request):  # type: ignore[no-untyped-def]
+        req = _chat_request(await request.body())
         limit = req.max_completion_tokens or req.max_tokens or min(256, server.max_tokens)
         if limit > server.max_tokens:
             raise ApiError(400, f"max_tokens {limit} is more than this server allows ({server.max_tokens})", param="max_tokens")
@@ -305,6 +307,15 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
+
+
+def _chat_request(body: bytes) -> ChatRequest:
+    """A request's body read as JSON whatever its Content-Type says: `curl -d` sends JSON as a
+    form, and llama.cpp's and ollama's servers take it so."""
+    try:
+        return ChatRequest.model_validate_json(body)
+    except ValidationError as e:  # (placed under "body", as FastAPI places the errors of a body it reads)
+        raise RequestValidationError([{**x, "loc": ("body", *x.get("loc", ()))} for x in e.errors()]) from None
 
 
 def _usage(end: dict) -> dict:
