@@ -14,6 +14,7 @@ import urllib.request
 import openai
 import pytest
 
+from emllm.errors import UsageError
 from emllm.store import Store
 
 from .helpers import EMLLM, cli_env, ingest_store, load_tiny, store_files, words
@@ -164,6 +165,16 @@ def test_chat_completions_through_the_openai_client(server, tiny):
         client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}], max_tokens=100000)
     with pytest.raises(openai.BadRequestError, match="one choice a request"):
         client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}], n=2)
+    for field, value in (("logprobs", True), ("top_logprobs", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                         ("response_format", {"type": "json_object"})):  # refused, not ignored
+        with pytest.raises(openai.BadRequestError, match=f"{field.split('_')[-1]}: emllm does not support it"):
+            client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}], **{field: value})
+    assert client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
+                                          max_tokens=5, temperature=0, logprobs=False, response_format={"type": "text"},
+                                          ).choices[0].message.content == r.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="part of type 'image_url'"):
+        client.chat.completions.create(model="book", messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}])
     with pytest.raises(openai.BadRequestError, match="last message"):
         client.chat.completions.create(model="book", messages=[{"role": "assistant", "content": "x"}])
     req = urllib.request.Request(url + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"})
@@ -277,6 +288,19 @@ def test_a_requests_earlier_turns_are_laid_out_as_the_chat_template_lays_them_ou
         ids, question = messages_ids(s, turns)
         requested = tok.decode(s.lead + ids + s.question_ids(question))
     assert requested == tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    # text parts read as the text; what emllm cannot read is refused, not left out of the question
+    with Store.open(tmp_path / "empty") as st:
+        parts = [{"type": "text", "text": "my name "}, {"type": "text", "text": "is Ada"}]
+        assert messages_ids(Session(st, model, tok), turns[:2] + [{"role": "user", "content": parts}]) == (ids, question)
+        for bad, why in (([{"type": "image_url", "image_url": {"url": "http://x"}}], "part of type 'image_url'"),
+                         (parts + [{"type": "input_audio"}], "part of type 'input_audio'"),
+                         ([{"type": "text"}], "part of type 'text'"), ([], "question, is empty"),
+                         (None, "question, is empty"), ("  ", "question, is empty")):
+            with pytest.raises(UsageError, match=why):
+                messages_ids(Session(st, model, tok), [{"role": "user", "content": bad}])
+        for role in ("tool", "function", "bogus"):
+            with pytest.raises(UsageError, match=f"role '{role}'"):
+                messages_ids(Session(st, model, tok), [{"role": role, "content": "42"}, turns[0]])
 
 
 def _health(url: str) -> dict:

@@ -121,10 +121,17 @@ def remember_exchange(path: Path, model: Any, tok: Any, ids: list[int], kv_cache
         run_job(st, engine, commit_every)
 
 
+ROLES = ("system", "developer", "user", "assistant")
+
+
 def _text(m: dict) -> str:
     content = m.get("content")
-    if isinstance(content, list):  # OpenAI's content parts: the text ones
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    if isinstance(content, list):  # OpenAI's content parts: text only (an image left out would change the question)
+        for p in content:
+            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+            if kind != "text" or not isinstance(p.get("text"), str):
+                raise UsageError(f"a message's content part of type {kind!r}: emllm reads text parts only")
+        return "".join(p["text"] for p in content)
     return content or ""
 
 
@@ -133,8 +140,14 @@ def messages_ids(session: Session, messages: list[dict]) -> tuple[list[int], str
     user message (which is returned as the question, laid out by the session as `ask` lays out a
     question). System messages are read as the start of the first user message; earlier user and
     assistant turns are laid out as a remembered conversation lays them out."""
+    for m in messages:
+        if m.get("role") not in ROLES:
+            raise UsageError(f"a message of role {str(m.get('role'))[:40]!r}: emllm reads {', '.join(ROLES)} "
+                             "messages (no tools)")
     if not messages or messages[-1].get("role") != "user":
         raise UsageError("the last message must be the user's")
+    if not _text(messages[-1]).strip():
+        raise UsageError("the last message, the question, is empty")
     tok = session.tok
     reopen = encode_framing(tok, reopen_text(tok, session.store.info.stream.chat))
     ids: list[int] = []

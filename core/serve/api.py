@@ -13,7 +13,9 @@
                                    "stream": true sends server-sent
                                    events. Sampling: temperature, top_p, seed, stop, max_tokens,
                                    presence_penalty, frequency_penalty, and (as llama.cpp's
-                                   server) top_k, repetition_penalty.
+                                   server) top_k, repetition_penalty. Refused (400), not
+                                   ignored: logprobs, tools, a response_format other than text,
+                                   messages of other roles or with parts other than text.
 
 Each store is answered by the model it was written with: a loaded one of the same weights and
 dtype, else its own, loaded then (`emllm.ModelPool`: at most `max_models` stay loaded, the least
@@ -82,6 +84,12 @@ class ChatRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    # What emllm does not do, refused rather than ignored (an answer without them would pass for one with them)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list | None = None
+    functions: list | None = None
+    response_format: dict | None = None
     remember: bool = False  # emllm's own: append this exchange to the store
     reread: bool | None = None  # emllm's own: answer by re-reading the passages the memory chose (`ask --reread`); unset: the server's default
 
@@ -205,6 +213,11 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
             raise ApiError(400, f"max_tokens {limit} is more than this server allows ({server.max_tokens})", param="max_tokens")
         if req.n != 1:
             raise ApiError(400, f"n {req.n}: emllm answers with one choice a request", param="n")
+        for field, given in (("logprobs", req.logprobs or req.top_logprobs), ("tools", req.tools), ("functions", req.functions),
+                             ("response_format", (req.response_format or {}).get("type", "text") != "text")):
+            if given:
+                raise ApiError(400, f"{field}: emllm does not support it (it answers with text only)", param=field,
+                               code="unsupported_parameter")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
