@@ -211,7 +211,9 @@ def validate(p: Profile, where: str = "") -> Profile:
 _FIELDS = {f.name for f in dataclasses.fields(Profile)}
 
 
-def profile_from_dict(data: Any, name: str, where: str = "") -> Profile:
+def profile_from_dict(data: Any, name: str, where: str = "", base: Profile | None = None) -> Profile:
+    """The profile `data` (a YAML file's mapping) sets; keys it leaves out are `base`'s (the model's
+    own profile), or Profile's defaults where there is no base."""
     if not isinstance(data, dict):
         raise ProfileError(f"profile {name!r}{where}: expected a mapping of keys to values")
     unknown = sorted(set(data) - _FIELDS)
@@ -225,10 +227,13 @@ def profile_from_dict(data: Any, name: str, where: str = "") -> Profile:
         data["sketch_threshold"] = data["faiss_threshold"]  # the sketch followed faiss_threshold
     if "aliases" in data:
         data["aliases"] = tuple(data["aliases"] or ())
+    if base is not None:  # (its aliases name the model's profile, not this one)
+        data = {**{f: getattr(base, f) for f in _FIELDS}, "aliases": (), **data}
     return validate(Profile(**data), where)
 
 
-def load_profile_file(path: str | Path) -> Profile:
+def load_profile_file(path: str | Path, base: Profile | None = None) -> Profile:
+    """A profile from a YAML file: the keys it sets over `base`'s (see `profile_from_dict`)."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -236,17 +241,22 @@ def load_profile_file(path: str | Path) -> Profile:
         raise ProfileError(f"cannot read profile {str(path)!r}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ProfileError(f"profile {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
-    return profile_from_dict(data, path.stem, f" ({path})")
+    return profile_from_dict(data, path.stem, f" ({path})", base)
 
 
 def builtin_profile_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("emllm.profiles").iterdir() if p.name.endswith(".yaml"))
 
 
-def load_profile(name_or_path: str) -> Profile:
-    """A built-in profile by name (`smollm2`, `llama3.1`, ...) or a YAML file by path."""
-    if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
-        return load_profile_file(name_or_path)
+def is_profile_file(name_or_path: str) -> bool:
+    return name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path
+
+
+def load_profile(name_or_path: str, base: Profile | None = None) -> Profile:
+    """A built-in profile by name (`smollm2`, `llama3.1`, ...), whole; or a YAML file by path, its
+    keys over `base`'s (the model's profile: a file that sets `n_local` keeps the rest of it)."""
+    if is_profile_file(name_or_path):
+        return load_profile_file(name_or_path, base)
     f = resources.files("emllm.profiles") / f"{name_or_path}.yaml"
     if not f.is_file():
         raise ProfileError(

@@ -100,7 +100,13 @@ def _hf_cache_folder(repo_id: str) -> Path | None:
 def resolve(model: str | None = None, profile: str | None = None, log: Callable[[str], None] | None = None) -> ModelSource:
     """Find the weights for `model` on this machine and the profile to run them with."""
     name = model or default_model()
-    prof = load_profile(profile) if profile else None
+    src = _locate(name, model is None, log)
+    # A built-in profile replaces the model's whole; a file's keys go over the model's own profile.
+    return ModelSource(src.name, src.path, load_profile(profile, src.profile) if profile else src.profile)
+
+
+def _locate(name: str, from_env: bool, log: Callable[[str], None] | None) -> ModelSource:
+    """The weights `name` stands for, with the model's own profile (its alias's, else its family's)."""
     if name in builtin_profile_names():
         alias = load_profile(name)
         src = alias.model
@@ -113,7 +119,7 @@ def resolve(model: str | None = None, profile: str | None = None, log: Callable[
                     f"model {src!r} (profile {name!r}) is not in the Hugging Face cache and emllm never downloads; "
                     f"fetch it first: hf download {src}"
                 )
-        return ModelSource(name, path, prof or alias)
+        return ModelSource(name, path, alias)
     p = Path(name).expanduser()
     if name.startswith(OLLAMA_PREFIX):
         path = gguf_folder(ollama_blob(name[len(OLLAMA_PREFIX):]), log)
@@ -130,18 +136,16 @@ def resolve(model: str | None = None, profile: str | None = None, log: Callable[
                 f"model {name!r} is not in the Hugging Face cache and emllm never downloads; fetch it first: hf download {name}"
             )
     else:
-        origin = " (from $EMLLM_MODEL)" if model is None else ""
+        origin = " (from $EMLLM_MODEL)" if from_env else ""
         raise ModelNotFoundError(
             f"unknown model {name!r}{origin}: give a profile alias ({', '.join(builtin_profile_names())}), "
             "a local model folder, a GGUF file, ollama:NAME, or a hub id already in the Hugging Face cache"
         )
-    if prof is None:
-        try:
-            cfg = json.loads((path / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ModelNotFoundError(f"cannot read {path / 'config.json'}: {e}") from None
-        prof = load_profile(guess_profile(cfg))
-    return ModelSource(name, path, prof)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelNotFoundError(f"cannot read {path / 'config.json'}: {e}") from None
+    return ModelSource(name, path, load_profile(guess_profile(cfg)))
 
 
 DTYPES = ("auto", "float32", "bfloat16")

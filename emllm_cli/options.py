@@ -16,7 +16,7 @@ StoreModelOpt = typer.Option(
     help="The store's model where it no longer is where the store says (a model folder or GGUF file moved): its "
     "new path or name, checked against the weights the store was written with. Default: the store's.",
 )
-ProfileOpt = typer.Option(None, "--profile", "-p", help="Built-in profile name or a .yaml file; default: the model's.")
+ProfileOpt = typer.Option(None, "--profile", "-p", help="A built-in profile's name (replaces the model's), or a .yaml file of keys set over the model's profile; default: the model's.")
 
 
 def _dtype(value: str | None) -> str | None:

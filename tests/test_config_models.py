@@ -168,3 +168,28 @@ def test_ollama_models_are_found_by_their_manifest(tmp_path, monkeypatch):
     (root / "manifests" / "registry.ollama.ai/library/llama3.2/latest").write_text("not json")
     with pytest.raises(ModelNotFoundError, match="not an ollama manifest with a model layer"):
         models.ollama_blob("llama3.2")
+
+
+def test_a_profile_file_sets_its_keys_over_the_models_own_profile(tmp_path):
+    """`-p tweak.yaml` that sets n_local keeps the rest of the model's profile (the alias's, or the
+    family's for a folder): it used to take Profile's defaults for every key it left out (n_mem 2048
+    where SmolLM2's is 1024, contiguity off where Mistral's is on). A built-in name replaces whole."""
+    import json
+
+    tweak = tmp_path / "tweak.yaml"
+    tweak.write_text("n_local: 512\ngamma: 1.5\n")
+    own = load_profile("smollm2")
+    p = resolve("smollm2", str(tweak)).profile
+    assert (p.name, p.n_local, p.gamma, p.aliases) == ("tweak", 512, 1.5, ())
+    assert p == own.replace(name="tweak", n_local=512, gamma=1.5, aliases=())
+    assert load_profile_file(tweak) != p and load_profile_file(tweak).n_mem == 2048  # (no base: Profile's defaults)
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    q = resolve(str(folder), str(tweak)).profile
+    assert q == load_profile("mistral").replace(name="tweak", n_local=512, gamma=1.5, aliases=()) and q.contiguity
+    assert resolve("smollm2", "mistral").profile == load_profile("mistral")  # a built-in: whole
+    too_small = tmp_path / "small.yaml"
+    too_small.write_text("n_local: 256\n")  # (the model's chunk of 512 does not fit it: said, naming the file)
+    with pytest.raises(ProfileError, match=r"small.*chunk_size: \(512\) must not exceed n_local \(256\)"):
+        resolve("smollm2", str(too_small))

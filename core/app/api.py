@@ -606,7 +606,7 @@ def open(path: str | Path, writable: bool = False, model: str | Model | None = N
     st = Store.open(path, writable=writable)
     try:
         st.check_identity(dataclasses.replace(model.identity(), model=st.info.model))
-        if profile is not None and models.load_profile(profile) != store_profile(st):
+        if profile is not None and models.load_profile(profile, store_profile(st)) != store_profile(st):
             raise ProfileMismatchError(f"the store uses profile {st.info.profile.name!r}; a store keeps one profile")
     except BaseException:
         st.close()

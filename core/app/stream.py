@@ -200,7 +200,7 @@ def open_store(path: Path, writable: bool = False, model: str | None = None, pro
                                      "it is now (--model PATH; emllm.open(..., model=PATH)), checked against the "
                                      "weights the store was written with") from None
         prof = store_profile(st)
-        if profile is not None and models.load_profile(profile) != prof:
+        if profile is not None and models.load_profile(profile, prof) != prof:
             raise ProfileMismatchError(f"the store uses profile {prof.name!r}; a store keeps one profile")
         stored = st.geometry.dtype
         if dtype is not None and str(models.compute_dtype(dtype)).removeprefix("torch.") != stored:
