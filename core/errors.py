@@ -4,6 +4,10 @@ it as one line and exits 1, the server answers it with a 4xx."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+from typing import Iterator
+
 
 class EmllmError(Exception):
     """An error the user can fix (see the module's docstring)."""
@@ -19,4 +23,25 @@ class NotFiniteError(EmllmError):
     edited store), or from weights that do."""
 
 
-__all__ = ["EmllmError", "UsageError", "NotFiniteError"]
+class TooManyOpenFiles(EmllmError):
+    """The process holds as many open files as its limit allows (each store open holds a few a
+    layer): not a damaged store."""
+
+
+@contextlib.contextmanager
+def open_files() -> Iterator[None]:
+    """Turns running out of file descriptors (EMFILE, ENFILE) into TooManyOpenFiles: the errors
+    of a store's files otherwise read as damage."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        raise TooManyOpenFiles(f"too many files open (this process may open {soft}, `ulimit -n`): raise the "
+                               "limit, or keep fewer stores open at once") from None
+
+
+__all__ = ["EmllmError", "UsageError", "NotFiniteError", "TooManyOpenFiles", "open_files"]

@@ -39,6 +39,21 @@ def _warm_newest_store(pool, log) -> bool:
     return True
 
 
+def _raise_open_files_limit() -> None:
+    """The soft limit of open files raised to the hard one (as Go's runtime does): an open store
+    holds a few files a layer, and a soft limit of 1,024 (256 on macOS) holds few stores besides
+    the server's sockets."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):  # (macOS refuses above OPEN_MAX: the soft limit stays)
+            pass
+
+
 @guarded
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; other than loopback only with an API key."),
@@ -49,6 +64,7 @@ def serve(
     dtype: str = DtypeOpt,
     max_tokens: int = typer.Option(2048, "--max-tokens", min=1, help="The most tokens a request may ask for."),
     max_models: int = typer.Option(1, "--max-models", min=1, help="Models kept loaded at once. A request for a store of a model not loaded loads it (in the store's dtype), unloading the one used least recently first: more keeps stores of several models answering without reloading, at the memory of each."),
+    max_stores: int = typer.Option(4, "--max-stores", min=1, help="Stores kept open between requests, the least recently used closed first: an open store answers its next request without reading its window again, at the memory of that window and a few open files a layer."),
     reread: bool = typer.Option(None, "--reread/--no-reread", show_default=False, help="Answer requests that do not say otherwise as `emllm ask` does, re-reading the passages the memory chose (a request's \"reread\": true or false decides for itself). Default (emllm.REREAD_CONVERSATION): emllm's own reading, which follows a conversation's last turns in its window; --reread suits questions about a document."),
 ) -> None:
     """Serve the stores under the emllm home through an OpenAI-compatible API: a request names a
@@ -75,7 +91,8 @@ def serve(
     from emllm.serve.api import Server, create_app
 
     log = lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]")  # noqa: E731
-    pool = emllm.ModelPool(max_models, log)
+    _raise_open_files_limit()
+    pool = emllm.ModelPool(max_models, log, max_stores=max_stores)
     if not (model or profile or dtype or os.environ.get("EMLLM_MODEL")) and _warm_newest_store(pool, log):
         loaded = pool.models[-1]
     else:

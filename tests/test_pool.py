@@ -122,3 +122,63 @@ def test_a_store_made_again_by_another_model_is_opened_with_that_model(two_store
 def test_at_least_one_model_stays_loaded():
     with pytest.raises(emllm.UsageError):
         emllm.ModelPool(max_loaded=0)
+    with pytest.raises(emllm.UsageError):
+        emllm.ModelPool(max_stores=0)
+
+
+def test_at_most_max_stores_are_held_open_the_least_recently_used_closed_first(two_stores, tmp_path):
+    """A server over many stores held every store it had answered open (its window, a few open
+    files a layer) until a 1,024-file limit failed every later request, naming the store "damaged"."""
+    folder, _, mine, _ = two_stores
+    paths = [mine] + [tmp_path / f"copy{i}" for i in range(3)]
+    for p in paths[1:]:
+        shutil.copytree(mine, p)
+    pool = emllm.ModelPool(max_stores=2)
+    first = pool.memory(paths[0])
+    pool.memory(paths[1])
+    assert pool.memory(paths[0]) is first and pool.stores == [paths[1], paths[0]]  # used again: the most recent
+    third = pool.memory(paths[2])
+    assert pool.stores == [paths[0], paths[2]] and _answer(third) == _reference(paths[2], folder)
+    pool.memory(paths[3])
+    assert pool.stores == [paths[2], paths[3]]
+    with pytest.raises(emllm.UsageError, match="closed"):  # (closed, its files with it)
+        _answer(first)
+    assert _answer(pool.memory(paths[0])) == _reference(paths[0], folder)  # opened again
+
+
+@pytest.fixture
+def open_files_limit():
+    """Lowers this process's soft limit of open files for the test (`set(n)`), restored after."""
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    yield lambda n: resource.setrlimit(resource.RLIMIT_NOFILE, (n, before[1]))
+    resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+def test_out_of_file_descriptors_is_said_so_and_the_pool_makes_room(two_stores, tmp_path, open_files_limit):
+    from emllm.store.files import descriptors_in_use
+
+    _, _, mine, _ = two_stores
+    gc.collect()
+    open_files_limit(descriptors_in_use() + 2)  # (a store's folder, its manifest: no more)
+    with pytest.raises(emllm.TooManyOpenFiles, match=r"too many files open \(this process may open \d+, `ulimit -n`\)"):
+        Store.open(mine)  # (was StoreError: "manifest.json is unreadable (Too many open files): the store is damaged")
+    open_files_limit(4096)
+    paths = [mine] + [tmp_path / f"copy{i}" for i in range(5)]
+    for p in paths[1:]:
+        shutil.copytree(mine, p)
+    pool = emllm.ModelPool(max_stores=10)
+    want = _reference(mine, two_stores[0])
+    assert _answer(pool.memory(paths[0])) == want
+    per_store = descriptors_in_use()
+    pool.close()
+    gc.collect()
+    base = descriptors_in_use()
+    per_store -= base
+    assert per_store > 4
+    # room for the process's own files and about two stores: half of it kept free, then the limit
+    open_files_limit(base + 4 * per_store)
+    for p in paths + paths:  # (max_stores alone would hold all six)
+        assert _answer(pool.memory(p)) == want
+        assert 1 <= len(pool.stores) <= 2 and descriptors_in_use() <= base + 4 * per_store

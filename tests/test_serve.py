@@ -484,3 +484,33 @@ def test_requests_waiting_their_turn_hold_no_worker_thread(tiny, tmp_path, monke
             assert _health(url)["status"] == "ok" and [m.id for m in client.models.list()] == ["book"]
             assert not long.done() and all(not w.done() for w in waiting)
             assert long.result() == ("word " * 2000).strip() and [w.result() for w in waiting] == ["short"] * 45
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/limits"), reason="reads the server's limits from Linux's /proc")
+def test_the_server_raises_its_soft_limit_of_open_files_to_the_hard_one(tiny, tmp_path):
+    """An open store holds a few files a layer: at a soft limit of 1,024 (256 on macOS) a server
+    held few stores. `emllm serve` lifts it to the hard limit, as Go's runtime does."""
+    import resource
+
+    folder, prof, _, _ = tiny
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip("the hard limit leaves nothing to raise")
+    port = _port()
+    proc = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", str(folder), "--profile", str(prof)],
+                            env={**os.environ, **cli_env(tmp_path)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read()
+                time.sleep(0.1)
+        line = next(x for x in open(f"/proc/{proc.pid}/limits") if x.startswith("Max open files"))
+        soft = line.split()[3]
+        assert soft == (str(hard) if hard != resource.RLIM_INFINITY else "65536"), line
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

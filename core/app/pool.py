@@ -10,26 +10,32 @@ model used least recently and closing the stores opened with it (ollama's way).
 from __future__ import annotations
 
 import gc
+import resource
 from pathlib import Path
 from typing import Callable
 
 from emllm import models
 from emllm.app.api import Memory, Model, load, open as open_memory
-from emllm.errors import UsageError
+from emllm.errors import TooManyOpenFiles, UsageError
 from emllm.store import read_info
+from emllm.store.files import descriptors_in_use
 from emllm.store.manifest import Manifest
 
 
 class ModelPool:
-    """At most `max_loaded` models in memory; the stores opened through `memory` are held (each
-    keeps its stream's tail read) until their model is unloaded or the store changes model."""
+    """At most `max_loaded` models in memory, and `max_stores` stores held open through `memory`
+    (each keeps its stream's tail read, its window's keys and values, and a few open files a
+    layer), the least recently used closed first; a store is also closed when its model is
+    unloaded or it changes model."""
 
-    def __init__(self, max_loaded: int = 1, log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, max_loaded: int = 1, log: Callable[[str], None] | None = None, max_stores: int = 4) -> None:
         if max_loaded < 1:
             raise UsageError(f"at least one model must stay loaded (max_loaded={max_loaded})")
-        self.max_loaded, self._log = max_loaded, log
+        if max_stores < 1:
+            raise UsageError(f"at least one store must stay open (max_stores={max_stores})")
+        self.max_loaded, self.max_stores, self._log = max_loaded, max_stores, log
         self._models: list[Model] = []  # least recently used first
-        self._held: dict[Path, tuple[Memory, tuple]] = {}  # a store's Memory, and what it was opened for
+        self._held: dict[Path, tuple[Memory, tuple]] = {}  # a store's Memory, and what it was opened for; least recently used first
 
     @property
     def models(self) -> list[Model]:
@@ -50,23 +56,49 @@ class ModelPool:
         until its model is unloaded. Raises the errors of `emllm.open` (StoreError,
         ModelNotFoundError, ModelMismatchError, ...)."""
         path = Path(path)
+        try:
+            mem = self._memory(path)
+        except TooManyOpenFiles:  # (the other stores' files make room: one more try, then the error)
+            if not self._held:
+                raise
+            for p in list(self._held):
+                self._release(p)
+            mem = self._memory(path)
+        # Files left for the server's sockets and the next store: past half the process's limit,
+        # the stores used least recently are closed.
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        while len(self._held) > 1 and (n := descriptors_in_use()) is not None and n > soft // 2:
+            self._release(next(iter(self._held)))
+        return mem
+
+    def _memory(self, path: Path) -> Memory:
         info = read_info(path)
         wanted = (info.identity, info.geometry.dtype, info.created)
-        held = self._held.get(path)
+        held = self._held.pop(path, None)
         if held is not None:
             mem, was = held
             if was == wanted:
+                self._held[path] = held  # (now the most recently used)
                 self._touch(mem.loaded)
                 return mem
-            del self._held[path]  # (a store removed and made again under the name, by another model)
-            mem.close()
+            mem.close()  # (a store removed and made again under the name, by another model)
         model = self._loaded_for(info)
         if model is None:
             model = self._load(info, path)
         self._touch(model)
+        while len(self._held) >= self.max_stores:
+            self._release(next(iter(self._held)))
         mem = open_memory(path, model=model)
         self._held[path] = (mem, wanted)
         return mem
+
+    @property
+    def stores(self) -> list[Path]:
+        """The stores held open, the most recently used last."""
+        return list(self._held)
+
+    def _release(self, path: Path) -> None:
+        self._held.pop(path)[0].close()
 
     def close(self) -> None:
         """Close every store held and unload every model."""
@@ -98,7 +130,7 @@ class ModelPool:
         while self._models and len(self._models) + n > self.max_loaded:
             gone = self._models.pop(0)
             for p in [p for p, (mem, _) in self._held.items() if mem.loaded is gone]:
-                self._held.pop(p)[0].close()
+                self._release(p)
             if self._log is not None:
                 self._log(f"unloading {gone.given or gone.name}")
             del gone

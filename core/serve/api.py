@@ -19,7 +19,7 @@
 
 Each store is answered by the model it was written with: a loaded one of the same weights and
 dtype, else its own, loaded then (`emllm.ModelPool`: at most `max_models` stay loaded, the least
-recently used unloaded first). Requests are answered one at a time (the engine is
+recently used unloaded first, and a few stores stay open). Requests are answered one at a time (the engine is
 single-threaded); concurrent ones wait their turn, and an answer whose client leaves stops at its
 next token.
 Errors are OpenAI-style JSON bodies ({"error": {"message", "type", "code"}}) with a 4xx status.
@@ -46,7 +46,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import emllm
-from emllm import SEED_LIMIT, EmllmError, Memory, ModelPool, StoreLockedError
+from emllm import SEED_LIMIT, EmllmError, Memory, ModelPool, StoreLockedError, TooManyOpenFiles
 
 _END = object()  # a streamed answer's producer has finished
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a store's name: never a path
@@ -188,7 +188,8 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
 
     @app.exception_handler(EmllmError)
     async def user_error(_request: Request, e: EmllmError) -> JSONResponse:
-        return _error(ApiError(409 if isinstance(e, StoreLockedError) else 400, str(e)))
+        status = 409 if isinstance(e, StoreLockedError) else 503 if isinstance(e, TooManyOpenFiles) else 400
+        return _error(ApiError(status, str(e), kind="server_error" if status == 503 else "invalid_request_error"))
 
     @app.get("/health")
     def health() -> dict:

@@ -17,7 +17,7 @@ import stat
 import time
 from pathlib import Path
 
-from emllm.errors import EmllmError
+from emllm.errors import EmllmError, open_files
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -41,7 +41,8 @@ class Folder:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        with open_files():
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -51,7 +52,8 @@ class Folder:
     def _parent(self, rel: str, create: bool = False) -> tuple[int, str]:
         """(descriptor of the folder holding rel, its last part); the caller closes the descriptor."""
         parts = check_name(rel)
-        fd = os.dup(self.fd)
+        with open_files():
+            fd = os.dup(self.fd)
         try:
             for p in parts[:-1]:
                 if create:
@@ -60,7 +62,8 @@ class Folder:
                     except FileExistsError:
                         pass
                 try:
-                    nfd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
+                    with open_files():
+                        nfd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
                 except OSError as e:
                     if e.errno in (errno.ELOOP, errno.ENOTDIR):
                         raise UnsafePath(f"{p} in the store is a link or not a folder") from None
@@ -77,7 +80,8 @@ class Folder:
         the way). single_link: refuse a file with other names (a writer changes only its own files)."""
         dfd, name = self._parent(rel, create=bool(flags & os.O_CREAT))
         try:
-            fd = os.open(name, flags | _NOFOLLOW | os.O_NONBLOCK, mode, dir_fd=dfd)
+            with open_files():
+                fd = os.open(name, flags | _NOFOLLOW | os.O_NONBLOCK, mode, dir_fd=dfd)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise UnsafePath(f"{rel} in the store is a symbolic link") from None
@@ -227,3 +231,14 @@ def folder_written(path: Path) -> bool:
 
 class FolderLocked(OSError):
     """Another process holds the folder's lock."""
+
+
+def descriptors_in_use() -> int | None:
+    """How many file descriptors this process has open (Linux's /proc, macOS's /dev/fd), or None
+    where the system does not say."""
+    for where in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(where))
+        except OSError:
+            continue
+    return None

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from emllm.errors import open_files
 from emllm.store.errors import StoreError
 from emllm.store.files import Folder, UnsafePath
 
@@ -121,7 +122,8 @@ class RowFile:
             if self.rows == 0:
                 return np.zeros((0, *self.row), dtype=self.np_dtype)
             # mapped through the descriptor opened safely, never by path
-            self._mm = mmap.mmap(self._reader_fd(), self.rows * self.row_bytes, access=mmap.ACCESS_READ)
+            with open_files():  # (a map holds a descriptor of its own)
+                self._mm = mmap.mmap(self._reader_fd(), self.rows * self.row_bytes, access=mmap.ACCESS_READ)
             if hasattr(mmap, "MADV_RANDOM"):
                 self._mm.madvise(mmap.MADV_RANDOM)  # faults read their page only (reads ask for the range ahead)
             self._map = np.frombuffer(self._mm, dtype=self.np_dtype).reshape(self.rows, *self.row)
