@@ -42,3 +42,54 @@ def test_opening_a_bare_name_points_to_the_homes_store_of_that_name(tiny, tmp_pa
         emllm.open("other")
     with emllm.open(emllm.store_path("book")) as mem:
         assert mem.info.rows.tokens + mem.info.pending > 0
+
+
+def test_an_answers_log_probabilities_are_the_plain_models(tiny, tmp_path):
+    """Where the whole stream fits in the window emllm is the plain model (spec §1): each answer
+    token's log probability and its likeliest alternatives, `Answer.logprobs`, are the log softmax
+    of the plain model's logits over the stream, the question and the answer before it."""
+    import torch
+
+    from emllm.store import Store
+
+    from .helpers import TOL, ingest_store, load_tiny, vanilla_logits
+
+    folder, _, _, _ = tiny
+    prof = tmp_path / "wide.yaml"
+    prof.write_text("chunk_size: 16\nn_init: 4\nn_local: 256\nn_mem: 32\nmin_block: 2\nmax_block: 8\n")
+    ingest_store(tmp_path / "s", folder, prof, [("doc", words(3, 40))])
+    mem = emllm.open(tmp_path / "s")
+    sampled = dict(temperature=1.0, seed=5)  # (the raw distribution's log probabilities all the same)
+    answer = mem.answer("what is the key?", 8, reread=False, top_logprobs=4, **sampled)
+    answer.text
+    lp = answer.logprobs
+    assert len(lp) == answer.tokens and all(len(x.top) == 4 for x in lp)
+    with Store.open(tmp_path / "s") as st:
+        stream = st.tokens.read().tolist() + st.job.read(st.manifest["job"]["done"], st.manifest["job"]["tokens"]).tolist()
+    from emllm.app.ask import Session
+
+    model, tok = load_tiny(folder)
+    with Store.open(tmp_path / "s") as st:
+        question = Session(st, model, tok).question_ids("what is the key?")
+    ids = torch.tensor(stream + question + [x.token for x in lp])
+    assert ids.numel() <= 4 + 256  # (all in the window: the plain model's case)
+    want = torch.log_softmax(vanilla_logits(model, ids)[len(stream) + len(question) - 1: -1].double(), -1)  # [answer, V]
+    got = torch.tensor([x.logprob for x in lp], dtype=torch.float64)
+    assert (got - want.gather(1, ids[-len(lp):, None])[:, 0]).abs().max() <= TOL
+    for x, row in zip(lp, want):
+        best = row.topk(4)
+        assert [t for t, _ in x.top] == best.indices.tolist()  # (random weights: no ties at float32)
+        assert max(abs(v - w) for (_, v), w in zip(x.top, best.values.tolist())) <= TOL
+    assert mem.answer("what is the key?", 8, reread=False).logprobs is None  # (not asked)
+    # a stop string: the tokens of the text it leaves (those whose text starts before it)
+    tokens = [x.token for x in lp]
+    full = tok.decode(tokens, skip_special_tokens=True)
+    stop = full[len(full) // 2:][:3]
+    at = full.find(stop)
+    kept = sum(len(tok.decode(tokens[:i], skip_special_tokens=True)) < at for i in range(len(tokens)))
+    cut = mem.answer("what is the key?", 8, reread=False, top_logprobs=0, stop=[stop], **sampled)
+    assert cut.text == full[:at].strip() and 0 < kept < len(tokens), (full, stop)
+    assert [x.token for x in cut.logprobs] == tokens[:kept] and all(x.top == () for x in cut.logprobs)
+    with pytest.raises(emllm.UsageError, match="top_logprobs"):
+        mem.answer("what is the key?", 8, top_logprobs=21)
+    mem.close()

@@ -14,6 +14,8 @@ import urllib.request
 import openai
 import pytest
 
+import emllm
+
 from emllm.errors import UsageError
 from emllm.store import Store
 
@@ -165,13 +167,34 @@ def test_chat_completions_through_the_openai_client(server, tiny):
         client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}], max_tokens=100000)
     with pytest.raises(openai.BadRequestError, match="one choice a request"):
         client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}], n=2)
-    for field, value in (("logprobs", True), ("top_logprobs", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    for field, value in (("tools", [{"type": "function", "function": {"name": "f"}}]),
                          ("response_format", {"type": "json_object"})):  # refused, not ignored
         with pytest.raises(openai.BadRequestError, match=f"{field.split('_')[-1]}: emllm does not support it"):
             client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}], **{field: value})
     assert client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
                                           max_tokens=5, temperature=0, logprobs=False, response_format={"type": "text"},
                                           ).choices[0].message.content == r.choices[0].message.content
+    # log probabilities: the library's, in OpenAI's form, streamed or not
+    lp = client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
+                                        max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    assert lp.choices[0].message.content == r.choices[0].message.content
+    with emllm.open(home / "stores" / "book") as mem:
+        ref = mem.answer("who hid the key?", 5, reread=False, top_logprobs=3)
+        assert ref.text == r.choices[0].message.content
+    got = lp.choices[0].logprobs.content
+    assert [(x.token, x.logprob) for x in got] == [(tok.decode([e.token]), e.logprob) for e in ref.logprobs]
+    assert [[(y.token, y.logprob) for y in x.top_logprobs] for x in got] == \
+        [[(tok.decode([t]), v) for t, v in e.top] for e in ref.logprobs]
+    assert all(x.bytes == list(x.token.encode()) for x in got)
+    streamed = list(client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who hid the key?"}],
+                                                   max_tokens=5, temperature=0, logprobs=True, top_logprobs=3, stream=True))
+    assert [x.model_dump() for c in streamed if c.choices[0].logprobs for x in c.choices[0].logprobs.content] == \
+        [x.model_dump() for x in got]
+    assert r.choices[0].logprobs is None  # (not asked)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="book", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=21)
     with pytest.raises(openai.BadRequestError, match="part of type 'image_url'"):
         client.chat.completions.create(model="book", messages=[{"role": "user", "content": [
             {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}])
@@ -404,6 +427,7 @@ class _SlowAnswer:
 
     def __init__(self, *_a, **_k) -> None:
         self.finish_reason, self.tokens, self.prompt_tokens, self.reread, self.passages = "length", 0, 1, False, []
+        self.logprobs = None
 
     def __iter__(self):
         for _ in range(2000):

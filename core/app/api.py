@@ -33,7 +33,7 @@ from emllm.app.stream import create_store, identity_of, open_engine, open_store,
 from emllm.app.textinput import TextSource, file_sha256
 from emllm.app.trace import Trace
 from emllm.config import Profile, ProfileMismatchError
-from emllm.engine.sampling import Sampling
+from emllm.engine.sampling import Sampling, TokenLogprob
 from emllm.errors import UsageError
 from emllm.home import stores_dir
 from emllm.store import Identity, Store, StoreError, is_store, read_info
@@ -92,6 +92,14 @@ def sampling(model: Model | Any, **given: Any) -> Sampling:
         raise UsageError(str(e)) from None
 
 
+TOP_LOGPROBS = 20  # the most alternatives a token's log probability comes with (OpenAI's bound)
+
+
+def _check_top_logprobs(n: int | None) -> None:
+    if n is not None and not (isinstance(n, int) and 0 <= n <= TOP_LOGPROBS):
+        raise UsageError(f"top_logprobs must be an integer from 0 to {TOP_LOGPROBS}, got {n!r}")
+
+
 class Answer:
     """An answer as it is generated: iterate for its text, a piece at a time (or read `.text`,
     which generates it all). Afterwards: `.tokens` generated, `.finish_reason` ("stop" or
@@ -100,8 +108,10 @@ class Answer:
 
     def __init__(self, session: Session, question: str, max_new_tokens: int, opts: Sampling | None,
                  stop: list[str] | None, trace: bool, history: list[int] | None = None,
-                 current: Callable[[], bool] | None = None) -> None:
+                 current: Callable[[], bool] | None = None, top_logprobs: int | None = None) -> None:
         self.question, self.max_new_tokens = question, max_new_tokens
+        self._top_logprobs = top_logprobs
+        self._logprobs: list[TokenLogprob] | None = None
         self._session, self._opts, self._stop = session, opts, stop
         self._current = current  # False once a later answer of the same memory took its session
         self._trace = Trace.attach(session.engine) if trace else None
@@ -123,6 +133,9 @@ class Answer:
                              "before asking the next")
         parts: list[str] = []
         s = self._session
+        s.top_logprobs = self._top_logprobs
+        if self._top_logprobs is not None:
+            self._logprobs = s.logprobs  # (filled as the tokens are chosen: `logprobs` reads it live)
         for piece in s.answer_text(self.question, self.max_new_tokens, self._opts, self._stop):
             parts.append(piece)
             yield piece
@@ -130,6 +143,8 @@ class Answer:
                 raise UsageError("a later answer of this memory started before this one was read: read each "
                                  "answer before asking the next")
         self.tokens = s.tokens
+        if self._logprobs is not None:
+            self._logprobs = list(s.logprobs)  # (its own: the session's list serves the next answer)
         if self._trace is not None:
             self._trace.detach()
             self.retrieval = retrieval_doc(self._trace, s.store, s.tok, self.question, window_start=s.engine.window_start)
@@ -138,6 +153,15 @@ class Answer:
     @property
     def text(self) -> str:
         return "".join(self).strip()
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """With `top_logprobs` asked (0 or more): each answer token's log probability under the
+        model and its likeliest alternatives: those of the answer's text (not of tokens past a stop
+        string), as far as it has been given out. None where not asked."""
+        if self._logprobs is not None and self._parts is None:  # (while it is read: the tokens of the text given so far)
+            return self._logprobs[: self._session.shown_tokens]
+        return self._logprobs
 
     @property
     def finish_reason(self) -> str:
@@ -372,15 +396,17 @@ class Memory:
     # -- asking -----------------------------------------------------------------------------
     def answer(self, question: str, max_new_tokens: int = 256, stop: list[str] | None = None,
                reread: bool | None = None, trace: bool = False, sampling: Sampling | None = None,
-               kv_cache_mb: int | None = None, **sampling_options: Any) -> Answer:
+               kv_cache_mb: int | None = None, top_logprobs: int | None = None, **sampling_options: Any) -> Answer:
         """The answer to `question`, streamed as it is iterated (on a copy of the memory's state:
         the store is unchanged). Greedy, or sampled (`sampling`, or temperature=, top_p=, top_k=,
         repetition_penalty=, seed=; unset: the model's generation config); it ends before any of
         the `stop` strings. reread (None: REREAD_QUESTIONS): answer by reading again the
         passages the memory chose (`emllm.app.reread`); False: emllm's own answer, the paper's.
-        trace: record what each layer retrieved (`Answer.retrieval`)."""
+        trace: record what each layer retrieved (`Answer.retrieval`). top_logprobs: record each
+        token's log probability and this many alternatives (`Answer.logprobs`; 0: none)."""
         if not question.strip():
             raise UsageError("the question is empty")
+        _check_top_logprobs(top_logprobs)
         opts = sampling if sampling is not None else self._sampling(sampling_options)
         current = None
         if trace or kv_cache_mb is not None:  # a session of its own: the trace sees the pending tail read too
@@ -388,7 +414,7 @@ class Memory:
         else:
             session, current = self._session()
         session.reread = REREAD_QUESTIONS if reread is None else reread
-        return Answer(session, question, max_new_tokens, opts, stop, trace, current=current)
+        return Answer(session, question, max_new_tokens, opts, stop, trace, current=current, top_logprobs=top_logprobs)
 
     def ask(self, question: str, max_new_tokens: int = 256, stop: list[str] | None = None,
             reread: bool | None = None, **sampling_options: Any) -> str:
@@ -396,16 +422,18 @@ class Memory:
         return self.answer(question, max_new_tokens, stop, reread, **sampling_options).text
 
     def reply(self, messages: list[dict], max_new_tokens: int = 256, stop: list[str] | None = None,
-              reread: bool | None = None, sampling: Sampling | None = None, **sampling_options: Any) -> Answer:
+              reread: bool | None = None, sampling: Sampling | None = None, top_logprobs: int | None = None,
+              **sampling_options: Any) -> Answer:
         """The answer to a conversation given whole, as OpenAI's chat messages ({"role": "system",
         "user" or "assistant", "content": text or text parts}): its turns continue the store's
         stream, the last (the user's) is the question. reread None: REREAD_CONVERSATION."""
+        _check_top_logprobs(top_logprobs)
         opts = sampling if sampling is not None else self._sampling(sampling_options)
         session, current = self._session()
         history, question = messages_ids(session, messages)
         session.tail = history
         session.reread = REREAD_CONVERSATION if reread is None else reread
-        return Answer(session, question, max_new_tokens, opts, stop, False, history, current)
+        return Answer(session, question, max_new_tokens, opts, stop, False, history, current, top_logprobs)
 
     def remember(self, answer: Answer, commit_every: int = 4) -> None:
         """Append an answered exchange (its turns, the answer, the chat template's framing) to the

@@ -11,11 +11,12 @@ written. Every question sees the same memory.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, Iterator
 
 from torch import Tensor
 
-from emllm.engine.sampling import Sampling, greedy
+from emllm.engine.sampling import Sampling, TokenLogprob, greedy, recording
 from emllm.engine.stream import Engine
 from emllm.app.stream import SEPARATOR, encode, encode_framing, open_engine, opens_a_turn, pending_tokens
 from emllm.models import stop_token_ids
@@ -48,6 +49,11 @@ class Session:
         self.engine: Engine = open_engine(store, model, kv_cache_mb)
         self.reread = reread  # answer by re-reading what the memory selected (`app.reread`)
         self.passages: list[tuple[int, int]] = []  # with reread: the stream spans read again
+        # With top_logprobs set (0: the chosen tokens' alone), each answer token's log probability
+        # and its likeliest alternatives, as they are chosen
+        self.top_logprobs: int | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self.shown_tokens = 0  # of the answer being given, the tokens whose text has started to be given out
 
     def question_ids(self, question: str) -> list[int]:
         """The question closing the user turn (without the stream's pending tail)."""
@@ -93,6 +99,9 @@ class Session:
         else:
             self.read_question_ids(ids)
         choose = sampling.chooser(context=ids) if sampling is not None else greedy
+        self.logprobs.clear()
+        if self.top_logprobs is not None:
+            choose = recording(choose, self.top_logprobs, self.logprobs)
         yield from engine.generate_iter(max_new_tokens, set(stop_token_ids(self.tok, self.model)), choose)
 
     def _reread(self, ids: list[int], max_new_tokens: int) -> Engine:
@@ -113,15 +122,21 @@ class Session:
         still become a stop string, or half a multi-byte character, is held back until it is known."""
         stop = [x for x in (stop or []) if x]
         ids: list[int] = []
-        shown = 0
+        starts: list[int] = []  # where each token's text starts in the answer's
+        shown, text = 0, ""
         self.answered = ids  # the answer's token ids as they come (up to a stop string: all generated)
         self.tokens = 0  # generated (for reports)
+        self.shown_tokens = 0
         for t in self.answer(question, max_new_tokens, sampling):
             ids.append(t)
             self.tokens += 1
+            starts.append(len(text))
             text = self.tok.decode(ids, skip_special_tokens=True)
             cut = min((i for i in (text.find(x, max(0, shown - len(x))) for x in stop) if i >= 0), default=-1)
             if cut >= 0:
+                # the tokens whose text starts before the stop string (their log probabilities stay)
+                self.shown_tokens = bisect.bisect_left(starts, cut)
+                del self.logprobs[self.shown_tokens:]
                 if cut > shown:
                     yield text[shown:cut]
                 return
@@ -132,9 +147,11 @@ class Session:
                         safe -= k
                         break
             if safe > shown:
+                self.shown_tokens = bisect.bisect_left(starts, safe)
                 yield text[shown:safe]
                 shown = safe
         text = self.tok.decode(ids, skip_special_tokens=True)
+        self.shown_tokens = len(ids)
         if len(text) > shown:
             yield text[shown:]
 

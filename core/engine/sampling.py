@@ -109,4 +109,26 @@ def greedy(_answer: list[int], logits: Tensor) -> int:
     return int(logits.argmax())
 
 
-__all__ = ["Sampling", "Chooser", "greedy"]
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log probability under the model's own distribution (its logits' log
+    softmax: before temperature, top-p or penalties, as vLLM and llama.cpp report it), and the
+    `top` likeliest tokens there, the likeliest first."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def recording(choose: Chooser, top: int, out: list[TokenLogprob]) -> Chooser:
+    """`choose`, appending each chosen token's TokenLogprob (with `top` alternatives) to `out`."""
+    def chosen(answer: list[int], logits: Tensor) -> int:
+        t = choose(answer, logits)
+        lp = torch.log_softmax(logits.float().reshape(-1), dim=-1)  # [V]
+        best = lp.topk(top) if top else None
+        out.append(TokenLogprob(t, float(lp[t]), tuple(zip(best.indices.tolist(), best.values.tolist())) if best else ()))
+        return t
+
+    return chosen
+
+
+__all__ = ["Sampling", "Chooser", "greedy", "TokenLogprob", "recording"]

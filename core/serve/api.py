@@ -13,8 +13,9 @@
                                    "stream": true sends server-sent
                                    events. Sampling: temperature, top_p, seed, stop, max_tokens,
                                    presence_penalty, frequency_penalty, and (as llama.cpp's
-                                   server) top_k, repetition_penalty. Refused (400), not
-                                   ignored: logprobs, tools, a response_format other than text,
+                                   server) top_k, repetition_penalty. logprobs and top_logprobs
+                                   (the model's own log probabilities). Refused (400), not
+                                   ignored: tools, a response_format other than text,
                                    messages of other roles or with parts other than text.
 
 Each store is answered by the model it was written with: a loaded one of the same weights and
@@ -79,14 +80,14 @@ class ChatRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
+    logprobs: bool = False  # each answer token's log probability under the model
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # and this many alternatives (with logprobs)
     n: int = Field(default=1, ge=1)  # choices: one (more are refused, not dropped)
     top_k: int | None = Field(default=None, ge=0)  # beyond OpenAI's fields, as llama.cpp's server takes them
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     # What emllm does not do, refused rather than ignored (an answer without them would pass for one with them)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
     tools: list | None = None
     functions: list | None = None
     response_format: dict | None = None
@@ -214,7 +215,10 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
             raise ApiError(400, f"max_tokens {limit} is more than this server allows ({server.max_tokens})", param="max_tokens")
         if req.n != 1:
             raise ApiError(400, f"n {req.n}: emllm answers with one choice a request", param="n")
-        for field, given in (("logprobs", req.logprobs or req.top_logprobs), ("tools", req.tools), ("functions", req.functions),
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        for field, given in (("tools", req.tools), ("functions", req.functions),
                              ("response_format", (req.response_format or {}).get("type", "text") != "text")):
             if given:
                 raise ApiError(400, f"{field}: emllm does not support it (it answers with text only)", param=field,
@@ -233,11 +237,17 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                                           top_k=req.top_k, repetition_penalty=req.repetition_penalty,
                                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
                 answer = mem.reply(messages, limit, stop, reread=server.reread if req.reread is None else req.reread,
-                                   sampling=sampling)
-                yield from answer
+                                   sampling=sampling, top_logprobs=top)
+                seen = 0  # log probabilities sent (with a piece of text, those of the tokens chosen since the last)
+                for piece in answer:
+                    lp = answer.logprobs
+                    yield piece, None if lp is None else _logprobs(mem.tokenizer, lp[seen:])
+                    seen = len(lp or ())
                 if req.remember:
                     mem.remember(answer)
+                lp = answer.logprobs
                 yield {"finish_reason": answer.finish_reason, "completion_tokens": answer.tokens,
+                       "logprobs": None if lp is None else _logprobs(mem.tokenizer, lp[seen:]),
                        "prompt_tokens": answer.prompt_tokens,
                        "passages": [list(p) for p in answer.passages] if answer.reread else None}
 
@@ -270,7 +280,7 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 gen.close()
                 put(_END)
 
-        async def take() -> str | dict:
+        async def take() -> tuple | dict:
             x = await items.get()
             if isinstance(x, BaseException):
                 raise x
@@ -284,17 +294,20 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
             raise
 
         if not req.stream:
-            parts, x = [], first
+            parts, logprobs, x = [], [], first
             try:
                 while not isinstance(x, dict):
-                    parts.append(x)
+                    parts.append(x[0])
+                    logprobs += x[1] or []
                     if await request.is_disconnected():
                         return Response(status_code=499)  # (nobody reads it)
                     x = await take()
             finally:
                 done.set()
+            logprobs += x.get("logprobs") or []
             return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts).strip()},
+                                 "logprobs": {"content": logprobs, "refusal": None} if top is not None else None,
                                  "finish_reason": x.get("finish_reason", "stop")}],
                     "usage": _usage(x),
                     **({"emllm": {"reread": {"passages": x["passages"]}}} if x.get("passages") is not None else {})}
@@ -309,9 +322,11 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
                 x = first
                 while not isinstance(x, dict):
-                    yield _sse({**base, "choices": [{"index": 0, "delta": {"content": x}, "finish_reason": None}]})
+                    yield _sse({**base, "choices": [{"index": 0, "delta": {"content": x[0]}, **_chunk_logprobs(x[1]),
+                                                     "finish_reason": None}]})
                     x = await take()
-                yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": x.get("finish_reason", "stop")}]})
+                yield _sse({**base, "choices": [{"index": 0, "delta": {}, **_chunk_logprobs(x.get("logprobs") or None),
+                                                 "finish_reason": x.get("finish_reason", "stop")}]})
                 if usage:
                     yield _sse({**base, "choices": [], "usage": _usage(x)})
                 yield "data: [DONE]\n\n"
@@ -330,6 +345,21 @@ def _chat_request(body: bytes) -> ChatRequest:
         return ChatRequest.model_validate_json(body)
     except ValidationError as e:  # (placed under "body", as FastAPI places the errors of a body it reads)
         raise RequestValidationError([{**x, "loc": ("body", *x.get("loc", ()))} for x in e.errors()]) from None
+
+
+def _logprobs(tok, entries: list) -> list[dict]:  # (entries: emllm.engine.sampling.TokenLogprob)
+    """OpenAI's `logprobs.content` items: each token's text, log probability, UTF-8 bytes and its
+    likeliest alternatives."""
+    def one(token: int, logprob: float) -> dict:
+        text = tok.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+
+
+def _chunk_logprobs(entries: list | None) -> dict:
+    """A streamed chunk's logprobs: those of the tokens chosen since the last chunk, where asked."""
+    return {} if entries is None else {"logprobs": {"content": entries, "refusal": None}}
 
 
 def _usage(end: dict) -> dict:
