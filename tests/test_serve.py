@@ -46,19 +46,24 @@ def _serve(home, folder, prof, *extra: str, env: dict | None = None):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if json.loads(r.read())["status"] == "ok":
-                        break
-            except OSError:
-                if proc.poll() is not None:
-                    raise AssertionError(proc.stderr.read())
-                time.sleep(0.1)
+        _wait_until_up(proc, url)
         yield url
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _wait_until_up(proc: subprocess.Popen, url: str) -> None:
+    """Until the server at `url` answers /health (its stderr raised if it exits first)."""
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if json.loads(r.read())["status"] == "ok":
+                    return
+        except OSError:
+            if proc.poll() is not None:
+                raise AssertionError(proc.stderr.read())
+            time.sleep(0.1)
 
 
 @pytest.fixture
@@ -275,12 +280,7 @@ def test_binding_beyond_loopback_needs_a_key_and_the_key_is_checked(tiny, tmp_pa
     proc = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", str(folder), "--profile", str(prof)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
+        _wait_until_up(proc, f"http://127.0.0.1:{port}")
         bad = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
@@ -525,13 +525,7 @@ def test_the_server_raises_its_soft_limit_of_open_files_to_the_hard_one(tiny, tm
                             env={**os.environ, **cli_env(tmp_path)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read()
-                time.sleep(0.1)
+        _wait_until_up(proc, f"http://127.0.0.1:{port}")
         line = next(x for x in open(f"/proc/{proc.pid}/limits") if x.startswith("Max open files"))
         soft = line.split()[3]
         assert soft == (str(hard) if hard != resource.RLIM_INFINITY else "65536"), line
