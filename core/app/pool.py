@@ -53,7 +53,7 @@ class ModelPool:
     def memory(self, path: str | Path) -> Memory:
         """The store at `path`, opened with its model (a loaded one of the same weights,
         tokenizer and dtype, else its own, loaded) and held: the same `Memory` for the same store
-        until its model is unloaded. Raises the errors of `emllm.open` (StoreError,
+        until it is closed (its model unloaded, or `max_stores` others used since). Raises the errors of `emllm.open` (StoreError,
         ModelNotFoundError, ModelMismatchError, ...)."""
         path = Path(path)
         try:
