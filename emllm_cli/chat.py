@@ -112,7 +112,14 @@ def chat(
                      f"{'' if remember else ' (not remembered)'}; /help for commands, Ctrl-D to leave[/dim]")
     with mem.conversation(remember=remember, reread=reread) as talk:
         while True:
-            msg = read_message()
+            try:
+                msg = read_message()
+            except KeyboardInterrupt:
+                if not sys.stdin.isatty():
+                    raise  # (a script's Ctrl-C: it ends)
+                sys.stdout.write("\n")  # at a terminal, as a shell: the line is dropped, the conversation goes on
+                render.err.print("[dim]Ctrl-D or /quit leaves[/dim]")
+                continue
             if msg is None:
                 sys.stdout.write("\n")
                 break

@@ -133,3 +133,38 @@ def test_a_message_after_an_answer_opens_its_turn_as_the_chat_template_does(tiny
     assert text.endswith(reopen + "The pass key is 71432.")
     with Store.open(path) as st:
         assert not opens_a_turn(st, tok, pending_tokens(st))
+
+
+def test_ctrl_c_at_the_terminals_prompt_drops_the_line_and_the_chat_goes_on(tiny, tmp_path):
+    """At a terminal, Ctrl-C at the prompt drops the line typed (as a shell or ollama does; it ended
+    the chat: "emllm: interrupted", exit 130); Ctrl-D or /quit leave."""
+    import pty
+    import select
+    import signal
+    import time
+
+    folder, prof, _, _ = tiny
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([EMLLM, "chat", "--store", "talk", "-m", str(folder), "--profile", str(prof), "-n", "2"],
+                            stdin=follower, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **cli_env(tmp_path)})
+    os.close(follower)
+    err = ""
+    try:
+        os.write(leader, b"/help\n")
+        deadline = time.monotonic() + 300
+        while "/quit        leave" not in err and time.monotonic() < deadline:  # (then at its prompt)
+            if select.select([proc.stderr], [], [], 1)[0]:
+                err += os.read(proc.stderr.fileno(), 4096).decode()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)  # (a terminal's Ctrl-C; the line it drops stays the terminal's to drop)
+        time.sleep(0.5)
+        os.write(leader, b"/quit\n")
+        out, rest = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(leader)
+    err += rest
+    assert proc.returncode == 0, err
+    assert "Ctrl-D or /quit leaves" in err and "interrupted" not in err
