@@ -1,9 +1,11 @@
 """Time to the first answer token: a cold `emllm ask` (a new process: imports, model load, store
 open) against a request to a warm `emllm serve` (model loaded, store held open), on the same
 store and question, alternated so load on the machine hits both alike. Then four clients at once
-against one: answers per minute, errors, and the store unchanged byte for byte.
+against one: answers per minute, errors, and the store unchanged byte for byte. With --stores N:
+a server over N stores (hard links of the one named, in a home of their own) at a limit of 1,024
+open files, each asked twice in turn: errors, the most files open, resident memory.
 
-    python -m benchmarks.server_latency --store NAME [--runs 3] [--clients 4]
+    python -m benchmarks.server_latency --store NAME [--runs 3] [--clients 4] [--stores 40]
 
 Cold is measured from the process's start to its first byte on stdout (what a user waits for);
 warm from sending the request to the first streamed token of the answer.
@@ -57,20 +59,74 @@ def warm(url: str, store: str, n: int) -> tuple[float, float]:
     return first or time.perf_counter() - t0, time.perf_counter() - t0
 
 
+def _home() -> Path:
+    return Path(os.environ.get("EMLLM_HOME") or Path.home() / ".local/share/emllm")
+
+
+def many_stores(store: str, model: str, n: int, limit: int = 1024) -> None:
+    """N hard-linked copies of `store` served at a soft and hard limit of `limit` open files."""
+    import resource
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=_home()) as tmp:
+        home = Path(tmp)
+        (home / "models").symlink_to(_home() / "models")
+        src = _home() / "stores" / store
+        for i in range(n):
+            for f in src.rglob("*"):
+                if f.is_file() and f.name != "lock":
+                    dst = home / "stores" / f"s{i:03d}" / f.relative_to(src)
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    os.link(f, dst)
+        port = _port()
+        server = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", model], stderr=subprocess.DEVNULL,
+                                  env={**os.environ, "EMLLM_HOME": str(home)},
+                                  preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+        url = f"http://127.0.0.1:{port}"
+        errors, most_files, most_rss = [], 0, 0
+        try:
+            for _ in range(1200):
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=1)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            t0 = time.perf_counter()
+            for i in list(range(n)) * 2:
+                try:
+                    warm(url, f"s{i:03d}", 2)
+                except Exception as e:  # noqa: BLE001 - counted
+                    errors.append(f"s{i:03d}: {e}")
+                most_files = max(most_files, len(os.listdir(f"/proc/{server.pid}/fd")))
+                status = Path(f"/proc/{server.pid}/status").read_text()
+                most_rss = max(most_rss, int(status.split("VmRSS:")[1].split()[0]) // 1024)
+            secs = time.perf_counter() - t0
+        finally:
+            server.terminate()
+            server.wait()
+        print(f"{n} stores, each asked twice in turn, at a limit of {limit} open files: {2 * n - len(errors)} answered, "
+              f"{len(errors)} errors{': ' + errors[0] if errors else ''}; at most {most_files} files open, "
+              f"{most_rss} MiB resident; {secs / (2 * n):.2f} s a request")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--store", required=True, help="a store's name under the emllm home (a server serves names, not paths)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=16, help="answer length of the concurrency test")
+    ap.add_argument("--stores", type=int, default=0, help="only the test of a server over this many stores")
     a = ap.parse_args()
     # the server loads one model: the store's own (`emllm serve` alone loads the default)
     shown = subprocess.run([EMLLM, "show", a.store, "--json"], capture_output=True, text=True)
     if shown.returncode:
         ap.error(f"--store {a.store}: {shown.stderr.strip()}")
+    model = json.loads(shown.stdout)["model"]
+    if a.stores:
+        many_stores(a.store, model, a.stores)
+        return
     port = _port()
-    server = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", json.loads(shown.stdout)["model"]],
-                              stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", model], stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(1200):
@@ -87,7 +143,7 @@ def main() -> None:
         c, w = statistics.median(colds), statistics.median(warms)
         print(f"first token: cold ask {c:.2f} s (runs {', '.join(f'{x:.2f}' for x in colds)}), warm server "
               f"{w:.2f} s ({', '.join(f'{x:.2f}' for x in warms)}): {c / w:.1f}x sooner")
-        home = Path(os.environ.get("EMLLM_HOME") or Path.home() / ".local/share/emllm") / "stores" / a.store
+        home = _home() / "stores" / a.store
         digest = lambda: hashlib.sha256(b"".join(p.read_bytes() for p in sorted(home.rglob("*")) if p.is_file() and p.name != "lock")).hexdigest()  # noqa: E731
         before = digest()
         for clients in (1, a.clients):
