@@ -59,19 +59,16 @@ def warm(url: str, store: str, n: int) -> tuple[float, float]:
     return first or time.perf_counter() - t0, time.perf_counter() - t0
 
 
-def _home() -> Path:
-    return Path(os.environ.get("EMLLM_HOME") or Path.home() / ".local/share/emllm")
-
-
 def many_stores(store: str, model: str, n: int, limit: int = 1024) -> None:
     """N hard-linked copies of `store` served at a soft and hard limit of `limit` open files."""
     import resource
     import tempfile
 
-    with tempfile.TemporaryDirectory(dir=_home()) as tmp:
+    from emllm.home import models_dir, stores_dir
+
+    with tempfile.TemporaryDirectory(dir=stores_dir().parent) as tmp:  # (hard links: the stores' file system)
         home = Path(tmp)
-        (home / "models").symlink_to(_home() / "models")
-        src = _home() / "stores" / store
+        src = stores_dir() / store
         for i in range(n):
             for f in src.rglob("*"):
                 if f.is_file() and f.name != "lock":
@@ -80,7 +77,7 @@ def many_stores(store: str, model: str, n: int, limit: int = 1024) -> None:
                     os.link(f, dst)
         port = _port()
         server = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", model], stderr=subprocess.DEVNULL,
-                                  env={**os.environ, "EMLLM_HOME": str(home)},
+                                  env={**os.environ, "EMLLM_HOME": str(home), "EMLLM_MODELS": str(models_dir())},
                                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
         url = f"http://127.0.0.1:{port}"
         errors, most_files, most_rss = [], 0, 0
@@ -143,7 +140,9 @@ def main() -> None:
         c, w = statistics.median(colds), statistics.median(warms)
         print(f"first token: cold ask {c:.2f} s (runs {', '.join(f'{x:.2f}' for x in colds)}), warm server "
               f"{w:.2f} s ({', '.join(f'{x:.2f}' for x in warms)}): {c / w:.1f}x sooner")
-        home = _home() / "stores" / a.store
+        from emllm.home import stores_dir
+
+        home = stores_dir() / a.store
         digest = lambda: hashlib.sha256(b"".join(p.read_bytes() for p in sorted(home.rglob("*")) if p.is_file() and p.name != "lock")).hexdigest()  # noqa: E731
         before = digest()
         for clients in (1, a.clients):

@@ -125,6 +125,8 @@ def test_first_token_and_server_latency_run_on_a_store(tmp_path):
     out = _run(tmp_path, "-m", "benchmarks.server_latency", "--store", "format", "--runs", "1", "--clients", "1",
                "--tokens", "2")
     assert "0 errors" in out and "store unchanged byte for byte: True" in out, out
+    out = _run(tmp_path, "-m", "benchmarks.server_latency", "--store", "format", "--stores", "6")
+    assert "6 stores, each asked twice in turn, at a limit of 1024 open files: 12 answered, 0 errors" in out, out
 
 
 @pytest.mark.slow
