@@ -46,12 +46,17 @@ def _raise_open_files_limit() -> None:
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
-    if soft != resource.RLIM_INFINITY and soft < want:
+    if soft == resource.RLIM_INFINITY:
+        return
+    # (macOS says its hard limit is unlimited and refuses more than OPEN_MAX, 10,240)
+    for want in (hard if hard != resource.RLIM_INFINITY else 65536, 10240):
+        if soft >= want:
+            return
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        except (ValueError, OSError):  # (macOS refuses above OPEN_MAX: the soft limit stays)
-            pass
+            return
+        except (ValueError, OSError):
+            continue
 
 
 @guarded
