@@ -277,6 +277,10 @@ def store_summary(s: dict):
     if len(docs) > SHOWN_DOCUMENTS:  # (a code base's thousands of files: the first, the count, --json for all)
         listed += f", … {len(docs):,} in all (--json lists them)"
     t.add_row("documents", listed)
+    if s.get("perplexity") is not None:  # (stores of conversations too: their exchanges as read)
+        how = "" if s.get("perplexity_exact", True) else ", estimated (surprise_head shortlist)"
+        t.add_row("perplexity", f"{s['perplexity']:.2f} [dim](the documents as read: exp of their tokens' mean "
+                                f"surprise{how})[/dim]")
     t.add_row("on disk", ", ".join(f"{k} {size(v)}" for k, v in s["bytes"].items() if v))
     h = Table(title="event sizes (tokens)", show_edge=False)
     h.add_column("size")

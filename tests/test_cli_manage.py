@@ -80,6 +80,8 @@ def test_list_show_mv_rm(tiny, tmp_path):
     assert "ingest unfinished: --resume" in run_in_process("show", "partial", home=tmp_path).stdout
     r = run_in_process("show", "s", "--json", home=tmp_path)
     assert r.returncode == 0 and json.loads(r.stdout)["tokens"] > 0
+    ppl = json.loads(r.stdout)["perplexity"]
+    assert ppl > 1 and f"perplexity  {ppl:.2f} (the documents as read" in run_in_process("show", "s", home=tmp_path).stdout
     # rm asks; without a terminal and without --yes it refuses, and removes nothing
     r = run_in_process("rm", "s", home=tmp_path)
     assert r.returncode == 1 and "add --yes" in r.stderr and s.exists()

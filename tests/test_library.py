@@ -93,3 +93,32 @@ def test_an_answers_log_probabilities_are_the_plain_models(tiny, tmp_path):
     with pytest.raises(emllm.UsageError, match="top_logprobs"):
         mem.answer("what is the key?", 8, top_logprobs=21)
     mem.close()
+
+
+def test_a_stores_perplexity_is_the_plain_models_where_the_text_fits_the_window(tiny, tmp_path):
+    """`emllm show`'s perplexity: exp of the mean surprise of each document's tokens as read, which
+    where the whole stream fits the window is the plain model's exp of mean -log p over them."""
+    import math
+
+    import torch
+
+    from emllm.store import Store
+
+    from .helpers import ingest_store, load_tiny, vanilla_logits
+
+    folder, _, _, _ = tiny
+    prof = tmp_path / "wide.yaml"
+    prof.write_text("chunk_size: 16\nn_init: 4\nn_local: 256\nn_mem: 32\nmin_block: 2\nmax_block: 8\n")
+    ingest_store(tmp_path / "s", folder, prof, [("one", words(3, 40)), ("two", words(4, 30))])
+    s = emllm.store_summary(tmp_path / "s")
+    model, _ = load_tiny(folder)
+    with Store.open(tmp_path / "s") as st:
+        ids = st.tokens.read()
+        docs = st.info.documents
+    assert ids.numel() <= 4 + 256 and [d["name"] for d in s["documents"]] == ["one", "two"]
+    nll = torch.full((ids.numel(),), float("nan"), dtype=torch.float64)
+    nll[1:] = -torch.log_softmax(vanilla_logits(model, ids)[:-1].double(), -1).gather(1, ids[1:, None].long())[:, 0]
+    spans = [nll[d.start: d.start + d.tokens] for d in docs]
+    for d, span in zip(s["documents"], spans):
+        assert d["perplexity"] == pytest.approx(math.exp(float(span.mean())), rel=1e-4)
+    assert s["perplexity"] == pytest.approx(math.exp(float(torch.cat(spans).mean())), rel=1e-4) and s["perplexity_exact"]

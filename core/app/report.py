@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from emllm.app.ask import Session
 from emllm.app.trace import Trace
@@ -30,6 +32,9 @@ def store_summary(st: Store) -> dict:
         idx = torch.bucketize(lengths, torch.tensor(edges), right=True) - 1
         counts = torch.bincount(idx.clamp(0, len(edges) - 2), minlength=len(edges) - 1)
         hist = {f"{edges[i]}-{edges[i + 1] - 1}": int(c) for i, c in enumerate(counts.tolist())}
+    surprise = st.surprise.read()  # [T] -log p(token | what emllm attended to), NaN where none
+    docs = [{**d.as_dict(), "perplexity": _perplexity(surprise[d.start: d.start + d.tokens])} for d in m.documents]
+    spans = [surprise[d.start: d.start + d.tokens] for d in m.documents]
     return {
         "store": str(st.path), "format_version": m.version, "model": m.model,
         "identity": m.identity, "profile": m.profile_keys, "created": m.created, "updated": m.updated,
@@ -42,9 +47,19 @@ def store_summary(st: Store) -> dict:
         "processed_tokens": m.rows.tokens, "events": m.rows.events,
         "event_tokens": m.rows.event_tokens,
         "mean_event_size": round(float(lengths.float().mean()), 2) if lengths.numel() else None,
-        "event_sizes": hist, "documents": [d.as_dict() for d in m.documents], "complete": m.complete,
+        "event_sizes": hist, "documents": docs, "complete": m.complete,
+        # the documents' tokens as emllm read them (its memory and window): exp of their mean surprise,
+        # exact where the profile computes every token's ("full"), estimated from a shortlist else
+        "perplexity": _perplexity(torch.cat(spans)) if spans else None,
+        "perplexity_exact": m.profile.surprise_head == "full",
         "bytes": st.bytes_on_disk(),
     }
+
+
+def _perplexity(nll: Tensor) -> float | None:
+    """exp of the mean of the finite negative log-likelihoods in `nll` [n] (None: none)."""
+    x = nll[torch.isfinite(nll)].double()
+    return round(math.exp(float(x.mean())), 4) if x.numel() else None
 
 
 def retrieval_report(st: Store, model: Any, tok: Any, query: str, layer: int | None = None, top: int = 8) -> dict:
