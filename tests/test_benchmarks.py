@@ -203,3 +203,15 @@ def test_code_base_scores_a_file_by_path_or_module_whole_parts_only():
     assert not right("`rotated_window.py`", "rotated.py") and not right("core/app/api.py", "serve/api.py")
     assert not right("The file `manifest.json` defines it.", "manifest.py") and right("in manifest.py.", "manifest.py")
     assert right("The value is 128.", "128") and not right("1024", "128") and not right("it is 128", "8")
+
+
+@pytest.mark.slow
+def test_perplexity_runs_and_emllm_reads_the_first_window_as_the_engine_without_memory(tmp_path):
+    """Within the first window nothing is retrieved: emllm and no memory give the same tokens the
+    same log-likelihoods there, and the plain model's too (all within SmolLM2's context)."""
+    out = tmp_path / "ppl.jsonl"
+    _run(tmp_path, "-m", "benchmarks.perplexity", "-m", "smollm2", "--tokens", "1k", "--texts", "code", "--dtype", "float32",
+         "--out", str(out))
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["tokens"] == 1024 and row["warm"] > 1024 and row["emllm_past_warm"] is None
+    assert row["emllm"] == row["no_memory"] == pytest.approx(row["full"], rel=1e-3)
