@@ -37,12 +37,33 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _raise_open_files_limit() -> None:
+    """The soft limit of open files raised to the hard one (as Go's runtime does): an open store
+    holds a few files a layer, and a soft limit of 1,024 (256 on macOS) holds few stores besides
+    a server's sockets (an 80-layer model's store alone needs ~400)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    # (macOS says its hard limit is unlimited and refuses more than OPEN_MAX, 10,240)
+    for want in (hard if hard != resource.RLIM_INFINITY else 65536, 10240):
+        if soft >= want:
+            return
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            return
+        except (ValueError, OSError):
+            continue
+
+
 @app.callback()
 def main(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors."),
     show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     DEBUG["on"] = debug
+    _raise_open_files_limit()
     # Our own progress replaces the libraries' (which would print on every model load); set for
     # when transformers is imported, not by importing it (help and completion stay light).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

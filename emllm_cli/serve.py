@@ -39,26 +39,6 @@ def _warm_newest_store(pool, log) -> bool:
     return True
 
 
-def _raise_open_files_limit() -> None:
-    """The soft limit of open files raised to the hard one (as Go's runtime does): an open store
-    holds a few files a layer, and a soft limit of 1,024 (256 on macOS) holds few stores besides
-    the server's sockets."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return
-    # (macOS says its hard limit is unlimited and refuses more than OPEN_MAX, 10,240)
-    for want in (hard if hard != resource.RLIM_INFINITY else 65536, 10240):
-        if soft >= want:
-            return
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            return
-        except (ValueError, OSError):
-            continue
-
-
 @guarded
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; other than loopback only with an API key."),
@@ -96,7 +76,6 @@ def serve(
     from emllm.serve.api import Server, create_app
 
     log = lambda m: render.err.print(f"[dim]{render.shown(m)}[/dim]")  # noqa: E731
-    _raise_open_files_limit()
     pool = emllm.ModelPool(max_models, log, max_stores=max_stores)
     if not (model or profile or dtype or os.environ.get("EMLLM_MODEL")) and _warm_newest_store(pool, log):
         loaded = pool.models[-1]

@@ -513,7 +513,7 @@ def test_requests_waiting_their_turn_hold_no_worker_thread(tiny, tmp_path, monke
 @pytest.mark.skipif(not os.path.exists("/proc/self/limits"), reason="reads the server's limits from Linux's /proc")
 def test_the_server_raises_its_soft_limit_of_open_files_to_the_hard_one(tiny, tmp_path):
     """An open store holds a few files a layer: at a soft limit of 1,024 (256 on macOS) a server
-    held few stores. `emllm serve` lifts it to the hard limit, as Go's runtime does."""
+    held few stores. Every `emllm` command lifts it to the hard limit, as Go's runtime does."""
     import resource
 
     folder, prof, _, _ = tiny
