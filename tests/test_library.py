@@ -50,6 +50,7 @@ def test_an_answers_log_probabilities_are_the_plain_models(tiny, tmp_path):
     of the plain model's logits over the stream, the question and the answer before it."""
     import torch
 
+    from emllm.app.ask import Session
     from emllm.store import Store
 
     from .helpers import TOL, ingest_store, load_tiny, vanilla_logits
@@ -64,12 +65,9 @@ def test_an_answers_log_probabilities_are_the_plain_models(tiny, tmp_path):
     answer.text
     lp = answer.logprobs
     assert len(lp) == answer.tokens and all(len(x.top) == 4 for x in lp)
-    with Store.open(tmp_path / "s") as st:
-        stream = st.tokens.read().tolist() + st.job.read(st.manifest["job"]["done"], st.manifest["job"]["tokens"]).tolist()
-    from emllm.app.ask import Session
-
     model, tok = load_tiny(folder)
     with Store.open(tmp_path / "s") as st:
+        stream = st.tokens.read().tolist() + st.job.read(st.manifest["job"]["done"], st.manifest["job"]["tokens"]).tolist()
         question = Session(st, model, tok).question_ids("what is the key?")
     ids = torch.tensor(stream + question + [x.token for x in lp])
     assert ids.numel() <= 4 + 256  # (all in the window: the plain model's case)
