@@ -120,3 +120,6 @@ def test_a_stores_perplexity_is_the_plain_models_where_the_text_fits_the_window(
     for d, span in zip(s["documents"], spans):
         assert d["perplexity"] == pytest.approx(math.exp(float(span.mean())), rel=1e-4)
     assert s["perplexity"] == pytest.approx(math.exp(float(torch.cat(spans).mean())), rel=1e-4) and s["perplexity_exact"]
+    (tmp_path / "short.yaml").write_text(prof.read_text() + "surprise_head: shortlist\n")  # (said to be estimated)
+    ingest_store(tmp_path / "t", folder, tmp_path / "short.yaml", [("one", words(3, 40))])
+    assert emllm.store_summary(tmp_path / "t")["perplexity_exact"] is False
