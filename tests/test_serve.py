@@ -216,6 +216,11 @@ def test_chat_completions_through_the_openai_client(server, tiny):
     for headers in ({}, {"Content-Type": "text/plain"}):  # (urllib's default: application/x-www-form-urlencoded)
         with urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", data=body, headers=headers)) as resp:
             assert json.loads(resp.read())["choices"][0]["message"]["content"] == r.choices[0].message.content
+    nulls = json.dumps({"model": "book", "messages": [{"role": "user", "content": "who hid the key?"}], "max_tokens": 5,
+                        "temperature": 0, **dict.fromkeys(("stream", "stream_options", "n", "logprobs", "top_logprobs",
+                                                            "remember", "reread", "stop", "seed", "tools"))}).encode()
+    with urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", data=nulls)) as resp:  # null: unset
+        assert json.loads(resp.read())["choices"][0]["message"]["content"] == r.choices[0].message.content
     with pytest.raises(urllib.error.HTTPError) as h:
         urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", data=b"[1]"))
     assert h.value.code == 400 and json.loads(h.value.read())["error"]["message"] == "the request body: Input should be an object"

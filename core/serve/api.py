@@ -66,13 +66,14 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False  # a last chunk with the request's usage (its choices empty)
+    include_usage: bool | None = None  # a last chunk with the request's usage (its choices empty)
 
 
 class ChatRequest(BaseModel):
     model: str
     messages: list[Message] = Field(min_length=1)
-    stream: bool = False
+    # (null where OpenAI's API takes it for "unset": some clients send every field)
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -80,9 +81,9 @@ class ChatRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
-    logprobs: bool = False  # each answer token's log probability under the model
+    logprobs: bool | None = None  # each answer token's log probability under the model
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # and this many alternatives (with logprobs)
-    n: int = Field(default=1, ge=1)  # choices: one (more are refused, not dropped)
+    n: int | None = Field(default=None, ge=1)  # choices: one (more are refused, not dropped)
     top_k: int | None = Field(default=None, ge=0)  # beyond OpenAI's fields, as llama.cpp's server takes them
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -91,7 +92,7 @@ class ChatRequest(BaseModel):
     tools: list | None = None
     functions: list | None = None
     response_format: dict | None = None
-    remember: bool = False  # emllm's own: append this exchange to the store
+    remember: bool | None = None  # emllm's own: append this exchange to the store
     reread: bool | None = None  # emllm's own: answer by re-reading the passages the memory chose (`ask --reread`); unset: the server's default
 
 
@@ -213,7 +214,7 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         limit = req.max_completion_tokens or req.max_tokens or min(256, server.max_tokens)
         if limit > server.max_tokens:
             raise ApiError(400, f"max_tokens {limit} is more than this server allows ({server.max_tokens})", param="max_tokens")
-        if req.n != 1:
+        if (req.n or 1) != 1:
             raise ApiError(400, f"n {req.n}: emllm answers with one choice a request", param="n")
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -312,7 +313,7 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                     "usage": _usage(x),
                     **({"emllm": {"reread": {"passages": x["passages"]}}} if x.get("passages") is not None else {})}
 
-        usage = req.stream_options is not None and req.stream_options.include_usage
+        usage = req.stream_options is not None and bool(req.stream_options.include_usage)
 
         async def events() -> AsyncIterator[str]:
             # (with include_usage, OpenAI's chunks say "usage": null until the last, which has no choices)
