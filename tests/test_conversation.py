@@ -147,7 +147,9 @@ def test_ctrl_c_at_the_terminals_prompt_drops_the_line_and_the_chat_goes_on(tiny
     leader, follower = pty.openpty()
     proc = subprocess.Popen([EMLLM, "chat", "--store", "talk", "-m", str(folder), "--profile", str(prof), "-n", "2"],
                             stdin=follower, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **cli_env(tmp_path)})
+                            env={**os.environ, **cli_env(tmp_path)},
+                            # (a shell's background job, as CI may run the suite, ignores SIGINT, and its children with it)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(follower)
     err = ""
     try:
