@@ -36,6 +36,15 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_until_up(url: str) -> None:
+    for _ in range(1200):  # (a model's load: up to two minutes)
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
 def cold(store: str, n: int) -> float:
     t0 = time.perf_counter()
     p = subprocess.Popen([EMLLM, "ask", QUESTION, "--store", store, "-n", str(n)], stdout=subprocess.PIPE,
@@ -82,12 +91,7 @@ def many_stores(store: str, model: str, n: int, limit: int = 1024) -> None:
         url = f"http://127.0.0.1:{port}"
         errors, most_files, most_rss = [], 0, 0
         try:
-            for _ in range(1200):
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=1)
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            _wait_until_up(url)
             t0 = time.perf_counter()
             for i in list(range(n)) * 2:
                 try:
@@ -126,12 +130,7 @@ def main() -> None:
     server = subprocess.Popen([EMLLM, "serve", "--port", str(port), "-m", model], stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(1200):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
+        _wait_until_up(url)
         warm(url, a.store, 1)  # the store opened and held
         colds, warms = [], []
         for _ in range(a.runs):
