@@ -31,6 +31,7 @@ def ask(
     stop: list[str] = StopOpt,
     remember: bool = typer.Option(False, "--remember", help="Append this exchange (question and answer) to the store, as `emllm chat` does."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
+    logprobs: int = typer.Option(None, "--logprobs", min=0, max=20, help="With --json: each answer token's log probability under the model (before temperature or penalties) and this many likeliest alternatives (0: the token's alone)."),
     model: str = StoreModelOpt,
     reread: bool = typer.Option(None, "--reread/--no-reread", show_default=False, help="How the answer is read. --reread, the default (emllm.REREAD_QUESTIONS): the question is read against the memory, then the passages (~128 tokens each) that the most layers retrieved and those whose words best match the question are read again with it as one ordinary prompt of emllm's attention span, the best matches last; costs one more forward over that span. --no-reread: emllm's own answer, the paper's method, each answer token attending to the events its layers retrieve. The store is not changed either way (docs/benchmarks.md compares them)."),
 ) -> None:
@@ -48,6 +49,8 @@ def ask(
         question = sys.stdin.read()
     if not question.strip():
         raise UserError("the question is empty")
+    if logprobs is not None and not as_json:
+        raise UserError("--logprobs goes with --json (the log probabilities are printed in the JSON document)")
     path = existing_store(store)
     t0 = time.perf_counter()
     with render.status(f"loading the model of {render.shown(path.name)} and opening it"):
@@ -56,7 +59,7 @@ def ask(
         opts = sampling_of(mem.loaded, temperature, top_p, top_k, repetition_penalty, seed)
         with render.status("reading the question"):
             answer = mem.answer(question, max_new_tokens, stop, reread=reread, trace=show_retrieval, sampling=opts,
-                                kv_cache_mb=kv_cache_mb)
+                                kv_cache_mb=kv_cache_mb, top_logprobs=logprobs)
         if answer.unfinished:
             done, total = answer.unfinished
             why = "being written now" if answer.being_written else \
@@ -95,8 +98,16 @@ def ask(
             "store": str(path), "question": question, "answer": "".join(parts).strip(), "tokens": answer.tokens,
             "seconds_to_first_token": round(first or 0.0, 3), "seconds": round(time.perf_counter() - t0, 3),
             **({"retrieval": answer.retrieval} if answer.retrieval is not None else {}),
+            **({"logprobs": _logprobs(mem.tokenizer, answer.logprobs)} if answer.logprobs is not None else {}),
             **({"unfinished": {"done": answer.unfinished[0], "tokens": answer.unfinished[1],
                                "being_written": answer.being_written}} if answer.unfinished else {}),
             **({"reread": {"passages": [list(p) for p in answer.passages],
                            "tokens": sum(e - s for s, e in answer.passages)}} if reread_used else {}),
         })
+
+
+def _logprobs(tok, entries: list) -> list[dict]:  # (entries: emllm.engine.sampling.TokenLogprob)
+    def one(token: int, logprob: float) -> dict:
+        return {"token": tok.decode([token]), "id": token, "logprob": logprob}
+
+    return [{**one(e.token, e.logprob), "top": [one(t, lp) for t, lp in e.top]} for e in entries]

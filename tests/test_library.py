@@ -90,7 +90,22 @@ def test_an_answers_log_probabilities_are_the_plain_models(tiny, tmp_path):
     assert [x.token for x in cut.logprobs] == tokens[:kept] and all(x.top == () for x in cut.logprobs)
     with pytest.raises(emllm.UsageError, match="top_logprobs"):
         mem.answer("what is the key?", 8, top_logprobs=21)
+    greedy = mem.answer("what is the key?", 8, reread=False, top_logprobs=2)
+    greedy.text
     mem.close()
+    # `emllm ask --json --logprobs N`: the library's, with each token's text
+    import json
+
+    from .helpers import run_in_process
+
+    r = run_in_process("ask", "what is the key?", "--store", str(tmp_path / "s"), "-n", "8", "--no-reread", "--json",
+                       "--logprobs", "2", home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr
+    assert [(x["id"], x["token"], x["logprob"], [(y["id"], y["logprob"]) for y in x["top"]])
+            for x in json.loads(r.stdout)["logprobs"]] == \
+        [(e.token, tok.decode([e.token]), e.logprob, list(e.top)) for e in greedy.logprobs]
+    r = run_in_process("ask", "what is the key?", "--store", str(tmp_path / "s"), "--logprobs", "2", home=tmp_path / "home")
+    assert r.returncode == 1 and "--logprobs goes with --json" in r.stderr
 
 
 def test_a_stores_perplexity_is_the_plain_models_where_the_text_fits_the_window(tiny, tmp_path):
