@@ -248,14 +248,10 @@ def builtin_profile_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("emllm.profiles").iterdir() if p.name.endswith(".yaml"))
 
 
-def is_profile_file(name_or_path: str) -> bool:
-    return name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path
-
-
 def load_profile(name_or_path: str, base: Profile | None = None) -> Profile:
     """A built-in profile by name (`smollm2`, `llama3.1`, ...), whole; or a YAML file by path, its
     keys over `base`'s (the model's profile: a file that sets `n_local` keeps the rest of it)."""
-    if is_profile_file(name_or_path):
+    if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
         return load_profile_file(name_or_path, base)
     f = resources.files("emllm.profiles") / f"{name_or_path}.yaml"
     if not f.is_file():

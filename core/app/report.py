@@ -33,8 +33,8 @@ def store_summary(st: Store) -> dict:
         counts = torch.bincount(idx.clamp(0, len(edges) - 2), minlength=len(edges) - 1)
         hist = {f"{edges[i]}-{edges[i + 1] - 1}": int(c) for i, c in enumerate(counts.tolist())}
     surprise = st.surprise.read()  # [T] -log p(token | what emllm attended to), NaN where none
-    docs = [{**d.as_dict(), "perplexity": _perplexity(surprise[d.start: d.start + d.tokens])} for d in m.documents]
     spans = [surprise[d.start: d.start + d.tokens] for d in m.documents]
+    docs = [{**d.as_dict(), "perplexity": _perplexity(s)} for d, s in zip(m.documents, spans)]
     return {
         "store": str(st.path), "format_version": m.version, "model": m.model,
         "identity": m.identity, "profile": m.profile_keys, "created": m.created, "updated": m.updated,
