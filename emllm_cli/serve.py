@@ -53,8 +53,9 @@ def serve(
     reread: bool = typer.Option(None, "--reread/--no-reread", show_default=False, help="Answer requests that do not say otherwise as `emllm ask` does, re-reading the passages the memory chose (a request's \"reread\": true or false decides for itself). Default (emllm.REREAD_CONVERSATION): emllm's own reading, which follows a conversation's last turns in its window; --reread suits questions about a document."),
 ) -> None:
     """Serve the stores under the emllm home through an OpenAI-compatible API: a request names a
-    store as its model; its messages continue that store's memory (on a copy, unless the request
-    sets "remember": true). Each store is answered by the model it was written with: -m (with
+    store as its model; its messages (/v1/chat/completions), or its prompt as it is
+    (/v1/completions, a base model's form), continue that store's memory (on a copy, unless the
+    request sets "remember": true). Each store is answered by the model it was written with: -m (with
     --profile, --dtype) is loaded at start, else the model of the store written last (with the
     store; the default model where there is none), another store's model when a request first
     needs it.
@@ -67,6 +68,7 @@ def serve(
       emllm serve --reread                         # answers re-read, as `emllm ask` gives them
       emllm serve -m smollm2 --max-models 2        # SmolLM2 loaded at start; two models kept loaded
       curl localhost:8080/v1/chat/completions -d '{"model": "book", "messages": [{"role": "user", "content": "who hid the key?"}]}'
+      curl localhost:8080/v1/completions -d '{"model": "book", "prompt": "The key was hidden by", "max_tokens": 8}'
     """
     if not _loopback(host) and not api_key:
         raise UserError(f"--host {host} is reachable from other machines: give --api-key (or EMLLM_API_KEY)")

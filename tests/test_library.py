@@ -138,3 +138,99 @@ def test_a_stores_perplexity_is_the_plain_models_where_the_text_fits_the_window(
     (tmp_path / "short.yaml").write_text(prof.read_text() + "surprise_head: shortlist\n")  # (said to be estimated)
     ingest_store(tmp_path / "t", folder, tmp_path / "short.yaml", [("one", words(3, 40))])
     assert emllm.store_summary(tmp_path / "t")["perplexity_exact"] is False
+
+
+def test_a_completion_continues_the_stream_as_the_plain_model_does(tiny, tmp_path):
+    """`Memory.complete`: the prompt continues the store's stream as it is (no question's
+    framing), and where the whole stream fits the window the completion is the plain model's
+    greedy continuation of stream + prompt; with echo the prompt's tokens' log probabilities are
+    the plain model's log softmax over the same tokens (the first predicted by the stream's end)."""
+    import torch
+
+    from emllm.app.stream import encode_framing
+    from emllm.store import Store
+
+    from .helpers import TOL, ingest_store, load_tiny, vanilla_logits
+
+    folder, _, _, _ = tiny
+    prof = tmp_path / "wide.yaml"
+    prof.write_text("chunk_size: 16\nn_init: 4\nn_local: 256\nn_mem: 32\nmin_block: 2\nmax_block: 8\n")
+    ingest_store(tmp_path / "s", folder, prof, [("doc", words(3, 40))])
+    model, tok = load_tiny(folder)
+    with Store.open(tmp_path / "s") as st:
+        stream = st.tokens.read().tolist() + st.job.read(st.manifest["job"]["done"], st.manifest["job"]["tokens"]).tolist()
+    prompt = words(4, 21)  # (longer than a chunk: the prompt's logits come from two chunks)
+    pids = encode_framing(tok, prompt)
+    assert len(pids) > 16
+    mem = emllm.open(tmp_path / "s", writable=True)
+    done = mem.complete(prompt, 6, top_logprobs=3, echo=True)
+    text = done.text
+    gen = [x.token for x in done.logprobs]
+    assert len(gen) == done.tokens == 6 and done.finish_reason == "length" and done.prompt_tokens == len(pids)
+    ids = torch.tensor(stream + pids)
+    want_gen = []
+    for _ in range(6):  # the plain model's greedy continuation
+        want_gen.append(int(vanilla_logits(model, torch.cat([ids, torch.tensor(want_gen, dtype=torch.long)]))[-1].argmax()))
+    assert gen == want_gen
+    assert text == tok.decode(gen, skip_special_tokens=True)  # (as generated: not stripped)
+    # echo: the prompt's tokens, each under the logits before it
+    full = torch.tensor(stream + pids + gen)
+    assert full.numel() <= 4 + 256  # (all in the window: the plain model's case)
+    lp = torch.log_softmax(vanilla_logits(model, full).double(), -1)  # [n, V]
+    rows = lp[len(stream) - 1: len(stream) + len(pids) - 1]  # those predicting the prompt's tokens
+    echo = done.prompt_logprobs
+    assert [x.token for x in echo] == pids
+    got = torch.tensor([x.logprob for x in echo], dtype=torch.float64)
+    assert (got - rows.gather(1, torch.tensor(pids)[:, None])[:, 0]).abs().max() <= TOL
+    assert all([t for t, _ in x.top] == row.topk(3).indices.tolist() for x, row in zip(echo, rows))
+    # the answer's own log probabilities under the same rows as an answer's
+    assert max(abs(x.logprob - float(lp[len(stream) + len(pids) - 1 + i, t])) for i, (x, t) in enumerate(zip(done.logprobs, gen))) <= TOL
+    # token ids for text, the same; nothing generated, the prompt still scored
+    assert mem.complete(pids, 6).text == text
+    scored = mem.complete(pids, 0, echo=True)
+    assert scored.text == "" and scored.tokens == 0 and [round(x.logprob, 6) for x in scored.prompt_logprobs] == \
+        [round(x.logprob, 6) for x in echo]
+    assert scored.logprobs is None and mem.complete(pids, 2).prompt_logprobs is None  # (not asked)
+    for bad, why in (("", "the prompt is empty"), ([], "non-empty list"), ([0, 10**6], "outside the model's vocabulary"),
+                     ([1, "a"], "non-empty list of token ids")):
+        with pytest.raises(emllm.UsageError, match=why):
+            mem.complete(bad)
+    with pytest.raises(emllm.UsageError, match="max_new_tokens"):
+        mem.complete("x", -1)
+    # remembered: the prompt and the completion as they are, appended to the stream
+    mem.remember(_read(mem.complete(prompt, 6)))
+    with Store.open(tmp_path / "s") as st:
+        after = st.tokens.read().tolist() + st.job.read(st.manifest["job"]["done"], st.manifest["job"]["tokens"]).tolist()
+    assert after == stream + pids + gen
+    mem.close()
+
+
+def _read(answer):
+    answer.text
+    return answer
+
+
+def test_a_completion_of_an_empty_store_is_the_plain_models_of_its_prompt(tiny, tmp_path):
+    """An empty store (a conversation's, published with nothing read): a completion reads its
+    prompt alone, without the chat turn's opening an answer would add; nothing predicts its first
+    token (logprob None), the rest as the plain model scores the prompt."""
+    import torch
+
+    from emllm.app.stream import encode_framing
+
+    from .helpers import TOL, load_tiny, vanilla_logits
+
+    folder, prof, _, _ = tiny
+    model, tok = load_tiny(folder)
+    mem = emllm.create(tmp_path / "e", str(folder), profile=str(prof), publish=True)
+    prompt = words(5, 12)
+    done = mem.complete(prompt, 3, top_logprobs=1, echo=True)
+    done.text
+    pids = encode_framing(tok, prompt)
+    echo = done.prompt_logprobs
+    assert [x.token for x in echo] == pids and echo[0].logprob is None and echo[0].top == ()
+    full = torch.tensor(pids + [x.token for x in done.logprobs])
+    lp = torch.log_softmax(vanilla_logits(model, full).double(), -1)
+    assert max(abs(x.logprob - float(lp[i, t])) for i, (x, t) in enumerate(zip(echo[1:], pids[1:]))) <= TOL
+    assert [x.token for x in done.logprobs] == [int(lp[len(pids) - 1 + i].argmax()) for i in range(3)]
+    mem.close()

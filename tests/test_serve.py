@@ -224,8 +224,8 @@ def test_chat_completions_through_the_openai_client(server, tiny):
     with pytest.raises(urllib.error.HTTPError) as h:
         urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", data=b"[1]"))
     assert h.value.code == 400 and json.loads(h.value.read())["error"]["message"] == "the request body: Input should be an object"
-    with pytest.raises(openai.NotFoundError, match=r"no such endpoint: POST /v1/completions \(emllm serves"):
-        client.completions.create(model="book", prompt="x")  # (not served: OpenAI's error body all the same)
+    with pytest.raises(openai.NotFoundError, match=r"no such endpoint: POST /v1/embeddings \(emllm serves"):
+        client.embeddings.create(model="book", input="x")  # (not served: OpenAI's error body all the same)
     req = urllib.request.Request(url + "/v1/models", data=b"{}", headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as h:
         urllib.request.urlopen(req)
@@ -254,6 +254,63 @@ def test_chat_completions_through_the_openai_client(server, tiny):
         "the request body is larger than 1048576 bytes")
     conn.close()
     assert store_files(home / "stores" / "book") == before
+
+
+def test_completions_through_the_openai_client(server, tiny):
+    """POST /v1/completions: the prompt continues the store's stream as it is, the completion
+    the library's (`Memory.complete`), streamed or not; logprobs in the completions API's form,
+    echo with the prompt scored; one prompt a request, as text or token ids; remember appends."""
+    url, home = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    _, tok = load_tiny(tiny[0])
+    path = home / "stores" / "book"
+    before = store_files(path)
+    with emllm.open(path) as mem:
+        ref = mem.complete(" and then the key", 6, top_logprobs=2, echo=True)
+        text = ref.text
+        prompt_ids = [x.token for x in ref.prompt_logprobs]
+        echo, gen = list(ref.prompt_logprobs), list(ref.logprobs)
+    r = client.completions.create(model="book", prompt=" and then the key", max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text == text and r.choices[0].logprobs is None
+    assert r.choices[0].finish_reason == "length" and (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt_ids), 6)
+    assert client.completions.create(model="book", prompt=prompt_ids, max_tokens=6, temperature=0).choices[0].text == text
+    assert client.completions.create(model="book", prompt=[prompt_ids], max_tokens=6, temperature=0).choices[0].text == text
+    streamed = list(client.completions.create(model="book", prompt=" and then the key", max_tokens=6, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in streamed[:-1]) == text and streamed[-2].choices[0].finish_reason == "length"
+    assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == 6
+    # logprobs: tokens, their log probabilities, the alternatives (the chosen token's among them), offsets
+    lp = client.completions.create(model="book", prompt=" and then the key", max_tokens=6, temperature=0, logprobs=2,
+                                   echo=True).choices[0]
+    assert lp.text == " and then the key" + text
+    names = [tok.decode([x.token]) for x in echo + gen]
+    assert lp.logprobs.tokens == names
+    assert lp.logprobs.token_logprobs == [x.logprob for x in echo + gen]
+    assert lp.logprobs.top_logprobs == [{**{tok.decode([t]): v for t, v in x.top}, tok.decode([x.token]): x.logprob}
+                                        for x in echo + gen]
+    assert lp.logprobs.text_offset == [sum(map(len, names[:i])) for i in range(len(names))]
+    assert "".join(names) == lp.text  # (this tokenizer's pieces join to the text)
+    chunks = list(client.completions.create(model="book", prompt=" and then the key", max_tokens=6, temperature=0,
+                                            logprobs=2, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == lp.text
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == names
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.text_offset] == lp.logprobs.text_offset
+    scored = client.completions.create(model="book", prompt=prompt_ids, max_tokens=0, logprobs=0, echo=True).choices[0]
+    assert scored.text == " and then the key" and scored.logprobs.token_logprobs == [x.logprob for x in echo]
+    assert client.completions.create(model="book", prompt="x", max_tokens=1, echo=True).choices[0].text.startswith("x")
+    for kw, why in ((dict(prompt=["a", "b"]), "2 prompts: emllm completes one prompt a request"),
+                    (dict(prompt=""), "the prompt is empty"), (dict(prompt=[10**7]), "outside the model's vocabulary"),
+                    (dict(prompt="x", n=2), "one choice"), (dict(prompt="x", best_of=2), "best_of"),
+                    (dict(prompt="x", suffix="y"), "suffix: emllm does not insert"),
+                    (dict(prompt="x", max_tokens=10**5), "max_tokens"), (dict(prompt="x", logprobs=21), "logprobs"),
+                    (dict(prompt="x", extra_body={"reread": True}), "reread")):
+        with pytest.raises(openai.BadRequestError, match=why):
+            client.completions.create(model="book", **kw)
+    assert store_files(path) == before  # not remembered: unchanged
+    old = _stream(path)
+    kept = client.completions.create(model="book", prompt=" and then the key", max_tokens=6, temperature=0,
+                                     extra_body={"remember": True}).choices[0].text
+    assert kept == text and _stream(path) == old + prompt_ids + [x.token for x in gen]
 
 
 @pytest.mark.slow

@@ -101,17 +101,21 @@ def _check_top_logprobs(n: int | None) -> None:
 
 
 class Answer:
-    """An answer as it is generated: iterate for its text, a piece at a time (or read `.text`,
-    which generates it all). Afterwards: `.tokens` generated, `.finish_reason` ("stop" or
-    "length"), `.passages` (with the re-read: the stream spans read again), `.retrieval` (with
-    trace: what each layer retrieved, as `Memory.retrieval` reports it)."""
+    """An answer (or a completion: `Memory.complete`) as it is generated: iterate for its text, a
+    piece at a time (or read `.text`, which generates it all). Afterwards: `.tokens` generated,
+    `.finish_reason` ("stop" or "length"), `.passages` (with the re-read: the stream spans read
+    again), `.retrieval` (with trace: what each layer retrieved, as `Memory.retrieval` reports it)."""
 
-    def __init__(self, session: Session, question: str, max_new_tokens: int, opts: Sampling | None,
+    def __init__(self, session: Session, question: str | list[int], max_new_tokens: int, opts: Sampling | None,
                  stop: list[str] | None, trace: bool, history: list[int] | None = None,
-                 current: Callable[[], bool] | None = None, top_logprobs: int | None = None) -> None:
+                 current: Callable[[], bool] | None = None, top_logprobs: int | None = None,
+                 echo: bool = False) -> None:
         self.question, self.max_new_tokens = question, max_new_tokens
         self._top_logprobs = top_logprobs
         self._logprobs: list[TokenLogprob] | None = None
+        self._echo = echo
+        self._prompt_logprobs: list[TokenLogprob] | None = None
+        self._raw = session.raw
         self._session, self._opts, self._stop = session, opts, stop
         self._current = current  # False once a later answer of the same memory took its session
         self._trace = Trace.attach(session.engine) if trace else None
@@ -134,6 +138,7 @@ class Answer:
         parts: list[str] = []
         s = self._session
         s.top_logprobs = self._top_logprobs
+        s.echo = (self._top_logprobs or 0) if self._echo else None
         if self._top_logprobs is not None:
             self._logprobs = s.logprobs  # (filled as the tokens are chosen: `logprobs` reads it live)
         for piece in s.answer_text(self.question, self.max_new_tokens, self._opts, self._stop):
@@ -143,6 +148,8 @@ class Answer:
                 raise UsageError("a later answer of this memory started before this one was read: read each "
                                  "answer before asking the next")
         self.tokens = s.tokens
+        if self._echo:
+            self._prompt_logprobs = list(s.prompt_logprobs)
         if self._logprobs is not None:
             self._logprobs = list(s.logprobs)  # (its own: the session's list serves the next answer)
         if self._trace is not None:
@@ -152,7 +159,20 @@ class Answer:
 
     @property
     def text(self) -> str:
-        return "".join(self).strip()
+        """The whole text (an answer's stripped of the spaces around it; a completion's as generated)."""
+        text = "".join(self)
+        return text if self._raw else text.strip()
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob] | None:
+        """With echo (a completion's): each prompt token's log probability (its `logprob` None for
+        a first token nothing predicts: an empty store's), with `top_logprobs` alternatives, once
+        the prompt is read; None where not asked."""
+        if not self._echo:
+            return None
+        if self._prompt_logprobs is None and self._parts is None and self._session.echo is not None:
+            return list(self._session.prompt_logprobs)  # (while it is read: the prompt is read before the first piece)
+        return self._prompt_logprobs
 
     @property
     def logprobs(self) -> list[TokenLogprob] | None:
@@ -178,7 +198,7 @@ class Answer:
 
     @property
     def prompt_tokens(self) -> int:
-        """Tokens the request's turns and the question added to the stream."""
+        """Tokens the request's turns and the question (or the completion's prompt) added to the stream."""
         return len(self._history) + len(self._session.question_ids(self.question))
 
     def exchange_ids(self) -> list[int]:
@@ -421,6 +441,37 @@ class Memory:
         """The whole answer to `question` as text (see `answer`)."""
         return self.answer(question, max_new_tokens, stop, reread, **sampling_options).text
 
+    def complete(self, prompt: str | list[int], max_new_tokens: int = 16, stop: list[str] | None = None,
+                 sampling: Sampling | None = None, top_logprobs: int | None = None, echo: bool = False,
+                 **sampling_options: Any) -> Answer:
+        """A completion, as a base model gives one: `prompt` (text, whose special tokens count as
+        written, or token ids) continues the store's stream as it stands, with no question's
+        framing, and the model continues the prompt (emllm's own reading: each token attends to
+        the events its layers retrieve). On a copy of the memory's state; `remember` appends the
+        prompt and the completion. Sampling, stop and top_logprobs as `answer`'s; echo: record
+        the prompt's tokens' log probabilities too (`Answer.prompt_logprobs`, with top_logprobs
+        alternatives), as a model is scored on a text. max_new_tokens may be 0 (the prompt read,
+        nothing generated)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise UsageError("the prompt is empty")
+        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            vocab = self._store.geometry.vocab
+            if not all(0 <= t < vocab for t in prompt):
+                raise UsageError(f"a prompt's token id is outside the model's vocabulary (0..{vocab - 1})")
+        else:
+            raise UsageError("the prompt must be text or a non-empty list of token ids")
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
+            raise UsageError(f"max_new_tokens must be 0 or more, got {max_new_tokens!r}")
+        _check_top_logprobs(top_logprobs)
+        opts = sampling if sampling is not None else self._sampling(sampling_options)
+        session, current = self._session()
+        if session.lead:  # an empty store's session opens a chat turn first: a completion's does not
+            session = Session(self._questions_store(), self.model, self.tokenizer, raw=True)
+        session.raw, session.reread = True, False
+        return Answer(session, prompt, max_new_tokens, opts, stop, False, current=current,
+                      top_logprobs=top_logprobs, echo=echo)
+
     def reply(self, messages: list[dict], max_new_tokens: int = 256, stop: list[str] | None = None,
               reread: bool | None = None, sampling: Sampling | None = None, top_logprobs: int | None = None,
               **sampling_options: Any) -> Answer:
@@ -492,6 +543,7 @@ class Memory:
             _, session, snap, turn_start = self._ready
             session.engine.restore(snap)
             session.turn_start, session.tail, session.passages = turn_start, [], []
+            session.raw, session.echo = False, None
             return session, current
         if mtime != self._opened and not self._writable:  # another process committed: see its commit
             self._reopen()

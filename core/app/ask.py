@@ -14,9 +14,11 @@ from __future__ import annotations
 import bisect
 from typing import Any, Iterator
 
+import torch
 from torch import Tensor
 
-from emllm.engine.sampling import Sampling, TokenLogprob, greedy, recording
+from emllm.errors import UsageError
+from emllm.engine.sampling import Sampling, TokenLogprob, greedy, recording, token_logprobs
 from emllm.engine.stream import Engine
 from emllm.app.stream import SEPARATOR, encode, encode_framing, open_engine, opens_a_turn, pending_tokens
 from emllm.models import stop_token_ids
@@ -26,7 +28,8 @@ from emllm.store import Store, StoreError
 class Session:
     """One question against a store (read-only)."""
 
-    def __init__(self, store: Store, model: Any, tok: Any, kv_cache_mb: int | None = None, reread: bool = False) -> None:
+    def __init__(self, store: Store, model: Any, tok: Any, kv_cache_mb: int | None = None, reread: bool = False,
+                 raw: bool = False) -> None:
         info = store.info
         job = info.job
         # An ingest under way (or interrupted): the answer comes from the last commit, the part of
@@ -39,7 +42,7 @@ class Session:
         # template's opening of a user turn, which the store does not hold yet (`lead`).
         self.empty = store.tokens.rows == 0 and not self.tail
         prefix = info.stream.prefix
-        self.lead: list[int] = encode_framing(tok, prefix) if self.empty and prefix else []
+        self.lead: list[int] = encode_framing(tok, prefix) if self.empty and prefix and not raw else []
         self.tail = self.tail + self.lead
         # A question opening a user turn of its own (an empty store's first, or one after a
         # remembered answer) is the turn's text as the chat template has it; after a document it
@@ -54,9 +57,19 @@ class Session:
         self.top_logprobs: int | None = None
         self.logprobs: list[TokenLogprob] = []
         self.shown_tokens = 0  # of the answer being given, the tokens whose text has started to be given out
+        # raw: the question is a prompt that continues the stream as it is (a completion: no
+        # separator, no turn's framing; text or token ids)
+        self.raw = raw
+        # With echo set (alternatives, 0 or more): the prompt's tokens' log probabilities as it is
+        # read (a first token that nothing predicts, an empty store's, has None)
+        self.echo: int | None = None
+        self.prompt_logprobs: list[TokenLogprob] = []
 
-    def question_ids(self, question: str) -> list[int]:
-        """The question closing the user turn (without the stream's pending tail)."""
+    def question_ids(self, question: str | list[int]) -> list[int]:
+        """The question closing the user turn (without the stream's pending tail); raw: the
+        prompt's tokens (its text's special tokens count, as the user wrote them)."""
+        if self.raw:
+            return list(question) if isinstance(question, list) else encode_framing(self.tok, question)
         fmt = self.store.info.stream
         sep = "" if self.turn_start else SEPARATOR
         if fmt.chat:  # the template's closing is emllm's framing: its special tokens count
@@ -77,7 +90,26 @@ class Session:
         """As `read_question`, for a question already tokenized (benchmarks with their own form)."""
         self.feed_pending()
         self.engine.begin_question()
-        return self.engine.feed(ids)
+        if self.echo is None:
+            return self.engine.feed(ids)
+        return self._feed_scored(ids, self.echo)
+
+    def _feed_scored(self, ids: list[int], top: int) -> Tensor:
+        """`engine.feed(ids)`, recording each token's log probability (`prompt_logprobs`) from the
+        logits that predict it: the stream's last for the first, then each chunk's [c, V]."""
+        engine = self.engine
+        if engine.profile.surprise_head == "shortlist":  # (its chunks compute a few rows of logits)
+            raise UsageError("this store's profile reads surprise from a shortlist of the vocabulary: the prompt's "
+                             "log probabilities are not computed (ask without echo)")
+        x = torch.as_tensor(ids, dtype=torch.long)  # [n]
+        before = engine.last_logits
+        self.prompt_logprobs = [TokenLogprob(int(x[0]), None)] if before is None else token_logprobs(before[None], x[:1], top)
+        cs = engine.profile.chunk_size
+        for off in range(0, x.numel(), cs):
+            logits = engine.step(x[off:off + cs])  # [c, V]: row i predicts token off + i + 1
+            following = x[off + 1:off + cs + 1]
+            self.prompt_logprobs += token_logprobs(logits[: following.numel()], following, top)
+        return engine.last_logits
 
     def feed_pending(self) -> None:
         """The stream's pending tail (tokens after the store's last chunk), once."""

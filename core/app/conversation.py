@@ -106,7 +106,9 @@ class Conversation:
 def exchange_ids(session: Session, question: str) -> list[int]:
     """The tokens an answered exchange adds to the stream: what the store did not hold before the
     question (an empty store's opening), the question's turn, the answer, the template's
-    reopening of a user turn."""
+    reopening of a user turn. (A completion's: its prompt and what the model wrote, as they are.)"""
+    if session.raw:
+        return session.question_ids(question) + session.answered
     return (session.lead + session.question_ids(question) + session.answered
             + encode_framing(session.tok, reopen_text(session.tok, session.store.info.stream.chat)))
 

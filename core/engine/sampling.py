@@ -113,9 +113,10 @@ def greedy(_answer: list[int], logits: Tensor) -> int:
 class TokenLogprob:
     """A chosen token's log probability under the model's own distribution (its logits' log
     softmax: before temperature, top-p or penalties, as vLLM and llama.cpp report it), and the
-    `top` likeliest tokens there, the likeliest first."""
+    `top` likeliest tokens there, the likeliest first. (None for a prompt's first token where
+    nothing precedes it.)"""
     token: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -131,4 +132,16 @@ def recording(choose: Chooser, top: int, out: list[TokenLogprob]) -> Chooser:
     return chosen
 
 
-__all__ = ["Sampling", "Chooser", "greedy", "TokenLogprob", "recording"]
+def token_logprobs(logits: Tensor, ids: Tensor, top: int) -> list[TokenLogprob]:
+    """Each of `ids` [n] under the logits that predict it [n, V] (row i predicts ids[i]), with
+    its `top` likeliest alternatives: a prompt's tokens, scored as `recording` scores an answer's."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    own = lp.gather(1, ids.reshape(-1, 1).to(lp.device))[:, 0].tolist()  # [n]
+    if not top:
+        return [TokenLogprob(int(t), v) for t, v in zip(ids.tolist(), own)]
+    best = lp.topk(top, dim=-1)  # [n, top]
+    return [TokenLogprob(int(t), v, tuple(zip(i, b)))
+            for t, v, i, b in zip(ids.tolist(), own, best.indices.tolist(), best.values.tolist())]
+
+
+__all__ = ["Sampling", "Chooser", "greedy", "TokenLogprob", "recording", "token_logprobs"]

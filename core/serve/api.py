@@ -17,6 +17,14 @@
                                    (the model's own log probabilities). Refused (400), not
                                    ignored: tools, a response_format other than text,
                                    messages of other roles or with parts other than text.
+    POST /v1/completions           the (legacy) completions: the prompt, text or token ids,
+                                   continues the store's stream as it is, with no question's
+                                   framing, and the model continues it (emllm's own reading; a
+                                   base model's form). The same sampling, stop, stream and
+                                   "remember" (the prompt and the completion appended); logprobs N
+                                   (0-20) in that API's form, echo (with logprobs: the prompt's
+                                   tokens scored, max_tokens 0 allowed). One prompt and one choice
+                                   a request; suffix refused.
 
 Each store is answered by the model it was written with: a loaded one of the same weights and
 dtype, else its own, loaded then (`emllm.ModelPool`: at most `max_models` stay loaded, the least
@@ -36,7 +44,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator, TypeVar
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -96,6 +104,33 @@ class ChatRequest(BaseModel):
     reread: bool | None = None  # emllm's own: answer by re-reading the passages the memory chose (`ask --reread`); unset: the server's default
 
 
+class CompletionRequest(BaseModel):
+    """OpenAI's (legacy) completions, as llama.cpp's and vLLM's servers take them."""
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids; one prompt a request
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=0)  # (0, with echo and logprobs: the prompt scored alone)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
+    stop: str | list[str] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # each token's log probability and this many alternatives
+    echo: bool | None = None  # the prompt given back before the completion (with logprobs: scored)
+    n: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None  # (insertion: refused)
+    top_k: int | None = Field(default=None, ge=0)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    remember: bool | None = None  # emllm's own: append the prompt and the completion to the store
+    reread: bool | None = None  # (a completion is emllm's own reading: true is refused)
+
+
+_Request = TypeVar("_Request", ChatRequest, CompletionRequest)
+
+
 class Server:
     """The stores under `root` and the models that answer them (`pool`)."""
 
@@ -114,6 +149,12 @@ class Server:
         if path.is_symlink() or not emllm.is_store(path):
             raise ApiError(404, f"no store {name!r}: GET /v1/models lists them", param="model", code="model_not_found")
         return path
+
+    def limit(self, given: int | None, default: int) -> int:
+        """A request's max_tokens, within this server's."""
+        if given is not None and given > self.max_tokens:
+            raise ApiError(400, f"max_tokens {given} is more than this server allows ({self.max_tokens})", param="max_tokens")
+        return min(default, self.max_tokens) if given is None else given
 
     def memory(self, name: str) -> Memory:
         """The store `name` with its model (loaded if it is not), held between requests: each
@@ -185,7 +226,8 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         what = {404: f"no such endpoint: {request.method} {request.url.path}",
                 405: f"{request.url.path} does not take {request.method}"}.get(e.status_code, str(e.detail))
         if e.status_code in (404, 405):
-            what += " (emllm serves GET /v1/models, GET /v1/models/NAME, POST /v1/chat/completions, GET /health)"
+            what += (" (emllm serves GET /v1/models, GET /v1/models/NAME, POST /v1/chat/completions, "
+                     "POST /v1/completions, GET /health)")
         return _error(ApiError(e.status_code, what, code="not_found" if e.status_code == 404 else None))
 
     @app.exception_handler(EmllmError)
@@ -210,12 +252,9 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):  # type: ignore[no-untyped-def]
-        req = _chat_request(await request.body())
-        limit = req.max_completion_tokens or req.max_tokens or min(256, server.max_tokens)
-        if limit > server.max_tokens:
-            raise ApiError(400, f"max_tokens {limit} is more than this server allows ({server.max_tokens})", param="max_tokens")
-        if (req.n or 1) != 1:
-            raise ApiError(400, f"n {req.n}: emllm answers with one choice a request", param="n")
+        req = _request(ChatRequest, await request.body())
+        limit = server.limit(req.max_completion_tokens or req.max_tokens, 256)
+        _one_choice(req.n)
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -224,21 +263,15 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
             if given:
                 raise ApiError(400, f"{field}: emllm does not support it (it answers with text only)", param=field,
                                code="unsupported_parameter")
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stop) > 4:
-            raise ApiError(400, "at most 4 stop sequences", param="stop")
+        stop = _stops(req.stop)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         messages = [m.model_dump() for m in req.messages]
 
         def run() -> Iterator[str | dict]:
             with server.lock:
                 mem = server.memory(req.model)
-                # (bounds checked, unset values from the generation config of the store's model)
-                sampling = emllm.sampling(mem.loaded, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                          top_k=req.top_k, repetition_penalty=req.repetition_penalty,
-                                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
                 answer = mem.reply(messages, limit, stop, reread=server.reread if req.reread is None else req.reread,
-                                   sampling=sampling, top_logprobs=top)
+                                   sampling=_sampling(mem, req), top_logprobs=top)
                 seen = 0  # log probabilities sent (with a piece of text, those of the tokens chosen since the last)
                 for piece in answer:
                     lp = answer.logprobs
@@ -252,47 +285,9 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                        "prompt_tokens": answer.prompt_tokens,
                        "passages": [list(p) for p in answer.passages] if answer.reread else None}
 
-        # The answer is made by a thread of its own, which holds the store's turn (the lock) and
-        # stops at the next token once the response ends for any reason, a client gone included:
-        # an answer left running, or suspended under the lock when its client went, kept every
-        # later request waiting.
-        # Its pieces reach the response through the event loop's queue: a request waiting its turn
-        # holds no worker thread (/health and /v1/models stay answered however many wait).
-        loop = asyncio.get_running_loop()
-        items: asyncio.Queue = asyncio.Queue()
-        done = threading.Event()
-
-        def put(x: object) -> None:
-            try:
-                loop.call_soon_threadsafe(items.put_nowait, x)
-            except RuntimeError:  # (the loop is closed: the server is stopping)
-                done.set()
-
-        def produce() -> None:
-            gen = run()
-            try:
-                for x in gen:
-                    if done.is_set():
-                        break  # (not remembered: the client did not take the answer)
-                    put(x)
-            except BaseException as e:  # noqa: BLE001 - handed to the response, raised there
-                put(e)
-            finally:
-                gen.close()
-                put(_END)
-
-        async def take() -> tuple | dict:
-            x = await items.get()
-            if isinstance(x, BaseException):
-                raise x
-            return {"finish_reason": "stop"} if x is _END else x
-
-        threading.Thread(target=produce, name=f"emllm-{rid}", daemon=True).start()
-        try:
-            first = await take()  # errors (no store, another model) before the 200 of a stream
-        except BaseException:
-            done.set()
-            raise
+        answering = _Answering(run, rid)
+        first = await answering.start()  # errors (no store, another model) before the 200 of a stream
+        take, done = answering.take, answering.done
 
         if not req.stream:
             parts, logprobs, x = [], [], first
@@ -336,16 +331,212 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    @app.post("/v1/completions")
+    async def completions(request: Request):  # type: ignore[no-untyped-def]
+        req = _request(CompletionRequest, await request.body())
+        prompt = _prompt(req.prompt)
+        limit = server.limit(req.max_tokens, 16)  # (OpenAI's default for completions)
+        _one_choice(req.n)
+        for field, refused, why in (("best_of", (req.best_of or 1) != 1, "emllm completes with one choice a request"),
+                                    ("suffix", bool(req.suffix), "emllm does not insert text (it continues the prompt)"),
+                                    ("reread", bool(req.reread), "a completion is emllm's own reading of its memory")):
+            if refused:
+                raise ApiError(400, f"{field}: {why}", param=field, code="unsupported_parameter")
+        stop = _stops(req.stop)
+        top, echo = req.logprobs, bool(req.echo)
+        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def run() -> Iterator[tuple | dict]:
+            with server.lock:
+                mem = server.memory(req.model)
+                answer = mem.complete(prompt, limit, stop, sampling=_sampling(mem, req), top_logprobs=top,
+                                      echo=echo and top is not None)
+                legacy = _LegacyLogprobs(mem.tokenizer)
+                pieces = iter(answer)
+                piece = next(pieces, None)  # (the prompt is read by then: its log probabilities are known)
+                if echo:
+                    text = prompt if isinstance(prompt, str) else mem.tokenizer.decode(prompt)
+                    yield text, None if top is None else legacy.prompt(answer.prompt_logprobs, text)
+                seen = 0
+                while piece is not None:
+                    lp = answer.logprobs
+                    yield piece, None if lp is None else legacy.tokens(lp[seen:])
+                    seen = len(lp or ())
+                    piece = next(pieces, None)
+                if req.remember:
+                    mem.remember(answer)
+                lp = answer.logprobs
+                yield {"finish_reason": answer.finish_reason, "completion_tokens": answer.tokens,
+                       "prompt_tokens": answer.prompt_tokens, "logprobs": None if lp is None else legacy.tokens(lp[seen:])}
+
+        answering = _Answering(run, rid)
+        first = await answering.start()
+        base = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
+
+        if not req.stream:
+            parts, logprobs, x = [], _LegacyLogprobs.empty(), first
+            try:
+                while not isinstance(x, dict):
+                    parts.append(x[0])
+                    _LegacyLogprobs.extend(logprobs, x[1])
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                    x = await answering.take()
+            finally:
+                answering.done.set()
+            _LegacyLogprobs.extend(logprobs, x.get("logprobs"))
+            return {**base, "choices": [{"index": 0, "text": "".join(parts), "logprobs": logprobs if top is not None else None,
+                                         "finish_reason": x.get("finish_reason", "stop")}], "usage": _usage(x)}
+
+        usage = req.stream_options is not None and bool(req.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            chunk = {**base, **({"usage": None} if usage else {})}
+            try:
+                x = first
+                while not isinstance(x, dict):
+                    yield _sse({**chunk, "choices": [{"index": 0, "text": x[0], "logprobs": x[1], "finish_reason": None}]})
+                    x = await answering.take()
+                yield _sse({**chunk, "choices": [{"index": 0, "text": "", "logprobs": x.get("logprobs"),
+                                                  "finish_reason": x.get("finish_reason", "stop")}]})
+                if usage:
+                    yield _sse({**chunk, "choices": [], "usage": _usage(x)})
+                yield "data: [DONE]\n\n"
+            finally:
+                answering.done.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     return app
 
 
-def _chat_request(body: bytes) -> ChatRequest:
+class _Answering:
+    """A request's answer made by a thread of its own, which holds the store's turn (the server's
+    lock) and stops at the next token once the response ends for any reason, a client gone
+    included: an answer left running, or suspended under the lock when its client went, kept
+    every later request waiting. Its items reach the response through the event loop's queue: a
+    request waiting its turn holds no worker thread (/health and /v1/models stay answered however
+    many wait). `run` yields the answer's items, a dict last (its end)."""
+
+    def __init__(self, run: Callable[[], Iterator], rid: str) -> None:
+        self.run, self.rid = run, rid
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.done = threading.Event()  # set: the response has ended, the answer stops
+
+    async def start(self) -> object:
+        """Starts the thread; returns the first item (raising the answer's error, if it fails before)."""
+        loop = asyncio.get_running_loop()
+
+        def put(x: object) -> None:
+            try:
+                loop.call_soon_threadsafe(self.items.put_nowait, x)
+            except RuntimeError:  # (the loop is closed: the server is stopping)
+                self.done.set()
+
+        def produce() -> None:
+            gen = self.run()
+            try:
+                for x in gen:
+                    if self.done.is_set():
+                        break  # (not remembered: the client did not take the answer)
+                    put(x)
+            except BaseException as e:  # noqa: BLE001 - handed to the response, raised there
+                put(e)
+            finally:
+                gen.close()
+                put(_END)
+
+        threading.Thread(target=produce, name=f"emllm-{self.rid}", daemon=True).start()
+        try:
+            return await self.take()
+        except BaseException:
+            self.done.set()
+            raise
+
+    async def take(self) -> object:
+        x = await self.items.get()
+        if isinstance(x, BaseException):
+            raise x
+        return {"finish_reason": "stop"} if x is _END else x
+
+
+def _request(kind: type[_Request], body: bytes) -> _Request:
     """A request's body read as JSON whatever its Content-Type says: `curl -d` sends JSON as a
     form, and llama.cpp's and ollama's servers take it so."""
     try:
-        return ChatRequest.model_validate_json(body)
+        return kind.model_validate_json(body)
     except ValidationError as e:  # (placed under "body", as FastAPI places the errors of a body it reads)
         raise RequestValidationError([{**x, "loc": ("body", *x.get("loc", ()))} for x in e.errors()]) from None
+
+
+def _prompt(given: str | list) -> str | list[int]:
+    """A completion request's one prompt: text or token ids."""
+    if isinstance(given, list) and given and isinstance(given[0], (str, list)):
+        if len(given) != 1:
+            raise ApiError(400, f"{len(given)} prompts: emllm completes one prompt a request", param="prompt")
+        given = given[0]
+    if not given:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    return given
+
+
+class _LegacyLogprobs:
+    """The completions API's logprobs: parallel lists of the tokens' text, their log
+    probabilities, their likeliest alternatives (text to log probability, the chosen token's
+    among them, as vLLM gives them) and where each token's text starts in the choice's text."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.offset = tok, 0
+
+    @staticmethod
+    def empty() -> dict:
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    @staticmethod
+    def extend(into: dict, more: dict | None) -> None:
+        for k, v in (more or {}).items():
+            into[k] += v
+
+    def tokens(self, entries: list) -> dict:  # (entries: emllm.engine.sampling.TokenLogprob)
+        out = self.empty()
+        for e in entries:
+            text = self.tok.decode([e.token])
+            out["tokens"].append(text)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+            out["token_logprobs"].append(e.logprob)
+            if e.logprob is None:
+                out["top_logprobs"].append(None)
+            else:
+                top = {self.tok.decode([t]): lp for t, lp in e.top}
+                out["top_logprobs"].append({**top, text: e.logprob})
+        return out
+
+    def prompt(self, entries: list, text: str) -> dict:
+        """An echoed prompt's (its first token's log probability None where nothing predicts it);
+        the completion's offsets start after the prompt's text."""
+        out = self.tokens(entries)
+        self.offset = len(text)
+        return out
+
+
+def _one_choice(n: int | None) -> None:
+    if (n or 1) != 1:
+        raise ApiError(400, f"n {n}: emllm answers with one choice a request", param="n")
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > 4:
+        raise ApiError(400, "at most 4 stop sequences", param="stop")
+    return stops
+
+
+def _sampling(mem: Memory, req: "ChatRequest | CompletionRequest") -> emllm.Sampling:
+    """A request's sampling (bounds checked; unset values from the generation config of the store's model)."""
+    return emllm.sampling(mem.loaded, temperature=req.temperature, top_p=req.top_p, seed=req.seed, top_k=req.top_k,
+                          repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                          frequency_penalty=req.frequency_penalty)
 
 
 def _logprobs(tok, entries: list) -> list[dict]:  # (entries: emllm.engine.sampling.TokenLogprob)
