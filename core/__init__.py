@@ -45,6 +45,7 @@ _SURFACE = {
     "EmllmError": "emllm.errors", "UsageError": "emllm.errors", "StoreError": "emllm.store",
     "StoreLockedError": "emllm.store", "ModelMismatchError": "emllm.store", "ProfileError": "emllm.config",
     "ProfileMismatchError": "emllm.config", "ModelNotFoundError": "emllm.models", "TooManyOpenFiles": "emllm.errors",
+    "Cancelled": "emllm.errors",
     # below the front door: the engine without a store, the store itself, models and profiles
     "Engine": "emllm.engine.stream", "Store": "emllm.store", "Sampling": "emllm.engine.sampling",
     "SEED_LIMIT": "emllm.engine.sampling",

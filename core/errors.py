@@ -28,6 +28,10 @@ class TooManyOpenFiles(EmllmError):
     layer): not a damaged store."""
 
 
+class Cancelled(EmllmError):
+    """An answer stopped by its `cancel()` before it was complete (a server's client gone)."""
+
+
 @contextlib.contextmanager
 def open_files() -> Iterator[None]:
     """Turns running out of file descriptors (EMFILE, ENFILE) into TooManyOpenFiles: the errors
@@ -44,4 +48,4 @@ def open_files() -> Iterator[None]:
                                "limit, or keep fewer stores open at once") from None
 
 
-__all__ = ["EmllmError", "UsageError", "NotFiniteError", "TooManyOpenFiles", "open_files"]
+__all__ = ["EmllmError", "UsageError", "NotFiniteError", "TooManyOpenFiles", "Cancelled", "open_files"]

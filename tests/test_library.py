@@ -234,3 +234,38 @@ def test_a_completion_of_an_empty_store_is_the_plain_models_of_its_prompt(tiny, 
     assert max(abs(x.logprob - float(lp[i, t])) for i, (x, t) in enumerate(zip(echo[1:], pids[1:]))) <= TOL
     assert [x.token for x in done.logprobs] == [int(lp[len(pids) - 1 + i].argmax()) for i in range(3)]
     mem.close()
+
+
+def test_a_cancelled_answer_stops_at_the_next_chunk_or_token(tiny, tmp_path, monkeypatch):
+    """`Answer.cancel()` (a server's client gone): a long prompt stops being read at the next
+    chunk, a generation at the next token, iterating raises `emllm.Cancelled`; the memory's next
+    answer is as if nothing had been asked."""
+    from emllm.engine.stream import Engine
+
+    from .helpers import ingest_store
+
+    folder, prof, _, _ = tiny
+    ingest_store(tmp_path / "s", folder, prof, [("doc", words(3, 60))])
+    steps = {"n": 0}
+    step = Engine.step
+
+    def counted(self, *a, **k):
+        steps["n"] += 1
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(Engine, "step", counted)
+    with emllm.open(tmp_path / "s") as mem:
+        want = mem.complete(words(4, 30), 6).text
+        long = mem.complete([5 + i % 50 for i in range(800)], 4)  # (100 chunks of the tiny profile's 8)
+        steps["n"] = 0
+        long.cancel()
+        with pytest.raises(emllm.Cancelled):
+            long.text
+        assert steps["n"] == 1  # (the first chunk: the check comes after each)
+        answer = mem.answer("what is the key?", 40, reread=False)
+        pieces = iter(answer)
+        next(pieces)
+        answer.cancel()
+        with pytest.raises(emllm.Cancelled):
+            next(pieces)
+        assert mem.complete(words(4, 30), 6).text == want

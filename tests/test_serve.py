@@ -491,6 +491,9 @@ class _SlowAnswer:
         self.finish_reason, self.tokens, self.prompt_tokens, self.reread, self.passages = "length", 0, 1, False, []
         self.logprobs = None
 
+    def cancel(self) -> None:  # (the server's, when the response ends: the answer stops at its next piece)
+        pass
+
     def __iter__(self):
         for _ in range(2000):
             time.sleep(0.01)
@@ -500,8 +503,9 @@ class _SlowAnswer:
 
 
 @contextlib.contextmanager
-def _in_process(tiny, tmp_path, monkeypatch):
-    """A server in this process over a store "book" whose answers are `_SlowAnswer`s: its URL."""
+def _in_process(tiny, tmp_path, monkeypatch, slow: bool = True):
+    """A server in this process over a store "book" whose answers are `_SlowAnswer`s (slow: else
+    the library's): its URL."""
     import threading
 
     import uvicorn
@@ -521,7 +525,8 @@ def _in_process(tiny, tmp_path, monkeypatch):
         while not srv.started:
             time.sleep(0.05)
         pool.memory(tmp_path / "stores" / "book")  # (its model loaded before the stand-in answers)
-        monkeypatch.setattr(emllm.Memory, "reply", _SlowAnswer)
+        if slow:
+            monkeypatch.setattr(emllm.Memory, "reply", _SlowAnswer)
         yield f"http://127.0.0.1:{port}"
     finally:
         srv.should_exit = True
@@ -547,6 +552,35 @@ def test_an_answer_stops_when_its_client_leaves(tiny, tmp_path, monkeypatch, str
         monkeypatch.setattr(_SlowAnswer, "__iter__", lambda self: iter([" done"]))
         assert ask().choices[0].message.content == "done"  # (answered once the other answer let the turn go)
         assert _SlowAnswer.made < 1000, _SlowAnswer.made  # the abandoned answer stopped: 2,000 pieces were asked of it
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_long_prompt_stops_being_read_when_its_client_leaves(tiny, tmp_path, monkeypatch, stream):
+    """A client that gives up while its long prompt is still read (before any token: a stream
+    has not even had its headers): the reading stops at the next chunk and the store's turn goes
+    to the next request. Each chunk's step made a moment longer and counted; 500 chunks asked."""
+    from emllm.engine.stream import Engine
+
+    steps = {"n": 0}
+    step = Engine.step
+
+    def counted(self, *a, **k):
+        steps["n"] += 1
+        time.sleep(0.01)
+        return step(self, *a, **k)
+
+    with _in_process(tiny, tmp_path, monkeypatch, slow=False) as url:
+        monkeypatch.setattr(Engine, "step", counted)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        prompt = [5 + i % 50 for i in range(4000)]  # (500 chunks of the tiny profile's 8)
+        with pytest.raises(openai.APITimeoutError):
+            client.completions.create(model="book", prompt=prompt, max_tokens=1, stream=stream, timeout=0.5)
+        while steps["n"] == 0:  # (the answer held the turn)
+            time.sleep(0.01)
+        steps["n"] = 0
+        r = client.completions.create(model="book", prompt="x", max_tokens=1)
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert steps["n"] < 100, steps["n"]  # the abandoned prompt stopped: it had hundreds of chunks left (the one after it: 2)
 
 
 @pytest.mark.slow

@@ -116,6 +116,7 @@ class Answer:
         self._echo = echo
         self._prompt_logprobs: list[TokenLogprob] | None = None
         self._raw = session.raw
+        self._cancelled = False
         self._session, self._opts, self._stop = session, opts, stop
         self._current = current  # False once a later answer of the same memory took its session
         self._trace = Trace.attach(session.engine) if trace else None
@@ -138,6 +139,7 @@ class Answer:
         parts: list[str] = []
         s = self._session
         s.top_logprobs = self._top_logprobs
+        s.cancelled = lambda: self._cancelled
         s.echo = (self._top_logprobs or 0) if self._echo else None
         if self._top_logprobs is not None:
             self._logprobs = s.logprobs  # (filled as the tokens are chosen: `logprobs` reads it live)
@@ -156,6 +158,11 @@ class Answer:
             self._trace.detach()
             self.retrieval = retrieval_doc(self._trace, s.store, s.tok, self.question, window_start=s.engine.window_start)
         self._parts = parts
+
+    def cancel(self) -> None:
+        """Stop this answer where it is, from any thread: reading its prompt at the next chunk,
+        generating at the next token; iterating it then raises `emllm.Cancelled`."""
+        self._cancelled = True
 
     @property
     def text(self) -> str:

@@ -12,12 +12,12 @@ written. Every question sees the same memory.
 from __future__ import annotations
 
 import bisect
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
 
-from emllm.errors import UsageError
+from emllm.errors import Cancelled, UsageError
 from emllm.engine.sampling import Sampling, TokenLogprob, greedy, recording, token_logprobs
 from emllm.engine.stream import Engine
 from emllm.app.stream import SEPARATOR, encode, encode_framing, open_engine, opens_a_turn, pending_tokens
@@ -64,6 +64,9 @@ class Session:
         # read (a first token that nothing predicts, an empty store's, has None)
         self.echo: int | None = None
         self.prompt_logprobs: list[TokenLogprob] = []
+        # Whether the answer being given was cancelled (`Answer.cancel`, from any thread): reading
+        # stops at the next chunk or token
+        self.cancelled: Callable[[], bool] = lambda: False
 
     def question_ids(self, question: str | list[int]) -> list[int]:
         """The question closing the user turn (without the stream's pending tail); raw: the
@@ -91,8 +94,13 @@ class Session:
         self.feed_pending()
         self.engine.begin_question()
         if self.echo is None:
-            return self.engine.feed(ids)
+            return self.engine.feed(ids, self._unless_cancelled)
         return self._feed_scored(ids, self.echo)
+
+    def _unless_cancelled(self, _report: object = None) -> None:
+        """Between chunks and tokens: a cancelled answer stops there (a long prompt included)."""
+        if self.cancelled():
+            raise Cancelled("the answer was cancelled")
 
     def _feed_scored(self, ids: list[int], top: int) -> Tensor:
         """`engine.feed(ids)`, recording each token's log probability (`prompt_logprobs`) from the
@@ -106,6 +114,7 @@ class Session:
         self.prompt_logprobs = [TokenLogprob(int(x[0]), None)] if before is None else token_logprobs(before[None], x[:1], top)
         cs = engine.profile.chunk_size
         for off in range(0, x.numel(), cs):
+            self._unless_cancelled()
             logits = engine.step(x[off:off + cs])  # [c, V]: row i predicts token off + i + 1
             following = x[off + 1:off + cs + 1]
             self.prompt_logprobs += token_logprobs(logits[: following.numel()], following, top)
@@ -114,7 +123,7 @@ class Session:
     def feed_pending(self) -> None:
         """The stream's pending tail (tokens after the store's last chunk), once."""
         if self.tail:
-            self.engine.feed(self.tail)
+            self.engine.feed(self.tail, self._unless_cancelled)
             self.tail = []
 
     def answer(self, question: str, max_new_tokens: int = 256, sampling: Sampling | None = None) -> Iterator[int]:
@@ -160,6 +169,7 @@ class Session:
         self.tokens = 0  # generated (for reports)
         self.shown_tokens = 0
         for t in self.answer(question, max_new_tokens, sampling):
+            self._unless_cancelled()
             ids.append(t)
             self.tokens += 1
             starts.append(len(text))

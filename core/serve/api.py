@@ -30,7 +30,7 @@ Each store is answered by the model it was written with: a loaded one of the sam
 dtype, else its own, loaded then (`emllm.ModelPool`: at most `max_models` stay loaded, the least
 recently used unloaded first, and a few stores stay open). Requests are answered one at a time (the engine is
 single-threaded); concurrent ones wait their turn, and an answer whose client leaves stops at its
-next token.
+next token, or while its prompt is read, at the prompt's next chunk.
 Errors are OpenAI-style JSON bodies ({"error": {"message", "type", "code"}}) with a 4xx status.
 """
 
@@ -58,6 +58,7 @@ import emllm
 from emllm import SEED_LIMIT, EmllmError, Memory, ModelPool, StoreLockedError, TooManyOpenFiles
 
 _END = object()  # a streamed answer's producer has finished
+_GONE = object()  # a request's client left before its answer's next item
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a store's name: never a path
 
 
@@ -267,11 +268,13 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         messages = [m.model_dump() for m in req.messages]
 
+        answering = _Answering(rid)
+
         def run() -> Iterator[str | dict]:
             with server.lock:
                 mem = server.memory(req.model)
-                answer = mem.reply(messages, limit, stop, reread=server.reread if req.reread is None else req.reread,
-                                   sampling=_sampling(mem, req), top_logprobs=top)
+                answer = answering.answer = mem.reply(messages, limit, stop, sampling=_sampling(mem, req), top_logprobs=top,
+                                                      reread=server.reread if req.reread is None else req.reread)
                 seen = 0  # log probabilities sent (with a piece of text, those of the tokens chosen since the last)
                 for piece in answer:
                     lp = answer.logprobs
@@ -285,21 +288,21 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                        "prompt_tokens": answer.prompt_tokens,
                        "passages": [list(p) for p in answer.passages] if answer.reread else None}
 
-        answering = _Answering(run, rid)
-        first = await answering.start()  # errors (no store, another model) before the 200 of a stream
-        take, done = answering.take, answering.done
+        first = await answering.start(run, request)  # errors (no store, another model) before the 200 of a stream
+        if first is _GONE:
+            return Response(status_code=499)  # (nobody reads it)
 
         if not req.stream:
             parts, logprobs, x = [], [], first
             try:
                 while not isinstance(x, dict):
+                    if x is _GONE:
+                        return Response(status_code=499)  # (nobody reads it)
                     parts.append(x[0])
                     logprobs += x[1] or []
-                    if await request.is_disconnected():
-                        return Response(status_code=499)  # (nobody reads it)
-                    x = await take()
+                    x = await answering.take(request)
             finally:
-                done.set()
+                answering.stop()
             logprobs += x.get("logprobs") or []
             return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts).strip()},
@@ -320,14 +323,14 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 while not isinstance(x, dict):
                     yield _sse({**base, "choices": [{"index": 0, "delta": {"content": x[0]}, **_chunk_logprobs(x[1]),
                                                      "finish_reason": None}]})
-                    x = await take()
+                    x = await answering.take()
                 yield _sse({**base, "choices": [{"index": 0, "delta": {}, **_chunk_logprobs(x.get("logprobs") or None),
                                                  "finish_reason": x.get("finish_reason", "stop")}]})
                 if usage:
                     yield _sse({**base, "choices": [], "usage": _usage(x)})
                 yield "data: [DONE]\n\n"
             finally:  # (a client gone: the response's task is cancelled here, and the answer stops)
-                done.set()
+                answering.stop()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -346,10 +349,12 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         top, echo = req.logprobs, bool(req.echo)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
+        answering = _Answering(rid)
+
         def run() -> Iterator[tuple | dict]:
             with server.lock:
                 mem = server.memory(req.model)
-                answer = mem.complete(prompt, limit, stop, sampling=_sampling(mem, req), top_logprobs=top,
+                answer = answering.answer = mem.complete(prompt, limit, stop, sampling=_sampling(mem, req), top_logprobs=top,
                                       echo=echo and top is not None)
                 legacy = _LegacyLogprobs(mem.tokenizer)
                 pieces = iter(answer)
@@ -369,21 +374,22 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 yield {"finish_reason": answer.finish_reason, "completion_tokens": answer.tokens,
                        "prompt_tokens": answer.prompt_tokens, "logprobs": None if lp is None else legacy.tokens(lp[seen:])}
 
-        answering = _Answering(run, rid)
-        first = await answering.start()
+        first = await answering.start(run, request)
+        if first is _GONE:
+            return Response(status_code=499)
         base = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
 
         if not req.stream:
             parts, logprobs, x = [], _LegacyLogprobs.empty(), first
             try:
                 while not isinstance(x, dict):
+                    if x is _GONE:
+                        return Response(status_code=499)  # (nobody reads it)
                     parts.append(x[0])
                     _LegacyLogprobs.extend(logprobs, x[1])
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
-                    x = await answering.take()
+                    x = await answering.take(request)
             finally:
-                answering.done.set()
+                answering.stop()
             _LegacyLogprobs.extend(logprobs, x.get("logprobs"))
             return {**base, "choices": [{"index": 0, "text": "".join(parts), "logprobs": logprobs if top is not None else None,
                                          "finish_reason": x.get("finish_reason", "stop")}], "usage": _usage(x)}
@@ -403,7 +409,7 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                     yield _sse({**chunk, "choices": [], "usage": _usage(x)})
                 yield "data: [DONE]\n\n"
             finally:
-                answering.done.set()
+                answering.stop()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -412,19 +418,27 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
 
 class _Answering:
     """A request's answer made by a thread of its own, which holds the store's turn (the server's
-    lock) and stops at the next token once the response ends for any reason, a client gone
-    included: an answer left running, or suspended under the lock when its client went, kept
-    every later request waiting. Its items reach the response through the event loop's queue: a
-    request waiting its turn holds no worker thread (/health and /v1/models stay answered however
-    many wait). `run` yields the answer's items, a dict last (its end)."""
+    lock) and stops once the response ends for any reason, a client gone included (while its
+    prompt is read: at the next chunk; while it is generated: at the next token): an answer left
+    running, or suspended under the lock when its client went, kept every later request waiting.
+    Its items reach the response through the event loop's queue: a request waiting its turn
+    holds no worker thread (/health and /v1/models stay answered however many wait). `run`
+    yields the answer's items, a dict last (its end), and sets `answer` once it has one."""
 
-    def __init__(self, run: Callable[[], Iterator], rid: str) -> None:
-        self.run, self.rid = run, rid
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
         self.items: asyncio.Queue = asyncio.Queue()
         self.done = threading.Event()  # set: the response has ended, the answer stops
+        self.answer: emllm.Answer | None = None
 
-    async def start(self) -> object:
-        """Starts the thread; returns the first item (raising the answer's error, if it fails before)."""
+    def stop(self) -> None:
+        self.done.set()
+        if self.answer is not None:
+            self.answer.cancel()
+
+    async def start(self, run: Callable[[], Iterator], request: Request) -> object:
+        """Starts the thread; returns the first item (raising the answer's error, if it fails
+        before; `_GONE` if the client leaves first)."""
         loop = asyncio.get_running_loop()
 
         def put(x: object) -> None:
@@ -434,7 +448,7 @@ class _Answering:
                 self.done.set()
 
         def produce() -> None:
-            gen = self.run()
+            gen = run()
             try:
                 for x in gen:
                     if self.done.is_set():
@@ -448,13 +462,25 @@ class _Answering:
 
         threading.Thread(target=produce, name=f"emllm-{self.rid}", daemon=True).start()
         try:
-            return await self.take()
+            return await self.take(request)
         except BaseException:
-            self.done.set()
+            self.stop()
             raise
 
-    async def take(self) -> object:
-        x = await self.items.get()
+    async def take(self, request: Request | None = None) -> object:
+        """The next item; with `request`, `_GONE` (the answer stopped) if its client leaves first."""
+        get = asyncio.ensure_future(self.items.get())
+        try:
+            while True:  # (with a request: its client looked at each item and each quarter of a second)
+                ready = (await asyncio.wait({get}, timeout=None if request is None else 0.25))[0]
+                if request is not None and await request.is_disconnected():
+                    self.stop()
+                    return _GONE
+                if ready:
+                    break
+            x = get.result()
+        finally:
+            get.cancel()
         if isinstance(x, BaseException):
             raise x
         return {"finish_reason": "stop"} if x is _END else x
