@@ -45,6 +45,30 @@ def test_openai_penalties_subtract_from_the_logits_of_the_answers_tokens():
         Sampling(frequency_penalty=2.5)
 
 
+def test_logit_bias_adds_to_the_logits_before_anything_else():
+    logits = torch.tensor([0.0, 5.0, 4.5, 3.2, -2.0])
+    assert Sampling(logit_bias={1: -0.6}).chooser()([], logits) == 2  # 4.4 < 4.5
+    assert Sampling(logit_bias={4: 100}).chooser()([], logits) == 4
+    assert Sampling(logit_bias={1: -100, 2: -100}).chooser()([], logits) == 3
+    # before the penalties: 5.0 - 0.3 (bias) - 0.3 (frequency, once) = 4.4 < 4.5
+    assert Sampling(logit_bias={1: -0.3}, frequency_penalty=0.3).chooser()([1], logits) == 2
+    assert Sampling(logit_bias={1: -0.3}).chooser()([1], logits) == 1
+    # sampled: a banned token is never drawn
+    assert 1 not in {Sampling(temperature=1.0, seed=s, logit_bias={1: -100}).chooser()([], logits) for s in range(100)}
+    assert Sampling(logit_bias={3: 1.5}) == Sampling(logit_bias=((3, 1.5),))  # (a dict is taken, kept as pairs)
+    with pytest.raises(ValueError, match=r"logit_bias: a bias must lie in \[-100, 100\], got 101 for token 2"):
+        Sampling(logit_bias={2: 101})
+    with pytest.raises(ValueError, match="logit_bias: a token id must be an integer >= 0"):
+        Sampling(logit_bias={-1: 1})
+
+    class M:
+        class config:
+            vocab_size = 5
+
+    with pytest.raises(ValueError, match=r"token id 5 is outside the model's vocabulary \(0..4\)"):
+        Sampling.from_model(M(), logit_bias={5: 1.0})
+
+
 def test_the_model_generation_config_gives_the_defaults():
     class Gen:
         do_sample, temperature, top_p, top_k, repetition_penalty = True, 0.6, 0.95, 40, 1.1

@@ -298,6 +298,20 @@ def test_completions_through_the_openai_client(server, tiny):
     scored = client.completions.create(model="book", prompt=prompt_ids, max_tokens=0, logprobs=0, echo=True).choices[0]
     assert scored.text == " and then the key" and scored.logprobs.token_logprobs == [x.logprob for x in echo]
     assert client.completions.create(model="book", prompt="x", max_tokens=1, echo=True).choices[0].text.startswith("x")
+    # logit_bias: +100 forces a token, -100 bans the greedy one (both endpoints)
+    forced = client.completions.create(model="book", prompt=" and then the key", max_tokens=3, temperature=0, logprobs=0,
+                                       logit_bias={str(prompt_ids[0]): 100}).choices[0]
+    assert forced.logprobs.tokens == [tok.decode([prompt_ids[0]])] * 3
+    banned = client.completions.create(model="book", prompt=" and then the key", max_tokens=1, temperature=0, logprobs=0,
+                                       logit_bias={str(gen[0].token): -100}).choices[0]
+    assert banned.logprobs.tokens != [tok.decode([gen[0].token])]
+    chat = client.chat.completions.create(model="book", messages=[{"role": "user", "content": "who?"}], max_tokens=2,
+                                          temperature=0, logprobs=True, logit_bias={str(prompt_ids[0]): 100})
+    assert [x.token for x in chat.choices[0].logprobs.content] == [tok.decode([prompt_ids[0]])] * 2
+    for bias, why in (({"x": 1}, "'x' is not a token id"), ({"9" * 5000: 1}, "is not a token id"),
+                      ({"5": 101}, "a bias must lie in"), ({str(10**7): 1}, "outside the model's vocabulary")):
+        with pytest.raises(openai.BadRequestError, match=why):
+            client.completions.create(model="book", prompt="x", logit_bias=bias)
     for kw, why in ((dict(prompt=["a", "b"]), "2 prompts: emllm completes one prompt a request"),
                     (dict(prompt=""), "the prompt is empty"), (dict(prompt=[10**7]), "outside the model's vocabulary"),
                     (dict(prompt="x", n=2), "one choice"), (dict(prompt="x", best_of=2), "best_of"),

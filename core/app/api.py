@@ -84,8 +84,8 @@ def load(model: str | None = None, profile: str | None = None, dtype: str | None
 
 def sampling(model: Model | Any, **given: Any) -> Sampling:
     """The sampling of an answer: greedy, or temperature=, top_p=, top_k=, repetition_penalty=,
-    seed= (unset: the model's generation config), presence_penalty=, frequency_penalty= (OpenAI's,
-    also greedy). Values out of bounds: UsageError."""
+    seed= (unset: the model's generation config), presence_penalty=, frequency_penalty=,
+    logit_bias={token id: bias} (OpenAI's, also greedy). Values out of bounds: UsageError."""
     try:
         return Sampling.from_model(model.model if isinstance(model, Model) else model, **given)
     except ValueError as e:

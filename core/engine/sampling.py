@@ -32,8 +32,18 @@ class Sampling:
     # (presence) and once per time it holds it (frequency)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI's: (token id, bias) pairs added to those tokens' logits before anything else (a
+    # dict is taken); -100 or 100 bans a token or all but forces it
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        for t, b in self.logit_bias:
+            if not (isinstance(t, int) and t >= 0):
+                raise ValueError(f"logit_bias: a token id must be an integer >= 0, got {t!r}")
+            if not -100 <= b <= 100:  # (OpenAI's bounds)
+                raise ValueError(f"logit_bias: a bias must lie in [-100, 100], got {b} for token {t}")
         if not (self.temperature >= 0 and self.temperature < float("inf")):
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -63,7 +73,12 @@ class Sampling:
                        top_k=int(gen.top_k or 0))
         if gen is not None and getattr(gen, "repetition_penalty", None):
             base = replace(base, repetition_penalty=float(gen.repetition_penalty))
-        return replace(base, **{k: v for k, v in given.items() if v is not None})
+        opts = replace(base, **{k: v for k, v in given.items() if v is not None})
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        outside = [t for t, _ in opts.logit_bias if vocab is not None and t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the model's vocabulary (0..{vocab - 1})")
+        return opts
 
     def chooser(self, context: list[int] | None = None) -> Chooser:
         """A function choosing each next token. context: token ids that the repetition penalty
@@ -85,12 +100,16 @@ class Sampling:
         gen.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,))))
         prefix = list(context or [])
         penalised = self.presence_penalty != 0 or self.frequency_penalty != 0
+        bias_ids = torch.tensor([t for t, _ in self.logit_bias], dtype=torch.long)  # [b]
+        bias = torch.tensor([b for _, b in self.logit_bias], dtype=torch.float32)  # [b]
 
         def choose(answer: list[int], logits: Tensor) -> int:
             # on the CPU, whatever device computed the logits: the generator and the ids are the
             # CPU's, and a seed then picks the same tokens on every device (a GPU's logits: one
             # row of V floats copied per token)
             scores = logits.float().reshape(1, -1).cpu()  # [1, V]
+            if bias.numel():
+                scores = scores.index_add(1, bias_ids, bias[None])
             if penalised and answer:
                 counts = torch.bincount(torch.tensor(answer), minlength=scores.shape[1])[: scores.shape[1]]  # [V]
                 scores = scores - (self.frequency_penalty * counts + self.presence_penalty * (counts > 0))

@@ -12,7 +12,7 @@
                                    unset: the server's default, `emllm serve --reread`, else false).
                                    "stream": true sends server-sent
                                    events. Sampling: temperature, top_p, seed, stop, max_tokens,
-                                   presence_penalty, frequency_penalty, and (as llama.cpp's
+                                   presence_penalty, frequency_penalty, logit_bias, and (as llama.cpp's
                                    server) top_k, repetition_penalty. logprobs and top_logprobs
                                    (the model's own log probabilities). Refused (400), not
                                    ignored: tools, a response_format other than text,
@@ -97,6 +97,7 @@ class ChatRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as text) to a bias in [-100, 100]
     # What emllm does not do, refused rather than ignored (an answer without them would pass for one with them)
     tools: list | None = None
     functions: list | None = None
@@ -125,6 +126,7 @@ class CompletionRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as text) to a bias in [-100, 100]
     remember: bool | None = None  # emllm's own: append the prompt and the completion to the store
     reread: bool | None = None  # (a completion is emllm's own reading: true is refused)
 
@@ -560,9 +562,15 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 
 def _sampling(mem: Memory, req: "ChatRequest | CompletionRequest") -> emllm.Sampling:
     """A request's sampling (bounds checked; unset values from the generation config of the store's model)."""
+    bias = None
+    if req.logit_bias:
+        bad = [k for k in req.logit_bias if not (k.isascii() and k.isdigit() and len(k) <= 12)]
+        if bad:
+            raise ApiError(400, f"logit_bias: {bad[0][:40]!r} is not a token id", param="logit_bias")
+        bias = {int(k): v for k, v in req.logit_bias.items()}
     return emllm.sampling(mem.loaded, temperature=req.temperature, top_p=req.top_p, seed=req.seed, top_k=req.top_k,
                           repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-                          frequency_penalty=req.frequency_penalty)
+                          frequency_penalty=req.frequency_penalty, logit_bias=bias)
 
 
 def _logprobs(tok, entries: list) -> list[dict]:  # (entries: emllm.engine.sampling.TokenLogprob)
