@@ -269,3 +269,52 @@ def test_a_cancelled_answer_stops_at_the_next_chunk_or_token(tiny, tmp_path, mon
         with pytest.raises(emllm.Cancelled):
             next(pieces)
         assert mem.complete(words(4, 30), 6).text == want
+
+
+def _sentencepiece_tokenizer():
+    """A Llama-2-style tokenizer (SentencePiece's: words open with "▁", and the decoder strips the
+    text's first space), built here: decoded alone, "▁Paris" reads "Paris"."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "▁The", "▁capital", "▁is", "▁Paris"]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    merges = []
+    for word in ("▁The", "▁capital", "▁is", "▁Paris"):  # (each word's letters merged left to right)
+        for ch in word[1:]:
+            vocab.setdefault(ch, len(vocab))
+        for k in range(2, len(word) + 1):
+            vocab.setdefault(word[:k], len(vocab))
+            merges.append((word[:k - 1], word[k - 1]))
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_a_completion_keeps_the_space_its_first_word_opens_with(tiny, tmp_path):
+    """With a SentencePiece tokenizer (Llama 2's, Mistral's) a completion's tokens decoded alone
+    lose the space before their first word ("The capital is" + "Paris"): its text, and its
+    tokens' in /v1/completions' logprobs, are read after the prompt's last tokens."""
+    import shutil
+
+    from emllm.app.stream import decode_after, token_texts
+
+    tok = _sentencepiece_tokenizer()
+    paris = tok.convert_tokens_to_ids("▁Paris")
+    assert tok.decode([paris]) == "Paris" and tok("The capital is")["input_ids"][-1] == tok.convert_tokens_to_ids("▁is")
+    is_ = tok.convert_tokens_to_ids("▁is")
+    assert decode_after(tok, [is_], [paris, paris]) == " Paris Paris" and decode_after(tok, [], [paris]) == "Paris"
+    assert token_texts(tok, [paris, paris], is_) == [" Paris", " Paris"] and token_texts(tok, [is_, paris]) == ["is", " Paris"]
+    folder, _, _, _ = tiny
+    spm = tmp_path / "spm-model"
+    shutil.copytree(folder, spm)
+    for f in spm.glob("*token*"):
+        f.unlink()
+    tok.save_pretrained(spm)
+    mem = emllm.create(tmp_path / "s", str(spm), profile=str(tiny[1]), chat=False)
+    mem.ingest(("doc", "The capital is Paris. " * 20))
+    done = mem.complete("The capital is", 2, logit_bias={paris: 100}, top_logprobs=0)
+    assert done.text == " Paris Paris"
+    mem.close()

@@ -206,7 +206,12 @@ class Answer:
     @property
     def prompt_tokens(self) -> int:
         """Tokens the request's turns and the question (or the completion's prompt) added to the stream."""
-        return len(self._history) + len(self._session.question_ids(self.question))
+        return len(self.prompt_ids)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """Those tokens' ids."""
+        return self._history + self._session.question_ids(self.question)
 
     def exchange_ids(self) -> list[int]:
         """The tokens remembering this exchange adds to the stream (its turns, the answer, framing)."""

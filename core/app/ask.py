@@ -20,7 +20,7 @@ from torch import Tensor
 from emllm.errors import Cancelled, UsageError
 from emllm.engine.sampling import Sampling, TokenLogprob, greedy, recording, token_logprobs
 from emllm.engine.stream import Engine
-from emllm.app.stream import SEPARATOR, encode, encode_framing, open_engine, opens_a_turn, pending_tokens
+from emllm.app.stream import SEPARATOR, decode_after, encode, encode_framing, open_engine, opens_a_turn, pending_tokens
 from emllm.models import stop_token_ids
 from emllm.store import Store, StoreError
 
@@ -166,6 +166,8 @@ class Session:
         starts: list[int] = []  # where each token's text starts in the answer's
         shown, text = 0, ""
         self.answered = ids  # the answer's token ids as they come (up to a stop string: all generated)
+        # a completion's text is what its tokens add to the prompt's last ones (`decode_after`)
+        before = self.question_ids(question)[-4:] if self.raw else []
         self.tokens = 0  # generated (for reports)
         self.shown_tokens = 0
         for t in self.answer(question, max_new_tokens, sampling):
@@ -173,7 +175,7 @@ class Session:
             ids.append(t)
             self.tokens += 1
             starts.append(len(text))
-            text = self.tok.decode(ids, skip_special_tokens=True)
+            text = decode_after(self.tok, before, ids)
             cut = min((i for i in (text.find(x, max(0, shown - len(x))) for x in stop) if i >= 0), default=-1)
             if cut >= 0:
                 # the tokens whose text starts before the stop string (their log probabilities stay)
@@ -192,7 +194,7 @@ class Session:
                 self.shown_tokens = bisect.bisect_left(starts, safe)
                 yield text[shown:safe]
                 shown = safe
-        text = self.tok.decode(ids, skip_special_tokens=True)
+        text = decode_after(self.tok, before, ids)
         self.shown_tokens = len(ids)
         if len(text) > shown:
             yield text[shown:]

@@ -77,6 +77,27 @@ def encode(tok: Any, text: str) -> list[int]:
     return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
+def decode_after(tok: Any, before: list[int], ids: list[int]) -> str:
+    """The text `ids` add after `before`: a continuation's own text. Decoded alone, a
+    SentencePiece tokenizer's (Llama 2's, Mistral's) drops the space its first word opens with."""
+    alone = tok.decode(ids, skip_special_tokens=True)
+    if not before:
+        return alone
+    head = tok.decode(before, skip_special_tokens=True)
+    full = tok.decode(before + ids, skip_special_tokens=True)
+    return full[len(head):] if full.startswith(head) else alone
+
+
+def token_texts(tok: Any, ids: list[int], before: int | None = None) -> list[str]:
+    """Each token's text as it reads after the token before it (`before`, then each of `ids`):
+    they join to the text of `ids` read after `before`."""
+    prev = [before] + ids[:-1]
+    pairs = tok.batch_decode([[p, t] if p is not None else [t] for p, t in zip(prev, ids)])
+    heads = tok.batch_decode([[p] if p is not None else [] for p in prev])
+    return [pair[len(head):] if p is not None and pair.startswith(head) else tok.decode([t])
+            for p, t, pair, head in zip(prev, ids, pairs, heads)]
+
+
 def encode_framing(tok: Any, text: str) -> list[int]:
     """Token ids of emllm's own framing (the chat template's prefix and suffix): special tokens count."""
     return tok(text, add_special_tokens=False)["input_ids"]

@@ -56,6 +56,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import emllm
 from emllm import SEED_LIMIT, EmllmError, Memory, ModelPool, StoreLockedError, TooManyOpenFiles
+from emllm.app.stream import token_texts
 
 _END = object()  # a streamed answer's producer has finished
 _GONE = object()  # a request's client left before its answer's next item
@@ -358,7 +359,7 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 mem = server.memory(req.model)
                 answer = answering.answer = mem.complete(prompt, limit, stop, sampling=_sampling(mem, req), top_logprobs=top,
                                       echo=echo and top is not None)
-                legacy = _LegacyLogprobs(mem.tokenizer)
+                legacy = _LegacyLogprobs(mem.tokenizer, answer.prompt_ids[-1])
                 pieces = iter(answer)
                 piece = next(pieces, None)  # (the prompt is read by then: its log probabilities are known)
                 if echo:
@@ -509,12 +510,13 @@ def _prompt(given: str | list) -> str | list[int]:
 
 
 class _LegacyLogprobs:
-    """The completions API's logprobs: parallel lists of the tokens' text, their log
-    probabilities, their likeliest alternatives (text to log probability, the chosen token's
-    among them, as vLLM gives them) and where each token's text starts in the choice's text."""
+    """The completions API's logprobs: parallel lists of the tokens' text (each as it reads after
+    the token before it: they join to the choice's text), their log probabilities, their likeliest
+    alternatives (text to log probability, the chosen token's among them, as vLLM gives them) and
+    where each token's text starts in the choice's text."""
 
-    def __init__(self, tok) -> None:
-        self.tok, self.offset = tok, 0
+    def __init__(self, tok, before: int | None) -> None:
+        self.tok, self.offset, self.prev = tok, 0, before
 
     @staticmethod
     def empty() -> dict:
@@ -528,21 +530,20 @@ class _LegacyLogprobs:
     def tokens(self, entries: list) -> dict:  # (entries: emllm.engine.sampling.TokenLogprob)
         out = self.empty()
         for e in entries:
-            text = self.tok.decode([e.token])
+            text = token_texts(self.tok, [e.token], self.prev)[0]
             out["tokens"].append(text)
             out["text_offset"].append(self.offset)
-            self.offset += len(text)
             out["token_logprobs"].append(e.logprob)
-            if e.logprob is None:
-                out["top_logprobs"].append(None)
-            else:
-                top = {self.tok.decode([t]): lp for t, lp in e.top}
-                out["top_logprobs"].append({**top, text: e.logprob})
+            out["top_logprobs"].append(None if e.logprob is None else {
+                **{token_texts(self.tok, [t], self.prev)[0]: lp for t, lp in e.top}, text: e.logprob})
+            self.offset += len(text)
+            self.prev = e.token
         return out
 
     def prompt(self, entries: list, text: str) -> dict:
         """An echoed prompt's (its first token's log probability None where nothing predicts it);
         the completion's offsets start after the prompt's text."""
+        self.prev = None  # (the prompt's text as given: its first token read on its own)
         out = self.tokens(entries)
         self.offset = len(text)
         return out
