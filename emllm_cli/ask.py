@@ -33,6 +33,7 @@ def ask(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document with the answer instead of streaming."),
     logprobs: int = typer.Option(None, "--logprobs", min=0, max=20, help="With --json: each answer token's log probability under the model (before temperature or penalties) and this many likeliest alternatives (0: the token's alone)."),
     model: str = StoreModelOpt,
+    raw: bool = typer.Option(False, "--raw", help="A completion: QUESTION is text that continues the stored text as it is, with no chat turn around it, and the model continues it (emllm's own reading). For base models, and stores ingested with --raw. --remember appends the text and its continuation."),
     reread: bool = typer.Option(None, "--reread/--no-reread", show_default=False, help="How the answer is read. --reread, the default (emllm.REREAD_QUESTIONS): the question is read against the memory, then the passages (~128 tokens each) that the most layers retrieved and those whose words best match the question are read again with it as one ordinary prompt of emllm's attention span, the best matches last; costs one more forward over that span. --no-reread: emllm's own answer, the paper's method, each answer token attending to the events its layers retrieve. The store is not changed either way (docs/benchmarks.md compares them)."),
 ) -> None:
     """Answer from a stored document. The store is not changed (unless --remember): every question sees the same memory.
@@ -44,6 +45,7 @@ def ask(
       echo "summarise chapter 2" | emllm ask - --store book --json
       emllm ask "list the characters" --temperature 0.7 --top-p 0.9 --repetition-penalty 1.2 --seed 1
       emllm ask "what is the key for the blue door?" --no-reread   # emllm's own reading (the paper's)
+      emllm ask --raw "The key was hidden by" -n 20 --store book   # a completion, for a base model
     """
     if question == "-":
         question = sys.stdin.read()
@@ -51,6 +53,11 @@ def ask(
         raise UserError("the question is empty")
     if logprobs is not None and not as_json:
         raise UserError("--logprobs goes with --json (the log probabilities are printed in the JSON document)")
+    if raw:  # (a completion is emllm's own reading, traced by nothing)
+        given = [name for name, v in (("--reread", reread), ("--show-retrieval", show_retrieval or None),
+                                      ("--kv-cache-mb", kv_cache_mb)) if v is not None]
+        if given:
+            raise UserError(f"{given[0]} does not go with --raw (a completion is emllm's own reading of the memory)")
     path = existing_store(store)
     t0 = time.perf_counter()
     with render.status(f"loading the model of {render.shown(path.name)} and opening it"):
@@ -58,8 +65,11 @@ def ask(
     with mem:
         opts = sampling_of(mem.loaded, temperature, top_p, top_k, repetition_penalty, seed)
         with render.status("reading the question"):
-            answer = mem.answer(question, max_new_tokens, stop, reread=reread, trace=show_retrieval, sampling=opts,
-                                kv_cache_mb=kv_cache_mb, top_logprobs=logprobs)
+            if raw:
+                answer = mem.complete(question, max_new_tokens, stop, sampling=opts, top_logprobs=logprobs)
+            else:
+                answer = mem.answer(question, max_new_tokens, stop, reread=reread, trace=show_retrieval, sampling=opts,
+                                    kv_cache_mb=kv_cache_mb, top_logprobs=logprobs)
         if answer.unfinished:
             done, total = answer.unfinished
             why = "being written now" if answer.being_written else \
@@ -93,9 +103,10 @@ def ask(
     if answer.retrieval is not None and not as_json:  # with --json the retrieval is in the document
         render.err.print(render.retrieval_view(answer.retrieval, span))
     if as_json:
-        reread_used = emllm.REREAD_QUESTIONS if reread is None else reread
+        reread_used = not raw and (emllm.REREAD_QUESTIONS if reread is None else reread)
+        text = "".join(parts)
         render.print_json({
-            "store": str(path), "question": question, "answer": "".join(parts).strip(), "tokens": answer.tokens,
+            "store": str(path), "question": question, "answer": text if raw else text.strip(), "tokens": answer.tokens,
             "seconds_to_first_token": round(first or 0.0, 3), "seconds": round(time.perf_counter() - t0, 3),
             **({"retrieval": answer.retrieval} if answer.retrieval is not None else {}),
             **({"logprobs": _logprobs(mem.tokenizer, answer.logprobs)} if answer.logprobs is not None else {}),

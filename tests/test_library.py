@@ -197,6 +197,23 @@ def test_a_completion_continues_the_stream_as_the_plain_model_does(tiny, tmp_pat
             mem.complete(bad)
     with pytest.raises(emllm.UsageError, match="max_new_tokens"):
         mem.complete("x", -1)
+    # `emllm ask --raw`: the library's completion, printed as it is (its leading space kept)
+    import json
+
+    from .helpers import run_in_process
+
+    mem.close()
+    r = run_in_process("ask", "--raw", prompt, "--store", str(tmp_path / "s"), "-n", "6", "--json", "--logprobs", "0",
+                       home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["answer"] == text and [x["id"] for x in doc["logprobs"]] == gen and "reread" not in doc
+    r = run_in_process("ask", "--raw", prompt, "--store", str(tmp_path / "s"), "-n", "6", home=tmp_path / "home")
+    assert r.returncode == 0 and r.stdout == text + "\n"
+    for flag in (["--reread"], ["--show-retrieval"], ["--kv-cache-mb", "8"]):
+        r = run_in_process("ask", "--raw", prompt, "--store", str(tmp_path / "s"), *flag, home=tmp_path / "home")
+        assert r.returncode == 1 and f"{flag[0]} does not go with --raw" in r.stderr
+    mem = emllm.open(tmp_path / "s", writable=True)
     # remembered: the prompt and the completion as they are, appended to the stream
     mem.remember(_read(mem.complete(prompt, 6)))
     with Store.open(tmp_path / "s") as st:
