@@ -335,3 +335,33 @@ def test_a_completion_keeps_the_space_its_first_word_opens_with(tiny, tmp_path):
     done = mem.complete("The capital is", 2, logit_bias={paris: 100}, top_logprobs=0)
     assert done.text == " Paris Paris"
     mem.close()
+
+
+def test_a_prompt_is_scored_exactly_under_a_shortlist_surprise_head(tiny, tmp_path):
+    """A profile whose surprise comes from a shortlist (Gemma's) computes a few rows of a chunk's
+    logits: a completion's echo computes them all, so the prompt's log probabilities are the
+    plain model's as with a full head."""
+    import torch
+
+    from emllm.app.stream import encode_framing
+    from emllm.store import Store
+
+    from .helpers import TOL, ingest_store, load_tiny, vanilla_logits
+
+    folder, _, _, _ = tiny
+    prof = tmp_path / "short.yaml"
+    prof.write_text("chunk_size: 32\nn_init: 4\nn_local: 256\nn_mem: 64\nmin_block: 2\nmax_block: 8\n"
+                    "surprise_head: shortlist\n")
+    ingest_store(tmp_path / "s", folder, prof, [("doc", words(3, 40))])
+    model, tok = load_tiny(folder)
+    with Store.open(tmp_path / "s") as st:
+        stream = st.tokens.read().tolist() + st.job.read(st.manifest["job"]["done"], st.manifest["job"]["tokens"]).tolist()
+    pids = encode_framing(tok, words(4, 40))
+    assert len(pids) > 32  # (a whole chunk, past 2 x the shortlist's probes)
+    with emllm.open(tmp_path / "s") as mem:
+        assert mem.info.profile.surprise_head == "shortlist"
+        done = mem.complete(pids, 0, top_logprobs=0, echo=True)
+        done.text
+    lp = torch.log_softmax(vanilla_logits(model, torch.tensor(stream + pids)).double(), -1)
+    want = lp[len(stream) - 1: -1].gather(1, torch.tensor(pids)[:, None])[:, 0]
+    assert (torch.tensor([x.logprob for x in done.prompt_logprobs], dtype=torch.float64) - want).abs().max() <= TOL

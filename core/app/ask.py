@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-from emllm.errors import Cancelled, UsageError
+from emllm.errors import Cancelled
 from emllm.engine.sampling import Sampling, TokenLogprob, greedy, recording, token_logprobs
 from emllm.engine.stream import Engine
 from emllm.app.stream import SEPARATOR, decode_after, encode, encode_framing, open_engine, opens_a_turn, pending_tokens
@@ -106,16 +106,14 @@ class Session:
         """`engine.feed(ids)`, recording each token's log probability (`prompt_logprobs`) from the
         logits that predict it: the stream's last for the first, then each chunk's [c, V]."""
         engine = self.engine
-        if engine.profile.surprise_head == "shortlist":  # (its chunks compute a few rows of logits)
-            raise UsageError("this store's profile reads surprise from a shortlist of the vocabulary: the prompt's "
-                             "log probabilities are not computed (ask without echo)")
         x = torch.as_tensor(ids, dtype=torch.long)  # [n]
         before = engine.last_logits
         self.prompt_logprobs = [TokenLogprob(int(x[0]), None)] if before is None else token_logprobs(before[None], x[:1], top)
         cs = engine.profile.chunk_size
         for off in range(0, x.numel(), cs):
             self._unless_cancelled()
-            logits = engine.step(x[off:off + cs])  # [c, V]: row i predicts token off + i + 1
+            logits = engine.step(x[off:off + cs], every_logit=True)  # [c, V]: row i predicts token off + i + 1
+            # (a shortlist head's profile: every row computed here, the prompt's surprise then exact)
             following = x[off + 1:off + cs + 1]
             self.prompt_logprobs += token_logprobs(logits[: following.numel()], following, top)
         return engine.last_logits

@@ -255,10 +255,12 @@ class Engine:
         return self.last_logits
 
     @torch.no_grad()
-    def step(self, chunk: Tensor, with_surprise: bool = True, kept_memory: bool = False) -> Tensor:
+    def step(self, chunk: Tensor, with_surprise: bool = True, kept_memory: bool = False,
+             every_logit: bool = False) -> Tensor:
         """One forward over `chunk` [c] (at most chunk_size tokens); returns its logits [c, V]
         (with_surprise=False, or surprise from a shortlist head: the last token's only, [1, V];
-        nothing needs the others, and the model's head then computes one row instead of c).
+        nothing needs the others, and the model's head then computes one row instead of c;
+        every_logit: [c, V] all the same, the surprise then exact).
         kept_memory: each layer attends to the events the question's last chunk retrieved
         instead of retrieving (a generated answer's token; profile answer_retrieval "question")."""
         pr = self.profile
@@ -283,7 +285,8 @@ class Engine:
             self.model.set_attn_implementation(attention.NAME)
         x = chunk.to(self.device)[None]
         # a chunk of a few tokens computes every logit: the probes would cost as much
-        shortlist = with_surprise and isinstance(self._head, Head) and c > 2 * surprise_math.SHORTLIST_PROBES
+        shortlist = (with_surprise and isinstance(self._head, Head) and c > 2 * surprise_math.SHORTLIST_PROBES
+                     and not every_logit)
         probes = probe_positions(c).to(self.device) if shortlist else None
         hidden: list[Tensor] = []  # the final hidden states [1, c, d], for a shortlist's surprise
         hook = self.model.model.register_forward_hook(lambda m, a, o: hidden.append(o[0])) if shortlist else None
