@@ -109,7 +109,8 @@ def ask(
             "store": str(path), "question": question, "answer": text if raw else text.strip(), "tokens": answer.tokens,
             "seconds_to_first_token": round(first or 0.0, 3), "seconds": round(time.perf_counter() - t0, 3),
             **({"retrieval": answer.retrieval} if answer.retrieval is not None else {}),
-            **({"logprobs": _logprobs(mem.tokenizer, answer.logprobs)} if answer.logprobs is not None else {}),
+            **({"logprobs": _logprobs(mem.tokenizer, answer.logprobs, answer.prompt_ids[-1] if raw else None)}
+               if answer.logprobs is not None else {}),
             **({"unfinished": {"done": answer.unfinished[0], "tokens": answer.unfinished[1],
                                "being_written": answer.being_written}} if answer.unfinished else {}),
             **({"reread": {"passages": [list(p) for p in answer.passages],
@@ -117,8 +118,14 @@ def ask(
         })
 
 
-def _logprobs(tok, entries: list) -> list[dict]:  # (entries: emllm.engine.sampling.TokenLogprob)
-    def one(token: int, logprob: float) -> dict:
-        return {"token": tok.decode([token]), "id": token, "logprob": logprob}
+def _logprobs(tok, entries: list, before: int | None) -> list[dict]:  # (entries: emllm.engine.sampling.TokenLogprob)
+    """Each token's text as it reads after the one before it (a completion's first: after the
+    prompt's last token), so that they join to the answer's text."""
+    texts = emllm.token_texts(tok, [e.token for e in entries], before)
+    prev = [before] + [e.token for e in entries[:-1]]
 
-    return [{**one(e.token, e.logprob), "top": [one(t, lp) for t, lp in e.top]} for e in entries]
+    def one(token: int, text: str, logprob: float) -> dict:
+        return {"token": text, "id": token, "logprob": logprob}
+
+    return [{**one(e.token, text, e.logprob), "top": [one(t, emllm.token_texts(tok, [t], p)[0], lp) for t, lp in e.top]}
+            for e, text, p in zip(entries, texts, prev)]

@@ -55,8 +55,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import emllm
-from emllm import SEED_LIMIT, EmllmError, Memory, ModelPool, StoreLockedError, TooManyOpenFiles
-from emllm.app.stream import token_texts
+from emllm import SEED_LIMIT, EmllmError, Memory, ModelPool, StoreLockedError, TooManyOpenFiles, token_texts
 
 _END = object()  # a streamed answer's producer has finished
 _GONE = object()  # a request's client left before its answer's next item
