@@ -80,12 +80,12 @@ def encode(tok: Any, text: str) -> list[int]:
 def decode_after(tok: Any, before: list[int], ids: list[int]) -> str:
     """The text `ids` add after `before`: a continuation's own text. Decoded alone, a
     SentencePiece tokenizer's (Llama 2's, Mistral's) drops the space its first word opens with."""
-    alone = tok.decode(ids, skip_special_tokens=True)
-    if not before:
-        return alone
-    head = tok.decode(before, skip_special_tokens=True)
-    full = tok.decode(before + ids, skip_special_tokens=True)
-    return full[len(head):] if full.startswith(head) else alone
+    if before:
+        head = tok.decode(before, skip_special_tokens=True)
+        full = tok.decode(before + ids, skip_special_tokens=True)
+        if full.startswith(head):
+            return full[len(head):]
+    return tok.decode(ids, skip_special_tokens=True)
 
 
 def token_texts(tok: Any, ids: list[int], before: int | None = None) -> list[str]:
