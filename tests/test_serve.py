@@ -314,6 +314,7 @@ def test_completions_through_the_openai_client(server, tiny):
             client.completions.create(model="book", prompt="x", logit_bias=bias)
     for kw, why in ((dict(prompt=["a", "b"]), "2 prompts: emllm completes one prompt a request"),
                     (dict(prompt=""), "the prompt is empty"), (dict(prompt=[10**7]), "outside the model's vocabulary"),
+                    (dict(prompt=[True, 5]), "prompt: text, or token ids"), (dict(prompt=[1.0]), "prompt: text, or token ids"),
                     (dict(prompt="x", n=2), "one choice"), (dict(prompt="x", best_of=2), "best_of"),
                     (dict(prompt="x", suffix="y"), "suffix: emllm does not insert"),
                     (dict(prompt="x", max_tokens=10**5), "max_tokens"), (dict(prompt="x", logprobs=21), "logprobs"),

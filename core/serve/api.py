@@ -49,7 +49,7 @@ from typing import AsyncIterator, Callable, Iterator, TypeVar
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -109,7 +109,7 @@ class ChatRequest(BaseModel):
 class CompletionRequest(BaseModel):
     """OpenAI's (legacy) completions, as llama.cpp's and vLLM's servers take them."""
     model: str
-    prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids; one prompt a request
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # text or token ids (JSON integers); one prompt a request
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=0)  # (0, with echo and logprobs: the prompt scored alone)
@@ -494,6 +494,9 @@ def _request(kind: type[_Request], body: bytes) -> _Request:
     try:
         return kind.model_validate_json(body)
     except ValidationError as e:  # (placed under "body", as FastAPI places the errors of a body it reads)
+        if kind is CompletionRequest and e.errors()[0].get("loc", ())[:1] == ("prompt",):  # (not the union's first member's)
+            raise ApiError(400, "prompt: text, or token ids (a list of integers); one prompt a request",
+                           param="prompt") from None
         raise RequestValidationError([{**x, "loc": ("body", *x.get("loc", ()))} for x in e.errors()]) from None
 
 
