@@ -121,11 +121,13 @@ def ask(
 def _logprobs(tok, entries: list, before: int | None) -> list[dict]:  # (entries: emllm.engine.sampling.TokenLogprob)
     """Each token's text as it reads after the one before it (a completion's first: after the
     prompt's last token), so that they join to the answer's text."""
-    texts = emllm.token_texts(tok, [e.token for e in entries], before)
-    prev = [before] + [e.token for e in entries[:-1]]
+    ids = [e.token for e in entries]
+    prev = [before] + ids[:-1]
+    texts = emllm.token_texts(tok, ids, before)
+    alts = iter(emllm.token_texts(tok, [t for e in entries for t, _ in e.top], [p for p, e in zip(prev, entries) for _ in e.top]))
 
     def one(token: int, text: str, logprob: float) -> dict:
         return {"token": text, "id": token, "logprob": logprob}
 
-    return [{**one(e.token, text, e.logprob), "top": [one(t, emllm.token_texts(tok, [t], p)[0], lp) for t, lp in e.top]}
-            for e, text, p in zip(entries, texts, prev)]
+    return [{**one(e.token, text, e.logprob), "top": [one(t, next(alts), lp) for t, lp in e.top]}
+            for e, text in zip(entries, texts)]

@@ -324,6 +324,7 @@ def test_a_completion_keeps_the_space_its_first_word_opens_with(tiny, tmp_path):
     is_ = tok.convert_tokens_to_ids("▁is")
     assert decode_after(tok, [is_], [paris, paris]) == " Paris Paris" and decode_after(tok, [], [paris]) == "Paris"
     assert token_texts(tok, [paris, paris], is_) == [" Paris", " Paris"] and token_texts(tok, [is_, paris]) == ["is", " Paris"]
+    assert token_texts(tok, [paris, paris], [is_, None]) == [" Paris", "Paris"] and token_texts(tok, []) == []
     folder, _, _, _ = tiny
     spm = tmp_path / "spm-model"
     shutil.copytree(folder, spm)

@@ -88,10 +88,13 @@ def decode_after(tok: Any, before: list[int], ids: list[int]) -> str:
     return tok.decode(ids, skip_special_tokens=True)
 
 
-def token_texts(tok: Any, ids: list[int], before: int | None = None) -> list[str]:
+def token_texts(tok: Any, ids: list[int], before: int | None | list[int | None] = None) -> list[str]:
     """Each token's text as it reads after the token before it (`before`, then each of `ids`):
-    they join to the text of `ids` read after `before`."""
-    prev = [before] + ids[:-1]
+    they join to the text of `ids` read after `before`. `before` a list: each token's own
+    predecessor (None: none), as for a token's alternatives."""
+    if not ids:
+        return []
+    prev = before if isinstance(before, list) else [before] + ids[:-1]
     pairs = tok.batch_decode([[p, t] if p is not None else [t] for p, t in zip(prev, ids)])
     heads = tok.batch_decode([[p] if p is not None else [] for p in prev])
     return [pair[len(head):] if p is not None and pair.startswith(head) else tok.decode([t])

@@ -531,15 +531,21 @@ class _LegacyLogprobs:
 
     def tokens(self, entries: list) -> dict:  # (entries: emllm.engine.sampling.TokenLogprob)
         out = self.empty()
-        for e in entries:
-            text = token_texts(self.tok, [e.token], self.prev)[0]
+        if not entries:
+            return out
+        ids = [e.token for e in entries]
+        prev = [self.prev] + ids[:-1]
+        texts = token_texts(self.tok, ids, self.prev)
+        alts = iter(token_texts(self.tok, [t for e in entries for t, _ in e.top],
+                                [p for p, e in zip(prev, entries) for _ in e.top]))  # (all in one pass)
+        for e, text in zip(entries, texts):
             out["tokens"].append(text)
             out["text_offset"].append(self.offset)
             out["token_logprobs"].append(e.logprob)
-            out["top_logprobs"].append(None if e.logprob is None else {
-                **{token_texts(self.tok, [t], self.prev)[0]: lp for t, lp in e.top}, text: e.logprob})
+            top = {next(alts): lp for _, lp in e.top}
+            out["top_logprobs"].append(None if e.logprob is None else {**top, text: e.logprob})
             self.offset += len(text)
-            self.prev = e.token
+        self.prev = ids[-1]
         return out
 
     def prompt(self, entries: list, text: str) -> dict:
