@@ -11,7 +11,7 @@ initial tokens and the window alone), so the two differ only by what is retrieve
 plain model over chunks of the same size with a KV cache of every past token (sdpa), only up to the
 model's trained context. Each row gives the perplexity over all tokens and over those past the
 first window (n_init + n_local + chunk), where memory can matter; emllm and no memory read the
-first window alike.
+first window alike. `--variant query_centering=1` adds a column read with the profile so changed.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import math
 import time
 
 import torch
+import yaml
 
 from benchmarks import cache_kwargs, machine
 from benchmarks.ingest_speed import plain_cache
@@ -67,10 +68,15 @@ def main() -> None:
     ap.add_argument("--texts", default="prose,code", help=f"of {', '.join(corpus.TEXTS)}, comma-separated")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", help="append one JSON line a row to this file")
+    ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="also read each text with the profile so changed (a column named after it), e.g. "
+                         "query_centering=1; repeatable")
     a = ap.parse_args()
     src = models.resolve(a.model)
     model, tok = models.load(src, dtype=a.dtype)
     prof = src.profile
+    variants = {v: prof.replace(**{k: yaml.safe_load(x) for k, x in (kv.split("=", 1) for kv in v.split(","))})
+                for v in a.variant}  # (checked before anything is read: a bad key fails here)
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     warm = prof.n_init + prof.n_local + prof.chunk_size  # tokens read alike with and without memory
     print(json.dumps({"meta": machine(), "model": a.model, "profile": prof.name, "dtype": a.dtype, "context": context}))
@@ -80,7 +86,8 @@ def main() -> None:
             row = {"text": kind, "tokens": ids.numel(), "warm": warm}
             for name, fn in (("emllm", lambda: engine_nll(model, prof, ids)),
                              ("no_memory", lambda: engine_nll(model, prof.replace(n_mem=1), ids)),
-                             ("full", lambda: full_nll(model, ids, prof.chunk_size) if ids.numel() <= context else None)):
+                             ("full", lambda: full_nll(model, ids, prof.chunk_size) if ids.numel() <= context else None),
+                             *((f"emllm {v}", lambda p=p: engine_nll(model, p, ids)) for v, p in variants.items())):
                 t0 = time.perf_counter()
                 nll = fn()
                 if nll is None:

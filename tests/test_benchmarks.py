@@ -211,7 +211,8 @@ def test_perplexity_runs_and_emllm_reads_the_first_window_as_the_engine_without_
     same log-likelihoods there, and the plain model's too (all within SmolLM2's context)."""
     out = tmp_path / "ppl.jsonl"
     _run(tmp_path, "-m", "benchmarks.perplexity", "-m", "smollm2", "--tokens", "1k", "--texts", "code", "--dtype", "float32",
-         "--out", str(out))
+         "--out", str(out), "--variant", "n_mem=1,query_centering=0")
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["tokens"] == 1024 and row["warm"] > 1024 and row["emllm_past_warm"] is None
     assert row["emllm"] == row["no_memory"] == pytest.approx(row["full"], rel=1e-3)
+    assert row["emllm n_mem=1,query_centering=0"] == row["no_memory"]  # (a variant: the profile so changed)
