@@ -11,7 +11,7 @@ stay light; the CLI and the server use nothing else (tests/test_layers.py holds 
     emllm.plan_ingest                           the rules of `emllm ingest` (create, append, resume)
     emllm.open_documents                        files, stdin and folders (a code base) as documents to ingest
     emllm.segment                               a text's event boundaries
-    emllm.token_texts                           each token's text as it reads after the one before
+    emllm.logprob_texts                         log probabilities' token texts, each read after the token before
     emllm.store_path, list_stores, store_summary, verify_store, remove_store, move_store: the stores
     emllm.EmllmError                            the base of every error a user can fix
     emllm.Engine                                the in-RAM engine over a model (no store)
@@ -36,7 +36,7 @@ _SURFACE = {
     "ModelPool": "emllm.app.pool", "IngestPlan": _API, "IngestReport": _API, "plan_ingest": _API, "unchanged_files": _API, "segment": _API, "sampling": _API,
     "REREAD_QUESTIONS": _API, "REREAD_CONVERSATION": _API,
     "Progress": "emllm.app.ingest", "DiskSpaceError": "emllm.app.ingest",
-    "token_texts": "emllm.app.stream",
+    "logprob_texts": "emllm.app.stream",
     "TextSource": "emllm.app.textinput", "InputError": "emllm.app.textinput", "file_sha256": "emllm.app.textinput",
     "open_documents": "emllm.app.folders", "folder_files": "emllm.app.folders",
     # the stores under the home

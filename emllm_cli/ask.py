@@ -121,13 +121,8 @@ def ask(
 def _logprobs(tok, entries: list, before: int | None) -> list[dict]:  # (entries: emllm.engine.sampling.TokenLogprob)
     """Each token's text as it reads after the one before it (a completion's first: after the
     prompt's last token), so that they join to the answer's text."""
-    ids = [e.token for e in entries]
-    prev = [before] + ids[:-1]
-    texts = emllm.token_texts(tok, ids, before)
-    alts = iter(emllm.token_texts(tok, [t for e in entries for t, _ in e.top], [p for p, e in zip(prev, entries) for _ in e.top]))
-
     def one(token: int, text: str, logprob: float) -> dict:
         return {"token": text, "id": token, "logprob": logprob}
 
-    return [{**one(e.token, text, e.logprob), "top": [one(t, next(alts), lp) for t, lp in e.top]}
-            for e, text in zip(entries, texts)]
+    return [{**one(e.token, text, e.logprob), "top": [one(t, alt, lp) for (t, lp), alt in zip(e.top, alts)]}
+            for e, (text, alts) in zip(entries, emllm.logprob_texts(tok, entries, before))]

@@ -60,6 +60,7 @@ class Session:
         # raw: the question is a prompt that continues the stream as it is (a completion: no
         # separator, no turn's framing; text or token ids)
         self.raw = raw
+        self._raw_ids: tuple[str, list[int]] | None = None  # (a text prompt, its tokens)
         # With echo set (alternatives, 0 or more): the prompt's tokens' log probabilities as it is
         # read (a first token that nothing predicts, an empty store's, has None)
         self.echo: int | None = None
@@ -72,7 +73,11 @@ class Session:
         """The question closing the user turn (without the stream's pending tail); raw: the
         prompt's tokens (its text's special tokens count, as the user wrote them)."""
         if self.raw:
-            return list(question) if isinstance(question, list) else encode_framing(self.tok, question)
+            if isinstance(question, list):
+                return list(question)
+            if self._raw_ids is None or self._raw_ids[0] is not question:  # (a long prompt: tokenized once)
+                self._raw_ids = (question, encode_framing(self.tok, question))
+            return list(self._raw_ids[1])
         fmt = self.store.info.stream
         sep = "" if self.turn_start else SEPARATOR
         if fmt.chat:  # the template's closing is emllm's framing: its special tokens count

@@ -101,6 +101,15 @@ def token_texts(tok: Any, ids: list[int], before: int | None | list[int | None] 
             for p, t, pair, head in zip(prev, ids, pairs, heads)]
 
 
+def logprob_texts(tok: Any, entries: list, before: int | None = None) -> list[tuple[str, list[str]]]:
+    """For each TokenLogprob of a run of tokens (`entries`, after the token `before`): its token's
+    text and its alternatives', each read after the token before it (`token_texts`), in one pass."""
+    ids = [e.token for e in entries]
+    prev = [before] + ids[:-1]
+    alts = iter(token_texts(tok, [t for e in entries for t, _ in e.top], [p for p, e in zip(prev, entries) for _ in e.top]))
+    return [(text, [next(alts) for _ in e.top]) for e, text in zip(entries, token_texts(tok, ids, before))]
+
+
 def encode_framing(tok: Any, text: str) -> list[int]:
     """Token ids of emllm's own framing (the chat template's prefix and suffix): special tokens count."""
     return tok(text, add_special_tokens=False)["input_ids"]

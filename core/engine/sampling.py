@@ -143,9 +143,7 @@ def recording(choose: Chooser, top: int, out: list[TokenLogprob]) -> Chooser:
     """`choose`, appending each chosen token's TokenLogprob (with `top` alternatives) to `out`."""
     def chosen(answer: list[int], logits: Tensor) -> int:
         t = choose(answer, logits)
-        lp = torch.log_softmax(logits.float().reshape(-1), dim=-1)  # [V]
-        best = lp.topk(top) if top else None
-        out.append(TokenLogprob(t, float(lp[t]), tuple(zip(best.indices.tolist(), best.values.tolist())) if best else ()))
+        out.extend(token_logprobs(logits.reshape(1, -1), torch.tensor([t]), top))
         return t
 
     return chosen

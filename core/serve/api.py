@@ -55,7 +55,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import emllm
-from emllm import SEED_LIMIT, EmllmError, Memory, ModelPool, StoreLockedError, TooManyOpenFiles, token_texts
+from emllm import SEED_LIMIT, EmllmError, Memory, ModelPool, StoreLockedError, TooManyOpenFiles, logprob_texts
 
 _END = object()  # a streamed answer's producer has finished
 _GONE = object()  # a request's client left before its answer's next item
@@ -356,8 +356,8 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
         def run() -> Iterator[tuple | dict]:
             with server.lock:
                 mem = server.memory(req.model)
-                answer = answering.answer = mem.complete(prompt, limit, stop, sampling=_sampling(mem, req), top_logprobs=top,
-                                      echo=echo and top is not None)
+                answer = answering.answer = mem.complete(prompt, limit, stop, sampling=_sampling(mem, req),
+                                                         top_logprobs=top, echo=echo and top is not None)
                 legacy = _LegacyLogprobs(mem.tokenizer, answer.prompt_ids[-1])
                 pieces = iter(answer)
                 piece = next(pieces, None)  # (the prompt is read by then: its log probabilities are known)
@@ -531,21 +531,14 @@ class _LegacyLogprobs:
 
     def tokens(self, entries: list) -> dict:  # (entries: emllm.engine.sampling.TokenLogprob)
         out = self.empty()
-        if not entries:
-            return out
-        ids = [e.token for e in entries]
-        prev = [self.prev] + ids[:-1]
-        texts = token_texts(self.tok, ids, self.prev)
-        alts = iter(token_texts(self.tok, [t for e in entries for t, _ in e.top],
-                                [p for p, e in zip(prev, entries) for _ in e.top]))  # (all in one pass)
-        for e, text in zip(entries, texts):
+        for e, (text, alts) in zip(entries, logprob_texts(self.tok, entries, self.prev)):
             out["tokens"].append(text)
             out["text_offset"].append(self.offset)
             out["token_logprobs"].append(e.logprob)
-            top = {next(alts): lp for _, lp in e.top}
+            top = {alt: lp for alt, (_, lp) in zip(alts, e.top)}
             out["top_logprobs"].append(None if e.logprob is None else {**top, text: e.logprob})
             self.offset += len(text)
-        self.prev = ids[-1]
+            self.prev = e.token
         return out
 
     def prompt(self, entries: list, text: str) -> dict:
