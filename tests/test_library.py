@@ -338,6 +338,23 @@ def test_a_completion_keeps_the_space_its_first_word_opens_with(tiny, tmp_path):
     mem.close()
 
 
+def test_chat_logprobs_tokens_read_after_the_token_before():
+    """The chat endpoint's logprobs, whole or from a streamed chunk's first entry on: each token's
+    text (and its alternatives') read after the token before it, so that with a SentencePiece
+    tokenizer they join to the answer's text ("Paris Paris", not "ParisParis")."""
+    from emllm.engine.sampling import TokenLogprob
+    from emllm.serve.api import _logprobs
+
+    tok = _sentencepiece_tokenizer()
+    is_, paris = tok.convert_tokens_to_ids("▁is"), tok.convert_tokens_to_ids("▁Paris")
+    entries = [TokenLogprob(paris, -0.5, ((paris, -0.5), (is_, -2.0))), TokenLogprob(paris, -0.25, ((paris, -0.25),))]
+    whole = _logprobs(tok, entries)
+    assert [e["token"] for e in whole] == ["Paris", " Paris"] and "".join(e["token"] for e in whole) == "Paris Paris"
+    assert [a["token"] for a in whole[1]["top_logprobs"]] == [" Paris"] and whole[0]["top_logprobs"][1]["token"] == "is"
+    assert whole[1]["bytes"] == list(b" Paris") and [e["logprob"] for e in whole] == [-0.5, -0.25]
+    assert _logprobs(tok, entries, 1) == whole[1:] and _logprobs(tok, entries, 2) == []
+
+
 def test_a_prompt_is_scored_exactly_under_a_shortlist_surprise_head(tiny, tmp_path):
     """A profile whose surprise comes from a shortlist (Gemma's) computes a few rows of a chunk's
     logits: a completion's echo computes them all, so the prompt's log probabilities are the

@@ -280,13 +280,13 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 seen = 0  # log probabilities sent (with a piece of text, those of the tokens chosen since the last)
                 for piece in answer:
                     lp = answer.logprobs
-                    yield piece, None if lp is None else _logprobs(mem.tokenizer, lp[seen:])
+                    yield piece, None if lp is None else _logprobs(mem.tokenizer, lp, seen)
                     seen = len(lp or ())
                 if req.remember:
                     mem.remember(answer)
                 lp = answer.logprobs
                 yield {"finish_reason": answer.finish_reason, "completion_tokens": answer.tokens,
-                       "logprobs": None if lp is None else _logprobs(mem.tokenizer, lp[seen:]),
+                       "logprobs": None if lp is None else _logprobs(mem.tokenizer, lp, seen),
                        "prompt_tokens": answer.prompt_tokens,
                        "passages": [list(p) for p in answer.passages] if answer.reread else None}
 
@@ -575,14 +575,16 @@ def _sampling(mem: Memory, req: "ChatRequest | CompletionRequest") -> emllm.Samp
                           frequency_penalty=req.frequency_penalty, logit_bias=bias)
 
 
-def _logprobs(tok, entries: list) -> list[dict]:  # (entries: emllm.engine.sampling.TokenLogprob)
-    """OpenAI's `logprobs.content` items: each token's text, log probability, UTF-8 bytes and its
-    likeliest alternatives."""
-    def one(token: int, logprob: float) -> dict:
-        text = tok.decode([token])
+def _logprobs(tok, entries: list, start: int = 0) -> list[dict]:  # (entries: emllm.engine.sampling.TokenLogprob)
+    """OpenAI's `logprobs.content` items of `entries[start:]`: each token's text (read after the
+    token before it, so that a SentencePiece word keeps its space), log probability, UTF-8 bytes
+    and its likeliest alternatives."""
+    def one(logprob: float, text: str) -> dict:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+    before = entries[start - 1].token if start else None
+    return [{**one(e.logprob, text), "top_logprobs": [one(lp, alt) for (_, lp), alt in zip(e.top, alts)]}
+            for e, (text, alts) in zip(entries[start:], logprob_texts(tok, entries[start:], before))]
 
 
 def _chunk_logprobs(entries: list | None) -> dict:
