@@ -5,7 +5,8 @@
 For each model: the README's quick start (docs/store-format.md, its question), and a document
 nobody here wrote (Python's licence and history, then transformers' Apache licence: ~6k tokens,
 past every candidate's window) with questions whose answers it states. Each question is asked as
-`emllm ask` answers (the re-read) and as emllm reads itself (`--no-reread`), greedy. Printed per
+`emllm ask` answers (the re-read) and as emllm reads itself (`--no-reread`), greedy (`--ways`
+adds the re-read as it chose its passages before a change: `benchmarks.code_base.WAYS`). Printed per
 model: answers right, ingest tokens/s, the first answer token's time and seconds per answer token
 (the licence store, emllm's own reading), the installed packages' and converted folder's sizes.
 The conversation benchmark and the RULER-style tasks are their own scripts
@@ -15,6 +16,7 @@ The conversation benchmark and the RULER-style tasks are their own scripts
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import shutil
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.code_base import WAYS, parse_ways
 from emllm import models
 from emllm.app.api import create
 from emllm.app.ask import Session
@@ -74,8 +77,9 @@ def right(answer: str, expect: tuple[str, ...]) -> bool:
     return any(e in answer if e != e.lower() else e in answer.lower() for e in expect)
 
 
-def run_model(key: str, work: Path, n: int, profile: str | None = None) -> dict:
-    out: dict = {"model": key, "profile": profile, "install_mb": install_bytes(key) / 2**20}
+def run_model(key: str, work: Path, n: int, profile: str | None = None, ways: list[str] | None = None) -> dict:
+    ways = ways or ["reread", "own"]
+    out: dict = {"model": key, "profile": profile, "ways": ways, "install_mb": install_bytes(key) / 2**20}
     out["converted_mb"] = _folder_bytes(models.resolve(key).path) / 2**20
     licence = (CORPUS_TEXT / "LICENSE-python.txt").read_text() + "\n\n" + (CORPUS_TEXT / "LICENSE-transformers.txt").read_text()
     docs = {"readme": (README_DOC.name, README_DOC.read_text(), [README_Q]),
@@ -87,11 +91,11 @@ def run_model(key: str, work: Path, n: int, profile: str | None = None) -> dict:
             t0 = time.perf_counter()
             tokens = mem.ingest((name, text)).summary["tokens"]
             out[f"{tag}_tokens"], out[f"{tag}_ingest_tok_s"] = tokens, tokens / (time.perf_counter() - t0)
-            for reread in (True, False):
-                way = "reread" if reread else "own"
+            for way in ways:
                 rows = []
                 for q, expect in qs:
-                    a, first, per = ask(mem, q, reread, n)
+                    with WAYS.get(way, contextlib.nullcontext)():
+                        a, first, per = ask(mem, q, way != "own", n)
                     rows.append({"q": q, "answer": a, "right": right(a, expect), "first_s": first, "per_token_s": per})
                     print(f"  [{key} {tag} {way}] {'RIGHT' if rows[-1]['right'] else 'wrong'}  {q}\n      -> {a[:160]!r}", flush=True)
                 out[f"{tag}_{way}"] = rows
@@ -107,6 +111,8 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
     ap.add_argument("--max-new-tokens", "-n", type=int, default=48)
     ap.add_argument("--profile", "-p", help="a profile for every model instead of its own (a built-in name or a .yaml)")
+    ap.add_argument("--ways", default="reread,own", help="ways to answer each question, comma-separated: those of "
+                    "benchmarks.code_base.WAYS (reread: today's) and own (--no-reread); reread and own are always asked")
     ap.add_argument("--out", help="append the results as one JSON line per model")
     ap.add_argument("--rescore", metavar="FILE", help="print the table of an earlier --out file, scored by today's checks")
     a = ap.parse_args()
@@ -123,7 +129,8 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="emllm-default-") as work:
         for key in a.models.split(","):
-            results.append(run_model(key, Path(work), a.max_new_tokens, a.profile))
+            results.append(run_model(key, Path(work), a.max_new_tokens, a.profile,
+                                     ["reread", "own", *(w for w in parse_ways(a.ways) if w not in ("reread", "own"))]))
     table(results)
     if a.out:
         with open(a.out, "a") as f:
@@ -143,6 +150,10 @@ def table(results: list[dict]) -> None:
               f"{r['licence_ingest_tok_s']:>14.0f}{r['first_token_s']:>12.2f}{r['decode_s_per_token']:>9.3f}"
               f"{r['install_mb']:>11.0f}{r['converted_mb']:>13.0f}")
     print("(right answers: re-read / emllm's own reading)")
+    for r in results:
+        for way in [w for w in r.get("ways", ()) if w not in ("reread", "own")]:
+            print(f"{r['model']}, {way}: readme {sum(x['right'] for x in r['readme_' + way])}, "
+                  f"licence {sum(x['right'] for x in r['licence_' + way])} of {len(LICENCE_QS)}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Where the re-read's words rank the passages that hold the answer, no model run: BM25
 (`memory.passages.lexical_scores`) over the question's token ids alone (`ids`), over the ids and
-their consecutive pairs (`ids_and_pairs`), and over words and their pairs (`words_and_pairs`,
-the re-read's way: `app.reread.word_ids`, tokens blind to case and the spaces around them). The
-re-read reads the words' `WORDS_TOP` best beside the layers' votes
+their consecutive pairs (`ids_and_pairs`), over words and their pairs (`words_and_pairs`:
+tokens blind to case and the spaces around them), and over stemmed words and their pairs
+(`stems_and_pairs`, the re-read's way: `app.reread.word_ids`, "leaves" is "leave"). The re-read
+reads the words' `WORDS_TOP` best beside the layers' votes
 (`app.reread.context_from_votes`), so what counts is whether an answer's passage is among them.
 
     python -m benchmarks.words_rank [--lengths 64k,128k] [--haystacks essay,prose,code,chat] [--folder core]
@@ -33,13 +34,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.code_base import QUESTIONS, ids_only, token_words
+from benchmarks.code_base import QUESTIONS, ids_only, token_words, unstemmed
 from emllm.app import reread as rr
 from emllm.app.reread import WORDS_TOP, passage_spans, reread_room
 
 TASKS = ("niah_single_words", "niah_multikey", "niah_multivalue", "vt")
-# each way: the re-read's words as it scored them then (code_base's patches of `app.reread`)
-WAYS = {"ids": ids_only, "ids_and_pairs": token_words, "words_and_pairs": contextlib.nullcontext}
+# each way: the re-read's words as it scored them then (benchmarks.code_base's patches of `app.reread`)
+WAYS = {"ids": ids_only, "ids_and_pairs": token_words, "words_and_pairs": unstemmed,
+        "stems_and_pairs": contextlib.nullcontext}
 
 
 def ranks(tok, stream: torch.Tensor, spans: list[tuple[int, int]], question: list[int], targets: list[list[int]]) -> dict:

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-if ! python -c "import torch, transformers, typer, faiss, filelock, pathspec, emllm, emllm_cli, networkx, pytest, xdist, inotify_simple, fastapi, uvicorn, openai" 2>/dev/null; then
+if ! python -c "import torch, transformers, typer, faiss, filelock, pathspec, snowballstemmer, emllm, emllm_cli, networkx, pytest, xdist, inotify_simple, fastapi, uvicorn, openai" 2>/dev/null; then
   pip install -q --disable-pip-version-check torch==2.13.0
   pip install -q --disable-pip-version-check -e ".[test]" -c scripts/constraints.txt
 fi

@@ -131,9 +131,9 @@ def test_first_token_and_server_latency_run_on_a_store(tmp_path):
 
 @pytest.mark.slow
 def test_code_base_runs_on_a_folders_store(tiny, tmp_path):
-    """Five answers a question (re-read, re-read with its words the token ids and their pairs, with
-    the ids alone, without the naming lines, own reading), each scored; the summary counts them."""
-    from benchmarks.code_base import WAYS
+    """An answer a question each way (by default today's re-read, its words unstemmed, own reading;
+    `--ways` names others), each scored; the summary counts them; an unknown way is refused."""
+    from benchmarks.code_base import DEFAULT_WAYS
     folder, prof, _, _ = tiny
     proj = tmp_path / "proj"
     proj.mkdir()
@@ -145,11 +145,18 @@ def test_code_base_runs_on_a_folders_store(tiny, tmp_path):
     qs.write_text("Which file defines f?\tb.py\nWhat is PASSAGE?\t128\n")
     rows = _json_lines(_run(tmp_path, "-m", "benchmarks.code_base", "--store", "proj", "--questions", str(qs), "-n", "3"))
     assert [r["question"] for r in rows[:2]] == ["Which file defines f?", "What is PASSAGE?"]
-    assert WAYS == ("reread", "reread_tokens", "reread_ids", "reread_unnamed", "own")
-    assert all(isinstance(r[w]["right"], bool) and isinstance(r[w]["answer"], str) for r in rows[:2] for w in WAYS)
+    ways = DEFAULT_WAYS.split(",")
+    assert ways == ["reread", "reread_unstemmed", "own"]
+    assert all(isinstance(r[w]["right"], bool) and isinstance(r[w]["answer"], str) for r in rows[:2] for w in ways)
     summary = rows[2]
     assert summary["questions"] == 2 and summary["documents"] == 2 and summary["tokens"] > 400
-    assert summary["right"] == {w: sum(r[w]["right"] for r in rows[:2]) for w in WAYS}
+    assert summary["right"] == {w: sum(r[w]["right"] for r in rows[:2]) for w in ways}
+    rows = _json_lines(_run(tmp_path, "-m", "benchmarks.code_base", "--store", "proj", "--questions", str(qs), "-n", "3",
+                            "--ways", "reread_tokens,reread_ids,reread_unnamed"))
+    assert list(rows[2]["right"]) == ["reread_tokens", "reread_ids", "reread_unnamed"]
+    from benchmarks.code_base import parse_ways
+    with pytest.raises(SystemExit, match="unknown way 'nope'"):
+        parse_ways("reread,nope")
 
 
 def test_words_rank_ranks_each_target_each_way(tiny):
@@ -169,10 +176,12 @@ def test_words_rank_ranks_each_target_each_way(tiny):
     spans = [(0, 6), (6, 12), (12, 18), (18, 24)]
     got = ranks(tok, stream, spans, [cls, apple], [[1], [0], [], [3]])
     # (ties: the stable sort keeps stream order)
-    assert got == {"ids": [1, 0, None, 3], "ids_and_pairs": [0, 1, None, 3], "words_and_pairs": [0, 2, None, 1]}
+    assert got == {"ids": [1, 0, None, 3], "ids_and_pairs": [0, 1, None, 3], "words_and_pairs": [0, 2, None, 1],
+                   "stems_and_pairs": [0, 2, None, 1]}  # (no word here has another form)
     assert summary(got) == {"ids": {"top4": 3, "first": 1, "mean_rank": 1.3, "of": 3},
                             "ids_and_pairs": {"top4": 3, "first": 1, "mean_rank": 1.3, "of": 3},
-                            "words_and_pairs": {"top4": 3, "first": 1, "mean_rank": 1.0, "of": 3}, "in_initial_tokens": 1}
+                            "words_and_pairs": {"top4": 3, "first": 1, "mean_rank": 1.0, "of": 3},
+                            "stems_and_pairs": {"top4": 3, "first": 1, "mean_rank": 1.0, "of": 3}, "in_initial_tokens": 1}
 
 
 @pytest.mark.slow
@@ -190,7 +199,7 @@ def test_words_rank_runs(tmp_path):
                             "--samples", "1", "--folder", str(proj), "--questions", str(qs)))
     assert [r.get("haystack", r.get("folder")) for r in rows] == ["essay", str(proj)]
     for r, targets in zip(rows, (11, 1)):
-        for way in ("ids", "ids_and_pairs", "words_and_pairs"):
+        for way in ("ids", "ids_and_pairs", "words_and_pairs", "stems_and_pairs"):
             assert r[way]["of"] + r["in_initial_tokens"] == targets and 0 <= r[way]["first"] <= r[way]["top4"] <= targets
     assert rows[1]["words_and_pairs"]["first"] == 1  # (b.py's one passage holds "class Foo")
 

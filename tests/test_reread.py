@@ -193,9 +193,13 @@ def test_passages_chosen_by_votes_and_words(tiny):
 
 def test_word_ids_against_the_tokens_texts(tiny):
     """word_ids: two ids are one word where their texts, stripped of the spaces around them, are
-    the same in lower case (checked pair by pair against the texts); a piece of a character and an
-    id the tokenizer lacks are words of their own; one numbering across the sequences."""
+    the same in lower case (checked pair by pair against the texts), a word of letters stemmed by
+    Snowball's English stemmer; a piece of a character and an id the tokenizer lacks are words of
+    their own; one numbering across the sequences."""
+    import snowballstemmer
+
     from emllm.app.reread import word_ids
+    stem = snowballstemmer.stemmer("english").stemWord
     _, tok = load_tiny(tiny[0])
     rng = random.Random(3)
     ids = [tok.convert_tokens_to_ids(t) for t in ("class", "\u0120class", "Class", "\u0120apple", "Apple", "apple", "\u010a",
@@ -206,14 +210,23 @@ def test_word_ids_against_the_tokens_texts(tiny):
     a, b = word_ids(tok, sample[:200], sample[200:])
     got = torch.cat((a, b)).tolist()
     text = [tok.decode([i]) if i < len(tok) else None for i in sample]
+
+    def word(t: str) -> str:
+        w = t.strip().lower()
+        return stem(w) if w.isalpha() else w
     for i in range(len(sample)):
         for j in range(i + 1, len(sample)):
             same = sample[i] == sample[j] or (None not in (text[i], text[j]) and "\ufffd" not in text[i] + text[j]
-                                              and text[i].strip().lower() == text[j].strip().lower())
+                                              and word(text[i]) == word(text[j]))
             assert (got[i] == got[j]) == same, (sample[i], sample[j], text[i], text[j])
     assert got[0] == got[1] == got[2] != got[3] and got[3] == got[4] == got[5] and got[6] == got[7] == got[8]
     assert len(bits) > 1 and len(set(got[9 : 9 + len(bits)])) == len(bits)
     assert [t.tolist() for t in word_ids(tok, [], [])] == [[], []]
+    # a question's "leave" is a text's "leaves" (one word stemmed, not without)
+    leave, leaves = (tok.encode(w) for w in (" leave", " leaves"))
+    assert len(leave) == len(leaves) == 1
+    assert len(set(torch.cat(word_ids(tok, leave, leaves)).tolist())) == 1
+    assert len(set(torch.cat(word_ids(tok, leave, leaves, stem=False)).tolist())) == 2
 
 
 def test_the_re_read_s_words_are_blind_to_case_and_spaces(tiny):

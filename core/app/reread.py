@@ -28,6 +28,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import snowballstemmer
 import torch
 from torch import Tensor
 
@@ -58,16 +59,24 @@ def sentence_ends(tok: Any, ids: Sequence[int] | Tensor) -> Tensor:
     return ends[inverse]
 
 
-def word_ids(tok: Any, *seqs: Sequence[int] | Tensor) -> list[Tensor]:
+def _word(text: str, stems: Callable[[str], str]) -> str:
+    w = text.strip().lower()
+    return stems(w) if w.isalpha() else w
+
+
+def word_ids(tok: Any, *seqs: Sequence[int] | Tensor, stem: bool = True) -> list[Tensor]:
     """Each of `seqs` (token ids) with every id replaced by one that stands for its text without
     the whitespace around it, in lower case, the same in all of them: to the re-read's BM25,
     " class", "class" and "Class" are one word (a question says "the class X", a file "\\nclass X").
-    A token that is part of a character (its text alone a replacement character), or an id the
-    tokenizer lacks, stays its own word. Each distinct token is decoded once."""
+    With `stem`, a token that is a word of letters stands for its English stem (Snowball's): a
+    question's "leave" finds a text's "leaves". A token that is part of a character (its text alone
+    a replacement character), or an id the tokenizer lacks, stays its own word. Each distinct token
+    is decoded once."""
     flat = [torch.as_tensor(s, dtype=torch.long).flatten() for s in seqs]
     uniq, inverse = torch.unique(torch.cat(flat), return_inverse=True)
     first: dict[str, int] = {}  # a word's text -> its id: the first token's (an index into uniq) with that text
-    words = [i if t is None or "\ufffd" in t else first.setdefault(t.strip().lower(), i)
+    stems = snowballstemmer.stemmer("english").stemWord if stem else (lambda w: w)
+    words = [i if t is None or "\ufffd" in t else first.setdefault(_word(t, stems), i)
              for i, t in enumerate(_texts(tok, uniq))]
     return list(torch.tensor(words, dtype=torch.long)[inverse].split([len(f) for f in flat]))
 
@@ -224,7 +233,7 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, room
     Which passages: a token scores its event's votes (the layers that selected it); the passages
     are ranked by the reciprocal rank fusion (`fuse_orders`) of the votes' ranking (those with any
     vote) and the `WORDS_TOP` best by BM25 for the `question`'s words (`word_ids`: its tokens,
-    blind to case and the spaces around them) and their consecutive pairs (of those with any of
+    blind to case and the spaces around them, stemmed) and their consecutive pairs (of those with any of
     its words), so that a passage the question's rare words point to is read even where the
     layers' votes passed it over (hybrid retrieval). In what order: by their BM25 for the
     question, the best last, next to the question, ties by rank (the votes choose, the words
