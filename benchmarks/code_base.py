@@ -105,7 +105,7 @@ def right(answer: str, want: str) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--store", required=True, help="a store ingested from a folder")
+    ap.add_argument("--store", required=True, help="a store ingested from a folder (or from documents, asked --questions about them)")
     ap.add_argument("--questions", default=str(QUESTIONS))
     ap.add_argument("-n", "--max-new-tokens", type=int, default=40)
     ap.add_argument("--ways", default=DEFAULT_WAYS, help="ways to answer each question, comma-separated: reread "
