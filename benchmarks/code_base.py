@@ -1,8 +1,8 @@
 """Questions about a code base read from its folder (`emllm ingest FOLDER`), side by side in one
 run: each asked as `emllm ask` answers (the re-read, whose passages are read after the lines
 naming their files), as the re-read chose its passages before a change (`--ways`, those of
-`WAYS`: by default without stemming the words; `reread_unfocused`: no document singled out), and
-as emllm reads itself (`own`, `--no-reread`), greedy.
+`WAYS`: by default without stemming the words), and as emllm reads itself
+(`own`, `--no-reread`), greedy.
 
     emllm ingest core --store core-code
     python -m benchmarks.code_base --store core-code --out docs/results/code-base-core.jsonl
@@ -77,23 +77,8 @@ def unnamed() -> ContextManager[None]:
     return _patched("naming_lines", lambda spans, named: [() for _ in spans])
 
 
-def unfocused() -> ContextManager[None]:
-    """No document singled out: every document's passages ranked together."""
-    return _patched("question_document", lambda *_: None)
-
-
-def focus_only() -> ContextManager[None]:
-    return _patched("OTHERS", False)
-
-
-@contextlib.contextmanager
-def focus_trim() -> Iterator[None]:
-    with _patched("OTHERS", False), _patched("TRIM", True):
-        yield
-
-
 WAYS: dict[str, Callable[[], ContextManager[None]]] = {
-    "reread": contextlib.nullcontext, "reread_focus_only": focus_only, "reread_focus_trim": focus_trim, "reread_unfocused": unfocused, "reread_unstemmed": unstemmed,
+    "reread": contextlib.nullcontext, "reread_unstemmed": unstemmed,
     "reread_tokens": token_words, "reread_ids": ids_only, "reread_unnamed": unnamed}
 
 
@@ -124,7 +109,7 @@ def main() -> None:
     ap.add_argument("--questions", default=str(QUESTIONS))
     ap.add_argument("-n", "--max-new-tokens", type=int, default=40)
     ap.add_argument("--ways", default=DEFAULT_WAYS, help="ways to answer each question, comma-separated: reread "
-                    "(today's), reread_unfocused, reread_unstemmed, reread_tokens, reread_ids, reread_unnamed, own (--no-reread)")
+                    "(today's), reread_unstemmed, reread_tokens, reread_ids, reread_unnamed, own (--no-reread)")
     ap.add_argument("--out", help="append the JSON lines to this file too")
     args = ap.parse_args()
     ways = parse_ways(args.ways)

@@ -114,7 +114,7 @@ def ask(
             **({"unfinished": {"done": answer.unfinished[0], "tokens": answer.unfinished[1],
                                "being_written": answer.being_written}} if answer.unfinished else {}),
             **({"reread": {"passages": [list(p) for p in answer.passages],
-                           "tokens": sum(e - s for s, e in answer.passages), "document": answer.document}} if reread_used else {}),
+                           "tokens": sum(e - s for s, e in answer.passages)}} if reread_used else {}),
         })
 
 

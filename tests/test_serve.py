@@ -75,26 +75,24 @@ def server(tiny, tmp_path):
 
 
 def test_serve_reread_sets_the_default_a_request_can_override(tiny, tmp_path):
-    """`emllm serve --reread`: a request that does not say is answered re-read (its passages and
-    the document it was about in the response), one with "reread": false by emllm's own reading."""
+    """`emllm serve --reread`: a request that does not say is answered re-read (its passages in
+    the response), one with "reread": false by emllm's own reading."""
     from emllm.app.ask import Session
 
     folder, prof, _, _ = tiny
-    ingest_store(tmp_path / "stores" / "book", folder, prof,
-                 [("other", words(5, 300)), ("doc", "The pass key is 71432. " + words(6, 300))])
+    ingest_store(tmp_path / "stores" / "book", folder, prof, [("doc", "The pass key is 71432. " + words(6, 300))])
     model, tok = load_tiny(folder)
     with Store.open(tmp_path / "stores" / "book") as st:
         rs = Session(st, model, tok, reread=True)
         reread = "".join(rs.answer_text("what is the pass key?", 5)).strip()
         own = "".join(Session(st, model, tok).answer_text("what is the pass key?", 5)).strip()
-    assert rs.document == "doc"
     with _serve(tmp_path, folder, prof, "--reread") as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         ask = lambda **kw: client.chat.completions.create(  # noqa: E731
             model="book", messages=[{"role": "user", "content": "what is the pass key?"}], max_tokens=5, temperature=0, **kw)
         r = ask()
         assert r.choices[0].message.content == reread
-        assert r.model_extra["emllm"]["reread"] == {"passages": [list(p) for p in rs.passages], "document": rs.document}
+        assert r.model_extra["emllm"]["reread"]["passages"] == [list(p) for p in rs.passages]
         r = ask(extra_body={"reread": False})
         assert r.choices[0].message.content == own and r.model_extra.get("emllm") is None
 
@@ -506,7 +504,6 @@ class _SlowAnswer:
 
     def __init__(self, *_a, **_k) -> None:
         self.finish_reason, self.tokens, self.prompt_tokens, self.reread, self.passages = "length", 0, 1, False, []
-        self.document = None
         self.logprobs = None
 
     def cancel(self) -> None:  # (the server's, when the response ends: the answer stops at its next piece)

@@ -204,12 +204,6 @@ class Answer:
         return list(self._session.passages)
 
     @property
-    def document(self) -> str | None:
-        """With the re-read: the name of the document the question was about, whose passages were
-        read first and last (where its words singled out one of the store's documents); else None."""
-        return self._session.document
-
-    @property
     def prompt_tokens(self) -> int:
         """Tokens the request's turns and the question (or the completion's prompt) added to the stream."""
         return len(self.prompt_ids)
@@ -560,7 +554,7 @@ class Memory:
         if self._ready is not None and self._ready[0] == mtime:
             _, session, snap, turn_start = self._ready
             session.engine.restore(snap)
-            session.turn_start, session.tail, session.passages, session.document = turn_start, [], [], None
+            session.turn_start, session.tail, session.passages = turn_start, [], []
             session.raw, session.echo = False, None
             return session, current
         if mtime != self._opened and not self._writable:  # another process committed: see its commit

@@ -52,7 +52,6 @@ class Session:
         self.engine: Engine = open_engine(store, model, kv_cache_mb)
         self.reread = reread  # answer by re-reading what the memory selected (`app.reread`)
         self.passages: list[tuple[int, int]] = []  # with reread: the stream spans read again
-        self.document: str | None = None  # with reread: the document the question was about, where one stood out
         # With top_logprobs set (0: the chosen tokens' alone), each answer token's log probability
         # and its likeliest alternatives, as they are chosen
         self.top_logprobs: int | None = None
@@ -155,13 +154,9 @@ class Session:
         from emllm.app.reread import reread
 
         self.feed_pending()  # first, unrecorded: its chunks' retrievals are not the question's
-        docs = self.store.info.documents
-        named = [(d.start, d.start + d.tokens, encode(self.tok, d.header)) for d in docs if d.header]
-        # (a conversation's exchanges are not documents a question is about: the turns read go on from each other)
-        texts = [(d.start, d.start + d.tokens) for d in docs if d.kind != "exchange"]
-        eng, rr = reread(self.engine, ids, self.tok, max_new_tokens, named=named, documents=texts)
+        named = [(d.start, d.start + d.tokens, encode(self.tok, d.header)) for d in self.store.info.documents if d.header]
+        eng, rr = reread(self.engine, ids, self.tok, max_new_tokens, named=named)
         self.passages = rr.passages
-        self.document = None if rr.document is None else [d for d in docs if d.kind != "exchange"][rr.document].name
         return eng
 
     def answer_text(self, question: str, max_new_tokens: int = 256, sampling: Sampling | None = None,

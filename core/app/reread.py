@@ -35,7 +35,7 @@ from torch import Tensor
 from emllm.engine.stream import Engine, RetrievalListener
 from emllm.math.segmentation import surprise_starts
 from emllm.memory.distinct import span_groups
-from emllm.memory.passages import (chunk_spans, choose_passages, event_spans, event_votes, focus_document, fuse_orders,
+from emllm.memory.passages import (chunk_spans, choose_passages, event_spans, event_votes, fuse_orders,
                                   lexical_scores, passage_order, passage_votes, token_votes)
 from emllm.memory.selection import TOKEN_SCORINGS, Selection, mean_keys, select_events, token_scores, unit_keys
 
@@ -81,16 +81,11 @@ def word_ids(tok: Any, *seqs: Sequence[int] | Tensor, stem: bool = True) -> list
     return list(torch.tensor(words, dtype=torch.long)[inverse].split([len(f) for f in flat]))
 
 
-def passage_spans(tok: Any, stream: Tensor, start: int, room: int, breaks: Sequence[int] = ()) -> list[tuple[int, int]]:
+def passage_spans(tok: Any, stream: Tensor, start: int, room: int) -> list[tuple[int, int]]:
     """The passages of `stream` [n] from `start`: PASSAGE_TOKENS long at most, shorter where the
-    room would not hold PASSAGES_AT_LEAST of them, ending after a sentence where they can, and at
-    each of `breaks` (stream positions: no passage holds tokens from both sides of one)."""
+    room would not hold PASSAGES_AT_LEAST of them, ending after a sentence where they can."""
     size = max(1, min(PASSAGE_TOKENS, room // PASSAGES_AT_LEAST))
-    ends = sentence_ends(tok, stream)
-    cuts = [start, *sorted({b for b in breaks if start < b < len(stream)}), len(stream)]
-    # (chunk_spans' sentence ends are positions: a piece's own are those of its tokens)
-    return [(a + s, a + e) for a, b in zip(cuts, cuts[1:])
-            for s, e in chunk_spans(b - a, size, sentence_ends=ends[a:b])]
+    return chunk_spans(len(stream), size, start=start, sentence_ends=sentence_ends(tok, stream))
 
 
 def tail_lengths(flags: Tensor, min_block: int, max_block: int) -> Tensor:
@@ -199,11 +194,8 @@ class SelectionRecorder(RetrievalListener):
 class Reread:
     ids: list[int]  # the context to read: initial tokens, then the passages (the question follows)
     passages: list[tuple[int, int]]  # stream spans [start, end) taken, in the order read
-    document: int | None = None  # the document the question is about, an index into those given (None: none singled out)
 
 
-OTHERS = True
-TRIM = False
 WORDS_TOP = 4  # the BM25 ranking's best 4 are fused with the votes', a quarter of the ~16 passages of a span: a
 # question whose words mislead costs at most these; a name the question asks about is in its best few
 
@@ -214,13 +206,12 @@ Named = tuple[int, int, Sequence[int]]
 
 
 def reread_context(engine: Engine, votes: Votes, tok: Any, n_stream: int, room: int,
-                   question: Sequence[int] = (), named: Sequence[Named] = (),
-                   documents: Sequence[tuple[int, int]] = ()) -> Reread:
+                   question: Sequence[int] = (), named: Sequence[Named] = ()) -> Reread:
     """The initial tokens, then the passages of the stream's first `n_stream` tokens that the
     layers' `votes` and the `question`'s words favour, while they fit in `room` more tokens
     (`context_from_votes`)."""
     pr = engine.profile
-    return context_from_votes(engine.ids.view()[:n_stream], votes, tok, pr.n_init, room, question, named, documents)
+    return context_from_votes(engine.ids.view()[:n_stream], votes, tok, pr.n_init, room, question, named)
 
 
 def naming_lines(spans: Sequence[tuple[int, int]], named: Sequence[Named]) -> list[Sequence[int]]:
@@ -234,20 +225,8 @@ def naming_lines(spans: Sequence[tuple[int, int]], named: Sequence[Named]) -> li
     return out
 
 
-def question_document(stream_words: Tensor, question_words: Tensor, documents: Sequence[tuple[int, int]]) -> int | None:
-    """Which of `documents` (stream spans [start, end), disjoint) the question is about: the one
-    its words (`word_ids` of the stream [n] and of the question) match best by BM25, the
-    documents their own collection, where that one stands out (`focus_document`); else None."""
-    docs = sorted((s, e, i) for i, (s, e) in enumerate(documents) if e > s)
-    if len(docs) < 2:
-        return None
-    f = focus_document(lexical_scores(stream_words, [(s, e) for s, e, _ in docs], question_words))
-    return None if f is None else docs[f][2]
-
-
 def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, room: int,
-                       question: Sequence[int] = (), named: Sequence[Named] = (),
-                       documents: Sequence[tuple[int, int]] = ()) -> Reread:
+                       question: Sequence[int] = (), named: Sequence[Named] = ()) -> Reread:
     """`reread_context` from what it needs (`stream` [n] the tokens before the question): the first
     `n_init` tokens, then passages while they fit in `room`.
 
@@ -261,43 +240,29 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, room
     order). Where every passage fits, the stream is read in its order. A passage that starts inside
     a document `named` (a folder's file, whose first line names it) is read after that line,
     unless it goes on from the passage read before it: the model reads which file each passage is
-    from.
-
-    Where the question's words single out one of the stream's `documents` (`question_document`),
-    its passages are taken first (by the same ranking) and read last, by their words as the others
-    are; the other documents' passages fill the room left, read before it. (Without this the
-    layers' votes, spread over every document, filled most of the room with those the question
-    is not about.)"""
+    from."""
     n_stream = len(stream)
     weights = event_votes(list(votes.selections.values()), len(votes.spans))
     tv = token_votes(votes.spans, weights, n_stream)
     n_init = min(n_init, n_stream)
-    stream_words, question_words = word_ids(tok, stream, question)
-    within = [(max(s, n_init), min(e, n_stream)) for s, e in documents]  # (the passages' part of each)
-    doc = question_document(stream_words, question_words, within)
-    focus = within[doc] if doc is not None else None
-    spans = passage_spans(tok, stream, n_init, room, focus or ())
+    spans = passage_spans(tok, stream, n_init, room)
     pv = passage_votes(tv, spans) if spans else None  # ([P] most, [P] mean) votes of each passage
     order = passage_order(tv, spans, pv)
     # [P] (the stream's passages are the collection: the words' rarity)
+    stream_words, question_words = word_ids(tok, stream, question)
     words = lexical_scores(stream_words, spans, question_words)
     if spans:
         by_votes = torch.as_tensor(order)
         by_votes = by_votes[pv[0][by_votes] > 0]
         by_words = torch.sort(-words, stable=True).indices
         order = fuse_orders([by_votes.tolist(), by_words[words[by_words] > 0][:WORDS_TOP].tolist()], len(spans))
-    inside = {i for i, (s, _) in enumerate(spans) if focus and focus[0] <= s < focus[1]}
-    order = [i for i in order if i in inside] + ([i for i in order if i not in inside] if OTHERS or not inside else [])
     lines = naming_lines(spans, named)
     fits = sum(e - s for s, e in spans) <= room  # every passage: read in order, each going on from the last (no lines)
     kept = choose_passages(order, spans, room, None if fits or not named else [len(x) for x in lines])
-    if len(kept) < len(spans):  # the document asked about last; worst first: by the words, then by rank
+    if len(kept) < len(spans):  # worst first: by the words first, then by rank
         rank = {i: r for r, i in enumerate(order)}
-        kept = [i for *_, i in sorted(zip([i in inside for i in kept], words[kept].tolist(), [-rank[i] for i in kept], kept))]
-    head = n_init
-    if TRIM and doc is not None and not OTHERS and documents[doc][0] > min(s for s, _ in documents):
-        head = min(n_init, min(s for s, _ in documents))
-    ids = stream[:head].tolist()
+        kept = [i for _, _, i in sorted(zip(words[kept].tolist(), [-rank[i] for i in kept], kept))]
+    ids = stream[:n_init].tolist()
     end = n_init
     for i in kept:
         s, e = spans[i]
@@ -305,7 +270,7 @@ def context_from_votes(stream: Tensor, votes: Votes, tok: Any, n_init: int, room
             ids.extend(lines[i])
         ids.extend(stream[s:e].tolist())
         end = e
-    return Reread(ids, [spans[i] for i in kept], doc)
+    return Reread(ids, [spans[i] for i in kept])
 
 
 def reader(model: Any, profile: Any, tokens: int) -> Engine:
@@ -315,14 +280,12 @@ def reader(model: Any, profile: Any, tokens: int) -> Engine:
 
 
 def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
-           read_question: Callable[[list[int]], Any] | None = None, named: Sequence[Named] = (),
-           documents: Sequence[tuple[int, int]] = ()) -> tuple[Engine, Reread]:
+           read_question: Callable[[list[int]], Any] | None = None, named: Sequence[Named] = ()) -> tuple[Engine, Reread]:
     """Read `question` against the engine's memory (`read_question`, by default as a question of
     its own: begin_question, feed), recording each layer's selection; then return a reader engine
     that has read the initial tokens, the passages voted for and the question, ready to answer,
     and what it read. The passages fill emllm's attention span, n_init + n_mem + n_local tokens,
-    with the question; `named`: the stream's documents that a line names; `documents`: the stream
-    spans [start, end) of its documents, one of which the question may be about (`context_from_votes`)."""
+    with the question; `named`: the stream's documents that a line names (`context_from_votes`)."""
     rec = SelectionRecorder(engine)
     try:
         if read_question is None:
@@ -334,7 +297,7 @@ def reread(engine: Engine, question: list[int], tok: Any, max_new_tokens: int,
         rec.detach()
     n_stream = engine.n_tokens - len(question)
     room = reread_room(engine.profile, n_stream, len(question))
-    rr = reread_context(engine, rec.votes(), tok, n_stream, room, question, named, documents)
+    rr = reread_context(engine, rec.votes(), tok, n_stream, room, question, named)
     return read_again(engine.model, engine.profile, rr.ids, question, max_new_tokens), rr
 
 
@@ -358,4 +321,4 @@ def read_again(model: Any, profile: Any, context: list[int], question: list[int]
 
 
 __all__ = ["PASSAGE_TOKENS", "Named", "Reread", "naming_lines", "WORDS_TOP", "word_ids", "SelectionRecorder", "Votes", "passage_spans", "read_again", "reader", "reread",
-           "context_from_votes", "question_document", "reread_context", "reread_room", "sentence_ends", "tail_lengths", "tail_selection"]
+           "context_from_votes", "reread_context", "reread_room", "sentence_ends", "tail_lengths", "tail_selection"]

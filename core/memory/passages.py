@@ -7,8 +7,7 @@ its event (tokens in no event have none, unless the caller counts a span, such a
 window, as every layer's). The stream is cut into passages of up to `size` tokens, each ending after a sentence where
 its second half has one (`chunk_spans`: the retrieval baseline's chunks, so a needle is rarely cut).
 A passage scores its most-voted token, then its mean votes; passages are taken best first while
-they fit in the room, and read in stream order. In a stream of several documents, the one a
-question's words match far better than any other (`focus_document`) has its passages taken first.
+they fit in the room, and read in stream order.
 
 Why passages and not the events themselves: emllm's events average ~14 tokens; read again alone,
 a needle loses the sentence around it. Why the votes and not a separate embedder: the memory's own
@@ -107,9 +106,9 @@ BM25_K1, BM25_B = 1.2, 0.75  # Okapi BM25's usual constants (Robertson and Zarag
 
 def lexical_scores(stream: Tensor, spans: Sequence[tuple[int, int]], query: Sequence[int] | Tensor,
                    k1: float = BM25_K1, b: float = BM25_B, pairs: bool = True) -> Tensor:
-    """[P] float64 Okapi BM25 of each passage (`spans` of `stream` [n] token ids, disjoint, in
-    stream order; tokens between them count in none) for the distinct token ids of `query` and its
-    distinct pairs of consecutive ids, the passages their own collection: sum over the query's terms in a passage of idf * tf * (k1 + 1) / (tf + k1 * (1 - b
+    """[P] float64 Okapi BM25 of each passage (`spans` of `stream` [n] token ids, disjoint) for the
+    distinct token ids of `query` and its distinct pairs of consecutive ids, the passages their own
+    collection: sum over the query's terms in a passage of idf * tf * (k1 + 1) / (tf + k1 * (1 - b
     + b * len / mean len)), with idf = ln(1 + (P - df + 0.5) / (df + 0.5)); a pair counts where a
     passage holds its two ids in a row (`pairs`; False: the ids alone, as before, for comparison).
 
@@ -123,12 +122,9 @@ def lexical_scores(stream: Tensor, spans: Sequence[tuple[int, int]], query: Sequ
     if p == 0:
         return torch.zeros(0, dtype=torch.float64)
     q = torch.as_tensor(query, dtype=torch.long).cpu().flatten()
-    bounds = torch.tensor(spans, dtype=torch.long).reshape(-1, 2)  # [P, 2]
-    lengths = bounds[:, 1] - bounds[:, 0]
+    lengths = torch.tensor([e - s for s, e in spans])
     first, last = spans[0][0], spans[-1][1]
-    at = torch.arange(first, last)
-    seg = torch.searchsorted(bounds[:, 0].contiguous(), at, right=True) - 1  # [tokens] passage of each token (-1: none)
-    seg = torch.where(at < bounds[seg, 1], seg, -1)
+    seg = torch.repeat_interleave(torch.arange(p), lengths)  # [tokens] passage of each token
     toks = stream[first:last].long().cpu()
     norm = k1 * (1 - b + b * lengths.double() / lengths.double().mean())  # [P]
 
@@ -147,23 +143,9 @@ def lexical_scores(stream: Tensor, spans: Sequence[tuple[int, int]], query: Sequ
     scores = bm25(torch.unique(q), toks, seg)
     if pairs and len(q) > 1 and len(toks) > 1:  # pairs as one id each (v: past every id of both)
         v = max(int(toks.max()), int(q.max())) + 1
-        within = torch.where(seg[:-1] == seg[1:], seg[:-1], -1)  # (a pair across two passages, or out of any, is in none)
+        within = torch.where(seg[:-1] == seg[1:], seg[:-1], -1)  # (a pair across two passages is in neither)
         scores += bm25(torch.unique(q[:-1] * v + q[1:]), toks[:-1] * v + toks[1:], within)
     return scores
-
-
-FOCUS_RATIO = 2.0  # a question is about one document where its words match it at least twice as well as any other
-
-
-def focus_document(scores: Tensor, ratio: float = FOCUS_RATIO) -> int | None:
-    """The document a question is about, from `scores` [D] (each document's BM25 for the question's
-    words, the documents their own collection): the best, where there are several and it scores at
-    least `ratio` times the next best; else None (the words do not single one out)."""
-    if len(scores) < 2:
-        return None
-    top = torch.topk(scores, 2)
-    best, second = float(top.values[0]), float(top.values[1])
-    return int(top.indices[0]) if best > 0 and best >= ratio * second else None
 
 
 def fuse_orders(orders: Sequence[Sequence[int]], n: int, k: int = RRF_K) -> list[int]:
@@ -197,4 +179,4 @@ def choose_passages(order: Sequence[int], spans: Sequence[tuple[int, int]], room
     return sorted(kept)
 
 
-__all__ = ["FOCUS_RATIO", "RRF_K", "chunk_spans", "focus_document", "event_spans", "event_votes", "fuse_orders", "lexical_scores", "token_votes", "passage_order", "passage_votes", "choose_passages"]
+__all__ = ["RRF_K", "chunk_spans", "event_spans", "event_votes", "fuse_orders", "lexical_scores", "token_votes", "passage_order", "passage_votes", "choose_passages"]

@@ -8,7 +8,7 @@
                                    (then its last exchange is appended and committed; one writer
                                    per store, a second gets 409); "reread": true answers as
                                    `emllm ask` does by default (the stream's spans it read again: the
-                                   response's "emllm": {"reread": {"passages", "document"}}, when not streamed;
+                                   response's "emllm": {"reread": {"passages"}}, when not streamed;
                                    unset: the server's default, `emllm serve --reread`, else false).
                                    "stream": true sends server-sent
                                    events. Sampling: temperature, top_p, seed, stop, max_tokens,
@@ -288,8 +288,7 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                 yield {"finish_reason": answer.finish_reason, "completion_tokens": answer.tokens,
                        "logprobs": None if lp is None else _logprobs(mem.tokenizer, lp, seen),
                        "prompt_tokens": answer.prompt_tokens,
-                       "passages": [list(p) for p in answer.passages] if answer.reread else None,
-                       "document": answer.document}
+                       "passages": [list(p) for p in answer.passages] if answer.reread else None}
 
         first = await answering.start(run, request)  # errors (no store, another model) before the 200 of a stream
         if first is _GONE:
@@ -312,8 +311,7 @@ def create_app(server: Server, max_body: int = 1 << 20) -> FastAPI:
                                  "logprobs": {"content": logprobs, "refusal": None} if top is not None else None,
                                  "finish_reason": x.get("finish_reason", "stop")}],
                     "usage": _usage(x),
-                    **({"emllm": {"reread": {"passages": x["passages"], "document": x["document"]}}}
-                       if x.get("passages") is not None else {})}
+                    **({"emllm": {"reread": {"passages": x["passages"]}}} if x.get("passages") is not None else {})}
 
         usage = req.stream_options is not None and bool(req.stream_options.include_usage)
 
