@@ -52,7 +52,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message as AsgiMessage  # (Message: a chat message, below)
 
 import emllm
 from emllm import SEED_LIMIT, EmllmError, Memory, ModelPool, StoreLockedError, TooManyOpenFiles, logprob_texts
@@ -602,7 +603,7 @@ def _bounded(receive: Receive, limit: int) -> Receive:
     """`receive`, refusing (413) a body that grows past `limit` bytes as it is read."""
     seen = 0
 
-    async def bounded() -> Message:
+    async def bounded() -> AsgiMessage:
         nonlocal seen
         message = await receive()
         if message["type"] == "http.request":
